@@ -1,0 +1,111 @@
+// Backend: the mechanism under every policy in the core. The pool, the transfer engine and the
+// managers above them call only this interface, never CUDA directly, so all of their logic runs
+// and is tested without a GPU (the host backend) and unchanged on one (the CUDA backend).
+//
+// Semantics follow CUDA's: work submitted to one stream runs in order; streams run concurrently;
+// an event completes when the stream that recorded it reaches it; a stream that waits on an event
+// waits for the most recent record made before the wait was submitted (a never-recorded event is
+// complete). The host backend reproduces these with one worker thread per stream.
+#pragma once
+
+#include <reviva/export.h>
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace reviva {
+
+enum class BackendKind { Host, Cuda };
+enum class StreamPriority { Normal, High };
+
+// Opaque handles: cudaStream_t / cudaEvent_t on CUDA, host objects on the host backend.
+using StreamHandle = void*;
+using EventHandle = void*;
+
+// One piece of a coalesced copy (layout shared with kernels::CopySegment).
+struct CopySegment {
+  const void* src;
+  void* dst;
+  std::size_t bytes;
+};
+
+struct DeviceMemoryInfo {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+};
+
+// Where a pointer lives, as far as the backend can tell.
+enum class MemoryKind { Unknown, Pageable, PinnedHost, Device, Managed };
+
+REVIVA_API const char* to_string(BackendKind kind) noexcept;
+REVIVA_API const char* to_string(MemoryKind kind) noexcept;
+
+class REVIVA_API Backend {
+ public:
+  virtual ~Backend();
+
+  virtual BackendKind kind() const noexcept = 0;
+  // For messages and reports: "cuda:0 (NVIDIA H200)", "host".
+  virtual std::string name() const = 0;
+  virtual int device_index() const noexcept = 0;
+
+  // --- streams ---------------------------------------------------------------------------------
+  virtual StreamHandle create_stream(StreamPriority priority) = 0;
+  virtual void destroy_stream(StreamHandle stream) noexcept = 0;
+  virtual void synchronize_stream(StreamHandle stream) = 0;
+  virtual void stream_wait_event(StreamHandle stream, EventHandle event) = 0;
+  // Runs `fn` on a host thread once all earlier work of `stream` has completed; later work of the
+  // stream waits for it. `fn` must not call the backend (CUDA forbids API calls in host funcs).
+  virtual void launch_host_func(StreamHandle stream, std::function<void()> fn) = 0;
+
+  // --- events ----------------------------------------------------------------------------------
+  virtual EventHandle create_event(bool enable_timing) = 0;
+  virtual void destroy_event(EventHandle event) noexcept = 0;
+  virtual void record_event(EventHandle event, StreamHandle stream) = 0;
+  virtual bool query_event(EventHandle event) = 0;  // true once complete
+  virtual void synchronize_event(EventHandle event) = 0;
+  // Milliseconds between two completed timing events.
+  virtual float elapsed_ms(EventHandle start, EventHandle end) = 0;
+
+  // --- memory ----------------------------------------------------------------------------------
+  // Page-locked host memory that copies and kernels can use directly. Throws OutOfMemory.
+  virtual void* allocate_pinned_host(std::size_t bytes) = 0;
+  virtual void free_pinned_host(void* ptr) noexcept = 0;
+  // Stream-ordered device memory: usable by work submitted to `stream` after this call; the free
+  // takes effect once work submitted to `stream` before it has completed.
+  virtual void* allocate_device(std::size_t bytes, StreamHandle stream) = 0;
+  virtual void free_device(void* ptr, StreamHandle stream) noexcept = 0;
+  virtual DeviceMemoryInfo device_memory_info() = 0;
+  virtual MemoryKind memory_kind(const void* ptr) = 0;
+
+  // --- copies ----------------------------------------------------------------------------------
+  // Asynchronous copy between any two of device / pinned host memory, ordered on `stream`.
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes, StreamHandle stream) = 0;
+  // Copies many segments as one operation (one kernel launch on CUDA). `segments` must be in
+  // pinned host memory and stay valid until the copy completes on `stream`.
+  virtual void copy_segments_async(const CopySegment* segments, std::size_t count,
+                                   StreamHandle stream) = 0;
+  // Fills device or pinned memory with a byte value (tests, poisoning).
+  virtual void memset_async(void* dst, int value, std::size_t bytes, StreamHandle stream) = 0;
+};
+
+struct HostBackendOptions {
+  // What device_memory_info() reports as total "device" memory (the host backend's device
+  // memory is ordinary host memory). Lets budget logic be tested at any size.
+  std::size_t simulated_device_bytes = std::size_t{16} << 30;
+};
+
+// Threads play the role of streams; "device" memory is host memory. Always available.
+REVIVA_API std::shared_ptr<Backend> make_host_backend(HostBackendOptions options = {});
+
+// True when the library was built with CUDA and at least one device is usable.
+REVIVA_API bool cuda_available() noexcept;
+REVIVA_API int cuda_device_count() noexcept;
+// The CUDA backend on `device`. Throws BackendError (naming why) when CUDA is unavailable.
+REVIVA_API std::shared_ptr<Backend> make_cuda_backend(int device = 0);
+// CUDA device 0 when available, the host backend otherwise.
+REVIVA_API std::shared_ptr<Backend> make_default_backend();
+
+}  // namespace reviva

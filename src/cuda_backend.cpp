@@ -1,0 +1,265 @@
+// The CUDA backend: the Backend interface on one CUDA device. Streams are non-blocking (never
+// synchronised with the legacy default stream), events are created without timing unless asked,
+// device memory is stream-ordered (cudaMallocAsync / cudaFreeAsync), and pinned host memory is
+// portable and mapped so that the segment-copy kernel can read and write it directly.
+// Every call runs with this backend's device current and restores the caller's afterwards.
+#include "cuda_check.h"
+#include "launchers.h"
+
+#include <reviva/backend.h>
+#include <reviva/error.h>
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace reviva {
+namespace {
+
+static_assert(sizeof(CopySegment) == sizeof(kernels::CopySegment) &&
+                  offsetof(CopySegment, src) == offsetof(kernels::CopySegment, src) &&
+                  offsetof(CopySegment, dst) == offsetof(kernels::CopySegment, dst) &&
+                  offsetof(CopySegment, bytes) == offsetof(kernels::CopySegment, bytes),
+              "reviva::CopySegment and kernels::CopySegment must share one layout");
+
+// Makes `device` current for the guard's lifetime.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    REVIVA_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device_) REVIVA_CUDA_CHECK(cudaSetDevice(device_));
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) REVIVA_CUDA_WARN(cudaSetDevice(previous_));
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_;
+  int previous_ = 0;
+};
+
+cudaStream_t as_stream(StreamHandle h) { return static_cast<cudaStream_t>(h); }
+cudaEvent_t as_event(EventHandle h) { return static_cast<cudaEvent_t>(h); }
+
+void host_func_trampoline(void* user_data) {
+  std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(user_data));
+  (*fn)();
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {
+    cudaDeviceProp prop{};
+    REVIVA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+    device_name_ = prop.name;
+    REVIVA_CHECK_ARG(prop.unifiedAddressing,
+                     "CUDA device ", device_, " (", device_name_,
+                     ") lacks unified addressing, which Reviva needs");
+    DeviceGuard guard(device_);
+    REVIVA_CUDA_CHECK(cudaFree(nullptr));  // create the primary context now, not mid-copy
+    REVIVA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest_priority_, &highest_priority_));
+  }
+
+  BackendKind kind() const noexcept override { return BackendKind::Cuda; }
+  std::string name() const override {
+    return "cuda:" + std::to_string(device_) + " (" + device_name_ + ")";
+  }
+  int device_index() const noexcept override { return device_; }
+
+  StreamHandle create_stream(StreamPriority priority) override {
+    DeviceGuard guard(device_);
+    cudaStream_t s = nullptr;
+    const int p = priority == StreamPriority::High ? highest_priority_ : lowest_priority_;
+    REVIVA_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, p));
+    return s;
+  }
+
+  void destroy_stream(StreamHandle stream) noexcept override {
+    try {
+      DeviceGuard guard(device_);
+      REVIVA_CUDA_WARN(cudaStreamDestroy(as_stream(stream)));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "reviva: warning: destroy_stream: %s\n", e.what());
+    }
+  }
+
+  void synchronize_stream(StreamHandle stream) override {
+    REVIVA_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  }
+
+  void stream_wait_event(StreamHandle stream, EventHandle event) override {
+    REVIVA_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), as_event(event), 0));
+  }
+
+  void launch_host_func(StreamHandle stream, std::function<void()> fn) override {
+    REVIVA_CHECK_ARG(fn != nullptr, "launch_host_func: empty function");
+    auto holder = std::make_unique<std::function<void()>>(std::move(fn));
+    REVIVA_CUDA_CHECK(cudaLaunchHostFunc(as_stream(stream), host_func_trampoline, holder.get()));
+    holder.release();  // the trampoline owns it now
+  }
+
+  EventHandle create_event(bool enable_timing) override {
+    DeviceGuard guard(device_);
+    cudaEvent_t e = nullptr;
+    REVIVA_CUDA_CHECK(
+        cudaEventCreateWithFlags(&e, enable_timing ? cudaEventDefault : cudaEventDisableTiming));
+    return e;
+  }
+
+  void destroy_event(EventHandle event) noexcept override {
+    try {
+      DeviceGuard guard(device_);
+      REVIVA_CUDA_WARN(cudaEventDestroy(as_event(event)));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "reviva: warning: destroy_event: %s\n", e.what());
+    }
+  }
+
+  void record_event(EventHandle event, StreamHandle stream) override {
+    REVIVA_CUDA_CHECK(cudaEventRecord(as_event(event), as_stream(stream)));
+  }
+
+  bool query_event(EventHandle event) override {
+    const cudaError_t status = cudaEventQuery(as_event(event));
+    if (status == cudaSuccess) return true;
+    if (status == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: clear it so later checks don't see it
+      return false;
+    }
+    detail::throw_cuda_error(status, "cudaEventQuery", __FILE__, __LINE__);
+  }
+
+  void synchronize_event(EventHandle event) override {
+    REVIVA_CUDA_CHECK(cudaEventSynchronize(as_event(event)));
+  }
+
+  float elapsed_ms(EventHandle start, EventHandle end) override {
+    float ms = 0.0f;
+    REVIVA_CUDA_CHECK(cudaEventElapsedTime(&ms, as_event(start), as_event(end)));
+    return ms;
+  }
+
+  void* allocate_pinned_host(std::size_t bytes) override {
+    REVIVA_CHECK_ARG(bytes > 0, "allocate_pinned_host: bytes must be > 0");
+    DeviceGuard guard(device_);
+    void* p = nullptr;
+    const cudaError_t status =
+        cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+    if (status == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      throw OutOfMemory(detail::concat("cudaHostAlloc of ", bytes,
+                                       " bytes of pinned host memory failed (out of memory)"));
+    }
+    REVIVA_CUDA_CHECK(status);
+    return p;
+  }
+
+  void free_pinned_host(void* ptr) noexcept override {
+    if (ptr) REVIVA_CUDA_WARN(cudaFreeHost(ptr));
+  }
+
+  void* allocate_device(std::size_t bytes, StreamHandle stream) override {
+    REVIVA_CHECK_ARG(bytes > 0, "allocate_device: bytes must be > 0");
+    DeviceGuard guard(device_);
+    void* p = nullptr;
+    const cudaError_t status = cudaMallocAsync(&p, bytes, as_stream(stream));
+    if (status == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      std::size_t free_bytes = 0, total_bytes = 0;
+      (void)cudaMemGetInfo(&free_bytes, &total_bytes);
+      throw OutOfMemory(detail::concat("cudaMallocAsync of ", bytes, " bytes on ", name(),
+                                       " failed: ", free_bytes, " of ", total_bytes,
+                                       " bytes free"));
+    }
+    REVIVA_CUDA_CHECK(status);
+    return p;
+  }
+
+  void free_device(void* ptr, StreamHandle stream) noexcept override {
+    if (!ptr) return;
+    try {
+      DeviceGuard guard(device_);
+      REVIVA_CUDA_WARN(cudaFreeAsync(ptr, as_stream(stream)));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "reviva: warning: free_device: %s\n", e.what());
+    }
+  }
+
+  DeviceMemoryInfo device_memory_info() override {
+    DeviceGuard guard(device_);
+    DeviceMemoryInfo info;
+    REVIVA_CUDA_CHECK(cudaMemGetInfo(&info.free_bytes, &info.total_bytes));
+    return info;
+  }
+
+  MemoryKind memory_kind(const void* ptr) override {
+    cudaPointerAttributes attributes{};
+    REVIVA_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
+    switch (attributes.type) {
+      case cudaMemoryTypeUnregistered: return MemoryKind::Pageable;
+      case cudaMemoryTypeHost: return MemoryKind::PinnedHost;
+      case cudaMemoryTypeDevice: return MemoryKind::Device;
+      case cudaMemoryTypeManaged: return MemoryKind::Managed;
+    }
+    return MemoryKind::Unknown;
+  }
+
+  void copy_async(void* dst, const void* src, std::size_t bytes, StreamHandle stream) override {
+    REVIVA_CHECK_ARG(dst != nullptr && src != nullptr, "copy_async: null pointer");
+    REVIVA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)));
+  }
+
+  void copy_segments_async(const CopySegment* segments, std::size_t count,
+                           StreamHandle stream) override {
+    REVIVA_CHECK_ARG(segments != nullptr || count == 0, "copy_segments_async: null segments");
+    DeviceGuard guard(device_);
+    REVIVA_CUDA_CHECK(kernels::launch_copy_segments(
+        reinterpret_cast<const kernels::CopySegment*>(segments), count, as_stream(stream)));
+  }
+
+  void memset_async(void* dst, int value, std::size_t bytes, StreamHandle stream) override {
+    REVIVA_CHECK_ARG(dst != nullptr, "memset_async: null pointer");
+    REVIVA_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, as_stream(stream)));
+  }
+
+ private:
+  int device_;
+  std::string device_name_;
+  int lowest_priority_ = 0;
+  int highest_priority_ = 0;
+};
+
+}  // namespace
+
+int cuda_device_count() noexcept {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver / no device: not an error for the caller
+    return 0;
+  }
+  return count;
+}
+
+bool cuda_available() noexcept { return cuda_device_count() > 0; }
+
+std::shared_ptr<Backend> make_cuda_backend(int device) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw BackendError(detail::concat("cannot create the CUDA backend on device ", device, ": ",
+                                      cudaGetErrorName(status), " (", cudaGetErrorString(status),
+                                      ")"));
+  }
+  REVIVA_CHECK_ARG(device >= 0 && device < count, "CUDA device ", device,
+                   " does not exist: this machine has ", count, " CUDA device(s)");
+  return std::make_shared<CudaBackend>(device);
+}
+
+}  // namespace reviva

@@ -1,0 +1,515 @@
+// PinnedHostPool: slabs of pinned memory carved into blocks, best fit with splitting and
+// coalescing, and deferred reuse of blocks that copies touched.
+//
+// Note [Deferred free]
+// A block handed to a copy stream may still be read or written by that copy after its owner
+// drops it. So a block that recorded uses is not returned to the free list on release: an event
+// is recorded on every stream that used it, and the block stays "pending" until all of those
+// events have completed (checked without blocking on every allocate(), or by
+// synchronize_pending()). This is DESIGN.md's lifetime protocol rule 4 for host memory.
+//
+// Note [No backend call under the mutex]
+// Recording and querying events, and reserving or returning slabs, are backend calls (CUDA calls
+// on a GPU) and may take long or block; they are made with the pool's mutex released (rule 5).
+// A slab being reserved is counted in bytes_reserved before the call, so that two threads cannot
+// together overshoot the capacity cap.
+#include <reviva/error.h>
+#include <reviva/pinned_host_pool.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <utility>
+#include <vector>
+
+namespace reviva {
+
+namespace detail {
+
+struct PoolSlab;
+
+struct PoolBlock {
+  PoolSlab* slab = nullptr;
+  std::size_t offset = 0;     // from the slab's base
+  std::size_t size = 0;       // rounded, a multiple of the pool's alignment
+  std::size_t requested = 0;  // bytes asked for (live blocks)
+  bool free = true;           // in the free list (false: live or pending)
+  PoolBlock* prev = nullptr;  // address-order neighbours inside the slab
+  PoolBlock* next = nullptr;
+  std::vector<std::shared_ptr<const Stream>> uses;  // streams that used it since allocation
+};
+
+struct PoolSlab {
+  char* base = nullptr;
+  std::size_t size = 0;
+  PoolBlock* first = nullptr;
+};
+
+}  // namespace detail
+
+using detail::PoolBlock;
+using detail::PoolSlab;
+
+namespace {
+
+constexpr std::size_t kSlabGranularity = std::size_t{2} << 20;
+
+std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+char* block_data(const PoolBlock* b) { return b->slab->base + b->offset; }
+
+struct BySizeThenAddress {
+  bool operator()(const PoolBlock* a, const PoolBlock* b) const {
+    if (a->size != b->size) return a->size < b->size;
+    return block_data(a) < block_data(b);
+  }
+};
+
+struct PendingFree {
+  PoolBlock* block;
+  std::vector<Event> events;  // one per stream that used the block
+};
+
+}  // namespace
+
+struct PinnedHostPool::Impl {
+  mutable std::mutex mutex;
+  std::set<PoolBlock*, BySizeThenAddress> free_blocks;  // guarded by mutex
+  std::map<const char*, std::unique_ptr<PoolSlab>> slabs;  // guarded by mutex; by base address
+  std::vector<PendingFree> pending;                     // guarded by mutex
+  std::vector<Event> idle_events;                       // guarded by mutex
+  std::atomic<std::size_t> pending_count{0};            // mirrors pending.size() + in-check
+  PinnedHostPoolStats stats;                            // guarded by mutex (counters)
+
+  // Best fit: the smallest free block of at least `size`, split if larger. nullptr if none.
+  // Requires mutex.
+  PoolBlock* take_best_fit(std::size_t size) {
+    PoolSlab probe_slab;
+    PoolBlock probe;
+    probe.slab = &probe_slab;
+    probe.size = size;
+    auto it = free_blocks.lower_bound(&probe);
+    if (it == free_blocks.end()) return nullptr;
+    PoolBlock* b = *it;
+    free_blocks.erase(it);
+    b->free = false;
+    if (b->size > size) {
+      auto* rest = new PoolBlock;
+      rest->slab = b->slab;
+      rest->offset = b->offset + size;
+      rest->size = b->size - size;
+      rest->prev = b;
+      rest->next = b->next;
+      if (b->next) b->next->prev = rest;
+      b->next = rest;
+      b->size = size;
+      free_blocks.insert(rest);
+    }
+    return b;
+  }
+
+  // Returns `b` to the free list, merging it with free neighbours. Requires mutex.
+  void insert_free(PoolBlock* b) {
+    b->free = true;
+    b->requested = 0;
+    if (PoolBlock* p = b->prev; p && p->free) {
+      free_blocks.erase(p);
+      p->size += b->size;
+      p->next = b->next;
+      if (b->next) b->next->prev = p;
+      delete b;
+      b = p;
+    }
+    if (PoolBlock* n = b->next; n && n->free) {
+      free_blocks.erase(n);
+      b->size += n->size;
+      b->next = n->next;
+      if (n->next) n->next->prev = b;
+      delete n;
+    }
+    free_blocks.insert(b);
+  }
+
+  void note_allocated(PoolBlock* b, std::size_t requested, bool hit) {
+    b->requested = requested;
+    stats.bytes_in_use += b->size;
+    stats.bytes_requested += requested;
+    stats.peak_bytes_in_use = std::max(stats.peak_bytes_in_use, stats.bytes_in_use);
+    ++stats.allocations;
+    if (hit) ++stats.cache_hits;
+  }
+};
+
+// --- PinnedBlock -----------------------------------------------------------------------------
+
+PinnedBlock::PinnedBlock(std::shared_ptr<PinnedHostPool> pool, PoolBlock* block, void* data,
+                         std::size_t size) noexcept
+    : pool_(std::move(pool)), block_(block), data_(data), size_(size) {}
+
+PinnedBlock::~PinnedBlock() { reset(); }
+
+PinnedBlock::PinnedBlock(PinnedBlock&& other) noexcept
+    : pool_(std::move(other.pool_)),
+      block_(std::exchange(other.block_, nullptr)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+PinnedBlock& PinnedBlock::operator=(PinnedBlock&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pool_ = std::move(other.pool_);
+    block_ = std::exchange(other.block_, nullptr);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+std::size_t PinnedBlock::capacity() const noexcept {
+  return block_ ? pool_->block_capacity(block_) : 0;
+}
+
+void PinnedBlock::record_use(std::shared_ptr<const Stream> stream) const {
+  REVIVA_CHECK_ARG(block_ != nullptr, "PinnedBlock::record_use on an empty block");
+  REVIVA_CHECK_ARG(stream != nullptr, "PinnedBlock::record_use: stream is null");
+  REVIVA_CHECK_ARG(&stream->backend() == &pool_->backend(),
+                   "PinnedBlock::record_use: the stream belongs to another backend");
+  pool_->record_use(block_, std::move(stream));
+}
+
+void PinnedBlock::reset() noexcept {
+  if (block_) pool_->release(block_);
+  block_ = nullptr;
+  data_ = nullptr;
+  size_ = 0;
+  pool_.reset();
+}
+
+// --- PinnedHostPool --------------------------------------------------------------------------
+
+std::shared_ptr<PinnedHostPool> PinnedHostPool::create(std::shared_ptr<Backend> backend,
+                                                       PinnedHostPoolOptions options) {
+  REVIVA_CHECK_ARG(backend != nullptr, "PinnedHostPool: backend is null");
+  REVIVA_CHECK_ARG(options.alignment >= 64 && (options.alignment & (options.alignment - 1)) == 0,
+                   "PinnedHostPoolOptions.alignment must be a power of two >= 64, got ",
+                   options.alignment);
+  REVIVA_CHECK_ARG(options.slab_bytes > 0, "PinnedHostPoolOptions.slab_bytes must be > 0");
+  options.slab_bytes = round_up(options.slab_bytes, options.alignment);
+  return std::shared_ptr<PinnedHostPool>(new PinnedHostPool(std::move(backend), options));
+}
+
+PinnedHostPool::PinnedHostPool(std::shared_ptr<Backend> backend, PinnedHostPoolOptions options)
+    : backend_(std::move(backend)), options_(options), impl_(std::make_unique<Impl>()) {}
+
+PinnedHostPool::~PinnedHostPool() {
+  // Blocks hold the pool alive, so none is live here; pending ones wait for their copies.
+  try {
+    synchronize_pending();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "reviva: warning: PinnedHostPool: waiting for pending frees: %s\n",
+                 e.what());
+  }
+  std::vector<char*> bases;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    for (auto& [base, slab] : impl_->slabs) {
+      for (PoolBlock* b = slab->first; b;) {
+        PoolBlock* next = b->next;
+        delete b;
+        b = next;
+      }
+      bases.push_back(slab->base);
+    }
+    impl_->slabs.clear();
+    impl_->free_blocks.clear();
+    impl_->idle_events.clear();
+  }
+  for (char* base : bases) backend_->free_pinned_host(base);
+}
+
+std::size_t PinnedHostPool::block_capacity(const PoolBlock* block) const noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return block->size;
+}
+
+PinnedBlock PinnedHostPool::allocate(std::size_t bytes) {
+  REVIVA_CHECK_ARG(bytes > 0, "PinnedHostPool::allocate: bytes must be > 0");
+  REVIVA_CHECK_ARG(bytes <= std::numeric_limits<std::size_t>::max() / 2,
+                   "PinnedHostPool::allocate: ", bytes, " bytes is not a plausible size");
+  const std::size_t size = round_up(bytes, options_.alignment);
+  process_pending();
+
+  // Recovery steps when the capacity cap blocks a new slab: wait for pending frees, then give
+  // back wholly free slabs (a new, larger slab may fit once they are gone), then give up.
+  for (int attempt = 0;; ++attempt) {
+    std::size_t slab_bytes = 0;
+    {
+      std::lock_guard<std::mutex> lock(impl_->mutex);
+      if (PoolBlock* b = impl_->take_best_fit(size)) {
+        impl_->note_allocated(b, bytes, /*hit=*/true);
+        return PinnedBlock(shared_from_this(), b, block_data(b), bytes);
+      }
+      auto& st = impl_->stats;
+      slab_bytes = std::max(options_.slab_bytes, round_up(size, kSlabGranularity));
+      if (options_.capacity_bytes != 0 && st.bytes_reserved + slab_bytes > options_.capacity_bytes)
+        slab_bytes = size;  // a slab just big enough may still fit under the cap
+      if (options_.capacity_bytes == 0 || st.bytes_reserved + slab_bytes <= options_.capacity_bytes) {
+        st.bytes_reserved += slab_bytes;  // reserve before the backend call (Note above)
+        st.peak_bytes_reserved = std::max(st.peak_bytes_reserved, st.bytes_reserved);
+      } else {
+        slab_bytes = 0;
+      }
+    }
+
+    if (slab_bytes == 0) {
+      if (attempt == 0 && impl_->pending_count.load() > 0) {
+        synchronize_pending();
+        continue;
+      }
+      if (attempt <= 1 && release_cached() > 0) continue;
+      const PinnedHostPoolStats st = stats();
+      throw OutOfMemory(detail::concat(
+          "pinned host pool: cannot allocate ", bytes, " bytes (", size,
+          " rounded): capacity ", options_.capacity_bytes, " bytes, reserved ", st.bytes_reserved,
+          ", in use ", st.bytes_in_use, ", pending ", st.bytes_pending,
+          ", largest free block ", st.largest_free_block));
+    }
+
+    char* base = nullptr;
+    try {
+      base = static_cast<char*>(backend_->allocate_pinned_host(slab_bytes));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(impl_->mutex);
+      impl_->stats.bytes_reserved -= slab_bytes;
+      throw;
+    }
+
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    auto slab = std::make_unique<PoolSlab>();
+    slab->base = base;
+    slab->size = slab_bytes;
+    auto* whole = new PoolBlock;
+    whole->slab = slab.get();
+    whole->size = slab_bytes;
+    whole->free = false;
+    slab->first = whole;
+    impl_->slabs.emplace(base, std::move(slab));
+    ++impl_->stats.slabs_allocated;
+    impl_->insert_free(whole);
+    PoolBlock* b = impl_->take_best_fit(size);
+    REVIVA_ASSERT(b != nullptr, "a fresh slab of ", slab_bytes, " bytes must fit ", size);
+    impl_->note_allocated(b, bytes, /*hit=*/false);
+    return PinnedBlock(shared_from_this(), b, block_data(b), bytes);
+  }
+}
+
+void PinnedHostPool::record_use(PoolBlock* block, std::shared_ptr<const Stream> stream) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (const auto& s : block->uses)
+    if (s->handle() == stream->handle()) return;
+  block->uses.push_back(std::move(stream));
+}
+
+void PinnedHostPool::release(PoolBlock* block) noexcept {
+  std::vector<std::shared_ptr<const Stream>> uses;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    auto& st = impl_->stats;
+    uses.swap(block->uses);
+    ++st.frees;
+    st.bytes_in_use -= block->size;
+    st.bytes_requested -= block->requested;
+    if (uses.empty()) {
+      impl_->insert_free(block);
+      return;
+    }
+    st.bytes_pending += block->size;
+    impl_->pending_count.fetch_add(1);
+  }
+
+  // Record one event per stream that used the block (backend calls: no mutex held).
+  PendingFree pending{block, {}};
+  try {
+    pending.events.reserve(uses.size());
+    for (const auto& stream : uses) {
+      std::optional<Event> event;
+      {
+        std::lock_guard<std::mutex> lock(impl_->mutex);
+        if (!impl_->idle_events.empty()) {
+          event.emplace(std::move(impl_->idle_events.back()));
+          impl_->idle_events.pop_back();
+        }
+      }
+      if (!event) event.emplace(backend_);
+      event->record(*stream);
+      pending.events.push_back(std::move(*event));
+    }
+  } catch (const std::exception& e) {
+    // Could not record: wait for the streams instead, so the block is safe to reuse now.
+    std::fprintf(stderr, "reviva: warning: PinnedHostPool: recording a free event: %s\n",
+                 e.what());
+    try {
+      for (const auto& stream : uses) stream->synchronize();
+      pending.events.clear();
+    } catch (const std::exception& e2) {
+      std::fprintf(stderr,
+                   "reviva: warning: PinnedHostPool: leaking a block of %zu bytes whose copies "
+                   "may still be running: %s\n",
+                   block->size, e2.what());
+      return;
+    }
+  }
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->pending.push_back(std::move(pending));
+}
+
+void PinnedHostPool::process_pending() {
+  if (impl_->pending_count.load() == 0) return;
+  std::vector<PendingFree> batch;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    batch.swap(impl_->pending);
+  }
+  if (batch.empty()) return;
+  std::vector<bool> done(batch.size(), false);
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    bool all = true;
+    try {
+      for (const Event& e : batch[i].events) {
+        if (!e.query()) {
+          all = false;
+          break;
+        }
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "reviva: warning: PinnedHostPool: querying a free event: %s\n",
+                   e.what());
+      all = false;
+    }
+    done[i] = all;
+  }
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    if (done[i]) {
+      impl_->stats.bytes_pending -= batch[i].block->size;
+      impl_->pending_count.fetch_sub(1);
+      impl_->insert_free(batch[i].block);
+      for (Event& e : batch[i].events) impl_->idle_events.push_back(std::move(e));
+    } else {
+      impl_->pending.push_back(std::move(batch[i]));
+    }
+  }
+}
+
+void PinnedHostPool::synchronize_pending() {
+  std::vector<PendingFree> batch;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    batch.swap(impl_->pending);
+  }
+  for (PendingFree& p : batch)
+    for (const Event& e : p.events) e.synchronize();
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (PendingFree& p : batch) {
+    impl_->stats.bytes_pending -= p.block->size;
+    impl_->pending_count.fetch_sub(1);
+    impl_->insert_free(p.block);
+    for (Event& e : p.events) impl_->idle_events.push_back(std::move(e));
+  }
+}
+
+std::size_t PinnedHostPool::release_cached() {
+  std::vector<char*> to_free;
+  std::size_t released = 0;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    for (auto it = impl_->slabs.begin(); it != impl_->slabs.end();) {
+      PoolSlab* slab = it->second.get();
+      PoolBlock* only = slab->first;
+      if (only->free && only->next == nullptr) {
+        impl_->free_blocks.erase(only);
+        delete only;
+        released += slab->size;
+        impl_->stats.bytes_reserved -= slab->size;
+        ++impl_->stats.slabs_released;
+        to_free.push_back(slab->base);
+        it = impl_->slabs.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (char* base : to_free) backend_->free_pinned_host(base);
+  return released;
+}
+
+PinnedHostPoolStats PinnedHostPool::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  PinnedHostPoolStats st = impl_->stats;
+  st.slabs = impl_->slabs.size();
+  st.free_blocks = impl_->free_blocks.size();
+  st.pending_blocks = impl_->pending.size();
+  st.largest_free_block = impl_->free_blocks.empty() ? 0 : (*impl_->free_blocks.rbegin())->size;
+  return st;
+}
+
+bool PinnedHostPool::owns(const void* ptr) const {
+  const char* p = static_cast<const char*>(ptr);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto it = impl_->slabs.upper_bound(p);
+  if (it == impl_->slabs.begin()) return false;
+  --it;
+  return p < it->first + it->second->size;
+}
+
+void PinnedHostPool::check_invariants() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::size_t reserved = 0, in_use = 0, requested = 0, free_count = 0;
+  for (const auto& [base, slab] : impl_->slabs) {
+    REVIVA_ASSERT(base == slab->base);
+    REVIVA_ASSERT(slab->first != nullptr && slab->first->prev == nullptr);
+    REVIVA_ASSERT(slab->first->offset == 0);
+    std::size_t offset = 0;
+    for (const PoolBlock* b = slab->first; b; b = b->next) {
+      REVIVA_ASSERT(b->slab == slab.get());
+      REVIVA_ASSERT(b->offset == offset, "block at ", b->offset, " expected at ", offset);
+      REVIVA_ASSERT(b->size > 0 && b->size % options_.alignment == 0);
+      REVIVA_ASSERT(!b->next || b->next->prev == b);
+      REVIVA_ASSERT(!(b->free && b->next && b->next->free), "two adjacent free blocks");
+      if (b->free) {
+        REVIVA_ASSERT(impl_->free_blocks.count(const_cast<PoolBlock*>(b)) == 1);
+        REVIVA_ASSERT(b->uses.empty() && b->requested == 0);
+        ++free_count;
+      }
+      offset += b->size;
+    }
+    REVIVA_ASSERT(offset == slab->size, "blocks cover ", offset, " of a slab of ", slab->size);
+    reserved += slab->size;
+  }
+  REVIVA_ASSERT(free_count == impl_->free_blocks.size(), free_count, " free blocks in slabs, ",
+                impl_->free_blocks.size(), " in the free list");
+  std::size_t pending_bytes = 0;
+  for (const PendingFree& p : impl_->pending) {
+    REVIVA_ASSERT(!p.block->free);
+    pending_bytes += p.block->size;
+  }
+  (void)in_use;
+  (void)requested;
+  const auto& st = impl_->stats;
+  REVIVA_ASSERT(reserved == st.bytes_reserved, "slabs hold ", reserved, " bytes, stats say ",
+                st.bytes_reserved);
+  REVIVA_ASSERT(pending_bytes <= st.bytes_pending);
+  REVIVA_ASSERT(st.bytes_in_use + st.bytes_pending + [&] {
+    std::size_t f = 0;
+    for (const PoolBlock* b : impl_->free_blocks) f += b->size;
+    return f;
+  }() == reserved, "in use + pending + free != reserved");
+  if (options_.capacity_bytes) REVIVA_ASSERT(st.bytes_reserved <= options_.capacity_bytes);
+}
+
+}  // namespace reviva
