@@ -1,0 +1,433 @@
+// reviva._C: thin glue between torch tensors and the core. It validates inputs (device, dtype,
+// contiguity, sizes), converts tensors to pointers and streams, and keeps the lifetime protocol
+// (DESIGN.md) at the torch boundary: producer events on torch's current stream, record_stream
+// for memory a copy stream still uses, and the current stream waiting on restores.
+#include <reviva/reviva.h>
+
+#include <torch/extension.h>
+
+#if defined(REVIVA_TORCH_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace reviva::python {
+namespace {
+
+// --- Runtime: a backend bound to one torch device -----------------------------------------------
+
+class Runtime {
+ public:
+  explicit Runtime(const std::optional<std::string>& device) {
+    std::string d = device.value_or(cuda_available() ? "cuda" : "cpu");
+    torch::Device td(d);
+    if (td.is_cuda()) {
+#if defined(REVIVA_TORCH_CUDA)
+      const int index = td.has_index() ? td.index() : 0;
+      backend_ = make_cuda_backend(index);
+      device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+#else
+      throw InvalidArgument("Runtime: device '" + d +
+                            "' needs a CUDA build of both torch and Reviva; this build has none");
+#endif
+    } else if (td.is_cpu()) {
+      backend_ = make_host_backend();
+      device_ = torch::Device(torch::kCPU);
+    } else {
+      throw InvalidArgument("Runtime: unsupported device '" + d + "' (use 'cuda[:N]' or 'cpu')");
+    }
+  }
+
+  const std::shared_ptr<Backend>& backend() const { return backend_; }
+  const torch::Device& device() const { return device_; }
+  bool is_cuda() const { return device_.is_cuda(); }
+
+  // The stream torch computes on now, as a (non-owning) Reviva stream; nullptr on the host
+  // runtime, where torch computes synchronously.
+  std::shared_ptr<const Stream> current_stream() const {
+#if defined(REVIVA_TORCH_CUDA)
+    if (is_cuda()) {
+      cudaStream_t s = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+      return std::make_shared<const Stream>(Stream::wrap(backend_, s));
+    }
+#endif
+    return nullptr;
+  }
+
+  // An event on torch's current stream: the point after which a copy may read (or overwrite)
+  // memory torch computed with (lifetime rule 1). nullopt on the host runtime.
+  std::optional<Event> producer_event() const {
+    auto stream = current_stream();
+    if (!stream) return std::nullopt;
+    Event e(backend_);
+    e.record(*stream);
+    return e;
+  }
+
+  // Lifetime rule 2 at the torch boundary: torch's allocator will not reuse `t`'s memory until
+  // `stream` has finished the work queued on it so far.
+  void record_stream(const torch::Tensor& t, const Stream& stream) const {
+#if defined(REVIVA_TORCH_CUDA)
+    if (is_cuda()) {
+      c10::cuda::CUDACachingAllocator::recordStream(
+          t.storage().data_ptr(),
+          c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream.handle()),
+                                           device_.index()));
+    }
+#else
+    (void)t;
+    (void)stream;
+#endif
+  }
+
+  std::string repr() const {
+    return "Runtime(device='" + device_.str() + "', backend='" + backend_->name() + "')";
+  }
+
+ private:
+  std::shared_ptr<Backend> backend_;
+  torch::Device device_{torch::kCPU};
+};
+
+// --- input checks ----------------------------------------------------------------------------
+
+std::string describe(const torch::Tensor& t) {
+  std::ostringstream s;
+  s << "tensor of shape " << t.sizes() << ", dtype " << t.dtype() << ", device " << t.device();
+  return s.str();
+}
+
+void check_on_runtime_device(const Runtime& rt, const torch::Tensor& t, const char* what) {
+  REVIVA_CHECK_ARG(t.defined(), what, ": tensor is undefined (None)");
+  REVIVA_CHECK_ARG(t.device() == rt.device(), what, ": expected a tensor on ", rt.device().str(),
+                   " (the runtime's device), got a ", describe(t));
+  REVIVA_CHECK_ARG(t.is_contiguous(), what, ": the tensor must be contiguous, got strides ",
+                   t.strides(), " for a ", describe(t), " (call .contiguous() first)");
+  REVIVA_CHECK_ARG(t.nbytes() > 0, what, ": the tensor is empty (", describe(t), ")");
+}
+
+// --- OffloadedTensor: a tensor's bytes in a pinned block, and how to rebuild it ------------
+
+struct OffloadedTensor {
+  PinnedBlock block;
+  Transfer d2h;
+  std::vector<int64_t> shape;
+  torch::ScalarType dtype;
+  torch::Device device{torch::kCPU};
+  // Host runtime only: the source stays alive until its asynchronous copy has read it.
+  torch::Tensor keepalive;
+
+  std::size_t nbytes() const { return block.size(); }
+  void wait() {
+    {
+      py::gil_scoped_release release;
+      d2h.wait();
+    }
+    keepalive = torch::Tensor();  // with the GIL held: dropping a tensor may touch its Python object
+  }
+  bool ready() {
+    const bool r = d2h.ready();
+    if (r) keepalive = torch::Tensor();
+    return r;
+  }
+};
+using OffloadedPtr = std::shared_ptr<OffloadedTensor>;
+
+// A CPU tensor viewing the pinned block (zero copy); keeps the block alive.
+torch::Tensor host_view(const OffloadedPtr& h) {
+  h->wait();
+  OffloadedPtr keep = h;
+  return torch::from_blob(
+      h->block.data(), h->shape, [keep](void*) {},
+      torch::TensorOptions().dtype(h->dtype).device(torch::kCPU));
+}
+
+// --- TransferEngine binding --------------------------------------------------------------------
+
+class PyTransferEngine {
+ public:
+  PyTransferEngine(std::shared_ptr<Runtime> rt, std::shared_ptr<PinnedHostPool> pool,
+                   TransferEngineOptions options)
+      : rt_(std::move(rt)), engine_(std::make_unique<TransferEngine>(std::move(pool), options)) {
+    REVIVA_CHECK_ARG(&engine_->backend() == rt_->backend().get(),
+                     "TransferEngine: the pool belongs to another runtime");
+  }
+
+  OffloadedPtr offload(const torch::Tensor& t) { return offload_batch({t}).front(); }
+
+  std::vector<OffloadedPtr> offload_batch(const std::vector<torch::Tensor>& tensors) {
+    REVIVA_CHECK_ARG(!tensors.empty(), "offload_batch: no tensors given");
+    std::vector<OffloadedPtr> out;
+    std::vector<CopyRequest> requests;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const torch::Tensor& t = tensors[i];
+      check_on_runtime_device(*rt_, t, ("offload: tensor " + std::to_string(i)).c_str());
+      auto h = std::make_shared<OffloadedTensor>();
+      h->block = engine_->pool().allocate(t.nbytes());
+      h->block.record_use(engine_->stream_ptr(Direction::DeviceToHost));
+      h->shape = t.sizes().vec();
+      h->dtype = t.scalar_type();
+      h->device = t.device();
+      if (!rt_->is_cuda()) h->keepalive = t;
+      requests.push_back({h->block.data(), t.data_ptr(), t.nbytes()});
+      out.push_back(std::move(h));
+    }
+    std::optional<Event> producer = rt_->producer_event();
+    Transfer transfer = engine_->copy_batch(Direction::DeviceToHost, requests,
+                                            producer ? &*producer : nullptr);
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      out[i]->d2h = transfer;
+      rt_->record_stream(tensors[i], engine_->stream(Direction::DeviceToHost));
+    }
+    return out;
+  }
+
+  torch::Tensor restore(const OffloadedPtr& h, std::optional<torch::Tensor> out, bool wait) {
+    std::vector<std::optional<torch::Tensor>> outs{std::move(out)};
+    return restore_batch({h}, outs, wait).front();
+  }
+
+  std::vector<torch::Tensor> restore_batch(const std::vector<OffloadedPtr>& handles,
+                                           std::vector<std::optional<torch::Tensor>> outs,
+                                           bool wait) {
+    REVIVA_CHECK_ARG(!handles.empty(), "restore_batch: no tensors given");
+    REVIVA_CHECK_ARG(outs.empty() || outs.size() == handles.size(), "restore_batch: ",
+                     handles.size(), " tensors but ", outs.size(), " outputs");
+    const Stream& h2d = engine_->stream(Direction::HostToDevice);
+    std::vector<torch::Tensor> results;
+    std::vector<CopyRequest> requests;
+    for (std::size_t i = 0; i < handles.size(); ++i) {
+      const OffloadedPtr& h = handles[i];
+      REVIVA_CHECK_ARG(h && h->block, "restore: tensor ", i, " holds no data");
+      REVIVA_CHECK_ARG(h->device == rt_->device(), "restore: tensor ", i, " was offloaded from ",
+                       h->device.str(), ", this engine restores to ", rt_->device().str());
+      torch::Tensor dst;
+      if (!outs.empty() && outs[i].has_value()) {
+        dst = *outs[i];
+        const std::string what = "restore: out " + std::to_string(i);
+        check_on_runtime_device(*rt_, dst, what.c_str());
+        REVIVA_CHECK_ARG(dst.scalar_type() == h->dtype, what, ": dtype ", dst.dtype(),
+                         " differs from the offloaded ", c10::toString(h->dtype));
+        REVIVA_CHECK_ARG(dst.nbytes() == h->nbytes(), what, ": ", dst.nbytes(),
+                         " bytes differ from the offloaded ", h->nbytes(), " bytes");
+      } else {
+        dst = torch::empty(h->shape, torch::TensorOptions().dtype(h->dtype).device(rt_->device()));
+      }
+      h->d2h.enqueue_wait(h2d);  // the block is read only after its offload has written it
+      h->block.record_use(engine_->stream_ptr(Direction::HostToDevice));
+      requests.push_back({dst.data_ptr(), h->block.data(), h->nbytes()});
+      results.push_back(dst);
+    }
+    // `dst` memory may have been in use by earlier torch work on the current stream.
+    std::optional<Event> producer = rt_->producer_event();
+    Transfer transfer = engine_->copy_batch(Direction::HostToDevice, requests,
+                                            producer ? &*producer : nullptr);
+    for (const torch::Tensor& dst : results) rt_->record_stream(dst, h2d);
+    if (auto current = rt_->current_stream()) {
+      if (wait) transfer.enqueue_wait(*current);  // rule 3: compute waits for the H2D
+    } else {
+      py::gil_scoped_release release;
+      transfer.wait();  // host runtime: torch computes synchronously
+    }
+    last_restore_ = transfer;
+    return results;
+  }
+
+  // Copies between a device tensor and a pinned CPU tensor of the same size (direction from
+  // the devices). Returns the completion handle; the caller orders its own use of the result.
+  Transfer copy_(const torch::Tensor& dst, const torch::Tensor& src) {
+    REVIVA_CHECK_ARG(dst.defined() && src.defined(), "copy_: undefined tensor");
+    REVIVA_CHECK_ARG(dst.nbytes() == src.nbytes(), "copy_: dst has ", dst.nbytes(),
+                     " bytes, src has ", src.nbytes());
+    const bool d2h = dst.device().is_cpu() && src.device() == rt_->device();
+    const bool h2d = src.device().is_cpu() && dst.device() == rt_->device();
+    REVIVA_CHECK_ARG(rt_->is_cuda() && (d2h || h2d),
+                     "copy_: needs one tensor on ", rt_->device().str(),
+                     " and one pinned CPU tensor; got dst ", describe(dst), " and src ",
+                     describe(src));
+    const torch::Tensor& host = d2h ? dst : src;
+    const torch::Tensor& device = d2h ? src : dst;
+    check_on_runtime_device(*rt_, device, "copy_");
+    REVIVA_CHECK_ARG(host.is_contiguous() && host.is_pinned(),
+                     "copy_: the CPU tensor must be contiguous and pinned (pin_memory()), got ",
+                     describe(host));
+    const Direction dir = d2h ? Direction::DeviceToHost : Direction::HostToDevice;
+    std::optional<Event> producer = rt_->producer_event();
+    Transfer t = engine_->copy(dir, dst.data_ptr(), src.data_ptr(), dst.nbytes(),
+                               producer ? &*producer : nullptr);
+    rt_->record_stream(device, engine_->stream(dir));
+    return t;
+  }
+
+  void synchronize() {
+    py::gil_scoped_release release;
+    engine_->synchronize();
+  }
+
+  py::dict stats() {
+    const TransferStats st = engine_->stats();
+    auto dir = [](const DirectionStats& d) {
+      py::dict r;
+      r["transfers_submitted"] = d.transfers_submitted;
+      r["transfers_completed"] = d.transfers_completed;
+      r["bytes_submitted"] = d.bytes_submitted;
+      r["bytes_completed"] = d.bytes_completed;
+      r["chunks"] = d.chunks;
+      r["coalesced_requests"] = d.coalesced_requests;
+      r["segment_launches"] = d.segment_launches;
+      r["busy_ms"] = d.busy_ms;
+      r["bandwidth_gbps"] = d.bandwidth_gbps();
+      return r;
+    };
+    py::dict r;
+    r["d2h"] = dir(st.d2h);
+    r["h2d"] = dir(st.h2d);
+    return r;
+  }
+
+  void reset_stats() { engine_->reset_stats(); }
+  TransferEngine& engine() { return *engine_; }
+
+ private:
+  std::shared_ptr<Runtime> rt_;
+  std::unique_ptr<TransferEngine> engine_;
+  Transfer last_restore_;
+};
+
+py::dict pool_stats(const PinnedHostPool& pool) {
+  const PinnedHostPoolStats st = pool.stats();
+  py::dict r;
+  r["bytes_reserved"] = st.bytes_reserved;
+  r["bytes_in_use"] = st.bytes_in_use;
+  r["bytes_requested"] = st.bytes_requested;
+  r["bytes_pending"] = st.bytes_pending;
+  r["peak_bytes_in_use"] = st.peak_bytes_in_use;
+  r["peak_bytes_reserved"] = st.peak_bytes_reserved;
+  r["largest_free_block"] = st.largest_free_block;
+  r["allocations"] = st.allocations;
+  r["cache_hits"] = st.cache_hits;
+  r["hit_rate"] = st.hit_rate();
+  r["frees"] = st.frees;
+  r["slabs"] = st.slabs;
+  r["slabs_allocated"] = st.slabs_allocated;
+  r["slabs_released"] = st.slabs_released;
+  r["free_blocks"] = st.free_blocks;
+  r["pending_blocks"] = st.pending_blocks;
+  return r;
+}
+
+}  // namespace
+}  // namespace reviva::python
+
+PYBIND11_MODULE(_C, m) {
+  using namespace reviva;
+  using namespace reviva::python;
+  m.doc() = "Reviva core bindings (pinned host pool, transfer engine) on torch tensors";
+
+  // The module holds the exception types; the translator keeps borrowed pointers to them (plain
+  // pointers, so nothing is destroyed after the interpreter has shut down).
+  static PyObject* base_error = py::exception<Error>(m, "RevivaError", PyExc_RuntimeError).ptr();
+  static PyObject* oom_error =
+      py::exception<OutOfMemory>(m, "RevivaOutOfMemoryError", PyExc_MemoryError).ptr();
+  static PyObject* backend_error =
+      py::exception<BackendError>(m, "RevivaBackendError", base_error).ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const OutOfMemory& e) {
+      PyErr_SetString(oom_error, e.what());
+    } catch (const BackendError& e) {
+      PyErr_SetString(backend_error, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(base_error, e.what());
+    }
+  });
+
+  m.def("version", &version_string);
+  m.def("cuda_available", &cuda_available);
+  m.def("cuda_device_count", &cuda_device_count);
+
+  py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
+      .def(py::init<const std::optional<std::string>&>(), py::arg("device") = py::none())
+      .def_property_readonly("device", [](const Runtime& r) { return r.device().str(); })
+      .def_property_readonly("backend", [](const Runtime& r) { return r.backend()->name(); })
+      .def_property_readonly("kind", [](const Runtime& r) { return to_string(r.backend()->kind()); })
+      .def("device_memory_info", [](const Runtime& r) {
+        const DeviceMemoryInfo info = r.backend()->device_memory_info();
+        return py::make_tuple(info.free_bytes, info.total_bytes);
+      })
+      .def("__repr__", &Runtime::repr);
+
+  py::class_<PinnedHostPool, std::shared_ptr<PinnedHostPool>>(m, "PinnedHostPool")
+      .def(py::init([](const std::shared_ptr<Runtime>& rt, std::size_t capacity_bytes,
+                       std::size_t slab_bytes) {
+             REVIVA_CHECK_ARG(rt != nullptr, "PinnedHostPool: runtime is None");
+             PinnedHostPoolOptions o;
+             o.capacity_bytes = capacity_bytes;
+             o.slab_bytes = slab_bytes;
+             return PinnedHostPool::create(rt->backend(), o);
+           }),
+           py::arg("runtime"), py::arg("capacity_bytes") = 0,
+           py::arg("slab_bytes") = std::size_t{64} << 20)
+      .def("stats", &pool_stats)
+      .def("release_cached", &PinnedHostPool::release_cached,
+           py::call_guard<py::gil_scoped_release>())
+      .def("synchronize_pending", &PinnedHostPool::synchronize_pending,
+           py::call_guard<py::gil_scoped_release>())
+      .def("check_invariants", &PinnedHostPool::check_invariants)
+      .def_property_readonly("capacity_bytes",
+                             [](const PinnedHostPool& p) { return p.options().capacity_bytes; });
+
+  py::class_<Transfer>(m, "Transfer")
+      .def("ready", &Transfer::ready)
+      .def("wait", &Transfer::wait, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("nbytes", &Transfer::bytes)
+      .def_property_readonly("direction",
+                             [](const Transfer& t) { return std::string(to_string(t.direction())); });
+
+  py::class_<OffloadedTensor, OffloadedPtr>(m, "OffloadedTensor")
+      .def("ready", &OffloadedTensor::ready)
+      .def("wait", &OffloadedTensor::wait)
+      .def("host_tensor", &host_view,
+           "A CPU tensor viewing the pinned copy (waits for the offload first).")
+      .def_property_readonly("nbytes", &OffloadedTensor::nbytes)
+      .def_property_readonly("shape", [](const OffloadedTensor& h) { return h.shape; })
+      .def_property_readonly("dtype",
+                             [](const OffloadedTensor& h) {
+                               return py::reinterpret_borrow<py::object>(
+                                   reinterpret_cast<PyObject*>(torch::getTHPDtype(h.dtype)));
+                             })
+      .def_property_readonly("device", [](const OffloadedTensor& h) { return h.device.str(); });
+
+  py::class_<PyTransferEngine>(m, "TransferEngine")
+      .def(py::init([](std::shared_ptr<Runtime> rt, std::shared_ptr<PinnedHostPool> pool,
+                       std::size_t chunk_bytes, std::size_t coalesce_below) {
+             REVIVA_CHECK_ARG(rt != nullptr && pool != nullptr,
+                              "TransferEngine: runtime and pool are required");
+             TransferEngineOptions o;
+             o.chunk_bytes = chunk_bytes;
+             o.coalesce_below = coalesce_below;
+             return std::make_unique<PyTransferEngine>(std::move(rt), std::move(pool), o);
+           }),
+           py::arg("runtime"), py::arg("pool"), py::arg("chunk_bytes") = std::size_t{64} << 20,
+           py::arg("coalesce_below") = std::size_t{256} << 10)
+      .def("offload", &PyTransferEngine::offload, py::arg("tensor"))
+      .def("offload_batch", &PyTransferEngine::offload_batch, py::arg("tensors"))
+      .def("restore", &PyTransferEngine::restore, py::arg("offloaded"),
+           py::arg("out") = py::none(), py::arg("wait") = true)
+      .def("restore_batch", &PyTransferEngine::restore_batch, py::arg("offloaded"),
+           py::arg("outs") = std::vector<std::optional<torch::Tensor>>{}, py::arg("wait") = true)
+      .def("copy_", &PyTransferEngine::copy_, py::arg("dst"), py::arg("src"))
+      .def("synchronize", &PyTransferEngine::synchronize)
+      .def("stats", &PyTransferEngine::stats)
+      .def("reset_stats", &PyTransferEngine::reset_stats);
+}

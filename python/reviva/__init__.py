@@ -1,0 +1,44 @@
+"""Reviva: offload activations and the K/V cache between GPU memory, pinned host memory and disk
+while the GPU keeps computing.
+
+The core (pinned host pool, transfer engine) is C++/CUDA; this package exposes it on torch tensors.
+"""
+
+from __future__ import annotations
+
+from reviva._C import (  # noqa: F401  (re-exported API)
+    OffloadedTensor,
+    PinnedHostPool,
+    RevivaBackendError,
+    RevivaError,
+    RevivaOutOfMemoryError,
+    Runtime,
+    Transfer,
+    TransferEngine,
+    cuda_available,
+    cuda_device_count,
+)
+from reviva._C import version as _core_version
+from reviva.sizes import parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OffloadedTensor",
+    "PinnedHostPool",
+    "RevivaBackendError",
+    "RevivaError",
+    "RevivaOutOfMemoryError",
+    "Runtime",
+    "Transfer",
+    "TransferEngine",
+    "core_version",
+    "cuda_available",
+    "cuda_device_count",
+    "parse_bytes",
+]
+
+
+def core_version() -> str:
+    """Version of the C++ core, with the backends it was built with ("0.1.0+cuda")."""
+    return _core_version()
