@@ -58,8 +58,7 @@ class CudaBackend final : public Backend {
     cudaDeviceProp prop{};
     REVIVA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
     device_name_ = prop.name;
-    REVIVA_CHECK_ARG(prop.unifiedAddressing,
-                     "CUDA device ", device_, " (", device_name_,
+    REVIVA_CHECK_ARG(prop.unifiedAddressing, "CUDA device ", device_, " (", device_name_,
                      ") lacks unified addressing, which Reviva needs");
     DeviceGuard guard(device_);
     REVIVA_CUDA_CHECK(cudaFree(nullptr));  // create the primary context now, not mid-copy

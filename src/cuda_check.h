@@ -25,16 +25,16 @@ inline void warn_cuda_error(cudaError_t status, const char* call, const char* fi
 
 }  // namespace reviva::detail
 
-#define REVIVA_CUDA_CHECK(expr)                                                             \
-  do {                                                                                      \
-    const cudaError_t reviva_status_ = (expr);                                              \
-    if (reviva_status_ != cudaSuccess)                                                      \
-      ::reviva::detail::throw_cuda_error(reviva_status_, #expr, __FILE__, __LINE__);        \
+#define REVIVA_CUDA_CHECK(expr)                                                      \
+  do {                                                                               \
+    const cudaError_t reviva_status_ = (expr);                                       \
+    if (reviva_status_ != cudaSuccess)                                               \
+      ::reviva::detail::throw_cuda_error(reviva_status_, #expr, __FILE__, __LINE__); \
   } while (false)
 
-#define REVIVA_CUDA_WARN(expr)                                                              \
-  do {                                                                                      \
-    const cudaError_t reviva_status_ = (expr);                                              \
-    if (reviva_status_ != cudaSuccess)                                                      \
-      ::reviva::detail::warn_cuda_error(reviva_status_, #expr, __FILE__, __LINE__);         \
+#define REVIVA_CUDA_WARN(expr)                                                      \
+  do {                                                                              \
+    const cudaError_t reviva_status_ = (expr);                                      \
+    if (reviva_status_ != cudaSuccess)                                              \
+      ::reviva::detail::warn_cuda_error(reviva_status_, #expr, __FILE__, __LINE__); \
   } while (false)

@@ -14,10 +14,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <new>
 #include <thread>
-#include <map>
 
 namespace reviva {
 namespace {
@@ -27,9 +27,9 @@ using Clock = std::chrono::steady_clock;
 struct HostEvent {
   std::mutex mutex;
   std::condition_variable reached_cv;
-  std::uint64_t recorded = 0;   // guarded by mutex: generation of the latest record
-  std::uint64_t completed = 0;  // guarded by mutex: latest generation reached
-  Clock::time_point reached_at; // guarded by mutex
+  std::uint64_t recorded = 0;    // guarded by mutex: generation of the latest record
+  std::uint64_t completed = 0;   // guarded by mutex: latest generation reached
+  Clock::time_point reached_at;  // guarded by mutex
   bool timing = false;
 };
 
@@ -211,8 +211,9 @@ class HostBackend final : public Backend {
   void* allocate_pinned_host(std::size_t bytes) override {
     REVIVA_CHECK_ARG(bytes > 0, "allocate_pinned_host: bytes must be > 0");
     void* p = std::aligned_alloc(kPinnedAlignment, round_up(bytes, kPinnedAlignment));
-    if (!p) throw OutOfMemory(detail::concat("host backend: cannot allocate ", bytes,
-                                             " bytes of (simulated pinned) host memory"));
+    if (!p)
+      throw OutOfMemory(detail::concat("host backend: cannot allocate ", bytes,
+                                       " bytes of (simulated pinned) host memory"));
     std::lock_guard<std::mutex> lock(mutex_);
     pinned_allocations_[static_cast<const char*>(p)] = bytes;
     return p;
@@ -321,7 +322,7 @@ class HostBackend final : public Backend {
 
   Allocations device_allocations_;  // guarded by mutex_
   Allocations pinned_allocations_;  // guarded by mutex_
-  std::size_t device_bytes_ = 0;                               // guarded by mutex_
+  std::size_t device_bytes_ = 0;    // guarded by mutex_
 };
 
 }  // namespace

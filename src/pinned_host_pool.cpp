@@ -79,12 +79,12 @@ struct PendingFree {
 
 struct PinnedHostPool::Impl {
   mutable std::mutex mutex;
-  std::set<PoolBlock*, BySizeThenAddress> free_blocks;  // guarded by mutex
+  std::set<PoolBlock*, BySizeThenAddress> free_blocks;     // guarded by mutex
   std::map<const char*, std::unique_ptr<PoolSlab>> slabs;  // guarded by mutex; by base address
-  std::vector<PendingFree> pending;                     // guarded by mutex
-  std::vector<Event> idle_events;                       // guarded by mutex
-  std::atomic<std::size_t> pending_count{0};            // mirrors pending.size() + in-check
-  PinnedHostPoolStats stats;                            // guarded by mutex (counters)
+  std::vector<PendingFree> pending;                        // guarded by mutex
+  std::vector<Event> idle_events;                          // guarded by mutex
+  std::atomic<std::size_t> pending_count{0};               // mirrors pending.size() + in-check
+  PinnedHostPoolStats stats;                               // guarded by mutex (counters)
 
   // Best fit: the smallest free block of at least `size`, split if larger. nullptr if none.
   // Requires mutex.
@@ -258,7 +258,8 @@ PinnedBlock PinnedHostPool::allocate(std::size_t bytes) {
       slab_bytes = std::max(options_.slab_bytes, round_up(size, kSlabGranularity));
       if (options_.capacity_bytes != 0 && st.bytes_reserved + slab_bytes > options_.capacity_bytes)
         slab_bytes = size;  // a slab just big enough may still fit under the cap
-      if (options_.capacity_bytes == 0 || st.bytes_reserved + slab_bytes <= options_.capacity_bytes) {
+      if (options_.capacity_bytes == 0 ||
+          st.bytes_reserved + slab_bytes <= options_.capacity_bytes) {
         st.bytes_reserved += slab_bytes;  // reserve before the backend call (Note above)
         st.peak_bytes_reserved = std::max(st.peak_bytes_reserved, st.bytes_reserved);
       } else {
@@ -273,11 +274,11 @@ PinnedBlock PinnedHostPool::allocate(std::size_t bytes) {
       }
       if (attempt <= 1 && release_cached() > 0) continue;
       const PinnedHostPoolStats st = stats();
-      throw OutOfMemory(detail::concat(
-          "pinned host pool: cannot allocate ", bytes, " bytes (", size,
-          " rounded): capacity ", options_.capacity_bytes, " bytes, reserved ", st.bytes_reserved,
-          ", in use ", st.bytes_in_use, ", pending ", st.bytes_pending,
-          ", largest free block ", st.largest_free_block));
+      throw OutOfMemory(detail::concat("pinned host pool: cannot allocate ", bytes, " bytes (",
+                                       size, " rounded): capacity ", options_.capacity_bytes,
+                                       " bytes, reserved ", st.bytes_reserved, ", in use ",
+                                       st.bytes_in_use, ", pending ", st.bytes_pending,
+                                       ", largest free block ", st.largest_free_block));
     }
 
     char* base = nullptr;
@@ -351,8 +352,7 @@ void PinnedHostPool::release(PoolBlock* block) noexcept {
     }
   } catch (const std::exception& e) {
     // Could not record: wait for the streams instead, so the block is safe to reuse now.
-    std::fprintf(stderr, "reviva: warning: PinnedHostPool: recording a free event: %s\n",
-                 e.what());
+    std::fprintf(stderr, "reviva: warning: PinnedHostPool: recording a free event: %s\n", e.what());
     try {
       for (const auto& stream : uses) stream->synchronize();
       pending.events.clear();
@@ -504,11 +504,15 @@ void PinnedHostPool::check_invariants() const {
   REVIVA_ASSERT(reserved == st.bytes_reserved, "slabs hold ", reserved, " bytes, stats say ",
                 st.bytes_reserved);
   REVIVA_ASSERT(pending_bytes <= st.bytes_pending);
-  REVIVA_ASSERT(st.bytes_in_use + st.bytes_pending + [&] {
-    std::size_t f = 0;
-    for (const PoolBlock* b : impl_->free_blocks) f += b->size;
-    return f;
-  }() == reserved, "in use + pending + free != reserved");
+  REVIVA_ASSERT(
+      st.bytes_in_use + st.bytes_pending +
+              [&] {
+                std::size_t f = 0;
+                for (const PoolBlock* b : impl_->free_blocks) f += b->size;
+                return f;
+              }() ==
+          reserved,
+      "in use + pending + free != reserved");
   if (options_.capacity_bytes) REVIVA_ASSERT(st.bytes_reserved <= options_.capacity_bytes);
 }
 

@@ -70,7 +70,7 @@ struct TransferEngine::Impl {
   std::shared_ptr<const Stream> streams[2];
   std::mutex mutex;
   std::deque<std::shared_ptr<TransferState>> in_flight[2];  // guarded by mutex
-  DirectionStats stats[2];                                   // guarded by mutex
+  DirectionStats stats[2];                                  // guarded by mutex
   std::atomic<std::uint64_t> next_id{1};
   std::atomic<bool> folding{false};  // Note [Per-direction FIFO accounting]
 
@@ -129,7 +129,8 @@ const Stream& TransferEngine::stream(Direction direction) const noexcept {
   return *impl_->streams[static_cast<int>(direction)];
 }
 
-const std::shared_ptr<const Stream>& TransferEngine::stream_ptr(Direction direction) const noexcept {
+const std::shared_ptr<const Stream>& TransferEngine::stream_ptr(
+    Direction direction) const noexcept {
   return impl_->streams[static_cast<int>(direction)];
 }
 
@@ -155,10 +156,10 @@ void TransferEngine::check_request(Direction direction, const CopyRequest& reque
                      "the PinnedHostPool)");
   }
   const MemoryKind kind = backend_->memory_kind(device);
-  REVIVA_CHECK_ARG(kind == MemoryKind::Device || kind == MemoryKind::Managed ||
-                       kind == MemoryKind::Unknown,
-                   "copy request ", index, " (", to_string(direction), "): the device pointer ",
-                   device, " is ", to_string(kind), " memory, not device memory");
+  REVIVA_CHECK_ARG(
+      kind == MemoryKind::Device || kind == MemoryKind::Managed || kind == MemoryKind::Unknown,
+      "copy request ", index, " (", to_string(direction), "): the device pointer ", device, " is ",
+      to_string(kind), " memory, not device memory");
 }
 
 Transfer TransferEngine::copy(Direction direction, void* dst, const void* src, std::size_t bytes,
@@ -206,8 +207,8 @@ Transfer TransferEngine::submit(Direction direction, std::span<const CopyRequest
 
   const int d = static_cast<int>(direction);
   const std::shared_ptr<const Stream>& stream = impl_->streams[d];
-  auto state = std::make_shared<TransferState>(impl_->next_id.fetch_add(1), direction, total,
-                                               backend_);
+  auto state =
+      std::make_shared<TransferState>(impl_->next_id.fetch_add(1), direction, total, backend_);
   if (block) block->record_use(stream);
   if (producer) stream->wait(*producer);  // rule 1: read nothing before the producer is done
   state->start.record(*stream);

@@ -58,14 +58,14 @@ std::string concat(Args&&... args) {
 }  // namespace detail
 }  // namespace reviva
 
-#define REVIVA_CHECK_ARG(cond, ...)                                                     \
-  do {                                                                                  \
+#define REVIVA_CHECK_ARG(cond, ...)                                                      \
+  do {                                                                                   \
     if (!(cond)) throw ::reviva::InvalidArgument(::reviva::detail::concat(__VA_ARGS__)); \
   } while (false)
 
-#define REVIVA_ASSERT(cond, ...)                                                         \
-  do {                                                                                   \
-    if (!(cond))                                                                         \
-      ::reviva::detail::assert_fail(#cond, __FILE__, __LINE__,                           \
+#define REVIVA_ASSERT(cond, ...)                                                              \
+  do {                                                                                        \
+    if (!(cond))                                                                              \
+      ::reviva::detail::assert_fail(#cond, __FILE__, __LINE__,                                \
                                     ::reviva::detail::concat("" __VA_OPT__(, ) __VA_ARGS__)); \
   } while (false)

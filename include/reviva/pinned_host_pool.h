@@ -30,19 +30,19 @@ struct PinnedHostPoolOptions {
 };
 
 struct PinnedHostPoolStats {
-  std::size_t bytes_reserved = 0;        // pinned memory held in slabs
-  std::size_t bytes_in_use = 0;          // in live blocks (rounded sizes)
-  std::size_t bytes_requested = 0;       // in live blocks, as requested
-  std::size_t bytes_pending = 0;         // freed, waiting for their streams' events
+  std::size_t bytes_reserved = 0;   // pinned memory held in slabs
+  std::size_t bytes_in_use = 0;     // in live blocks (rounded sizes)
+  std::size_t bytes_requested = 0;  // in live blocks, as requested
+  std::size_t bytes_pending = 0;    // freed, waiting for their streams' events
   std::size_t peak_bytes_in_use = 0;
   std::size_t peak_bytes_reserved = 0;
   std::size_t largest_free_block = 0;
-  std::uint64_t allocations = 0;         // successful allocate() calls
-  std::uint64_t cache_hits = 0;          // of those, served without reserving a new slab
+  std::uint64_t allocations = 0;  // successful allocate() calls
+  std::uint64_t cache_hits = 0;   // of those, served without reserving a new slab
   std::uint64_t frees = 0;
-  std::uint64_t slabs_allocated = 0;     // backend allocations made (ever)
-  std::uint64_t slabs_released = 0;      // backend frees made (ever)
-  std::size_t slabs = 0;                 // slabs held now
+  std::uint64_t slabs_allocated = 0;  // backend allocations made (ever)
+  std::uint64_t slabs_released = 0;   // backend frees made (ever)
+  std::size_t slabs = 0;              // slabs held now
   std::size_t free_blocks = 0;
   std::size_t pending_blocks = 0;
   double hit_rate() const noexcept {

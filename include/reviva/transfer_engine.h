@@ -73,8 +73,8 @@ class REVIVA_API Transfer {
  public:
   Transfer() = default;
   bool valid() const noexcept { return state_ != nullptr; }
-  bool ready() const;                        // the copy has completed
-  void wait() const;                         // blocks the calling thread until it has
+  bool ready() const;                             // the copy has completed
+  void wait() const;                              // blocks the calling thread until it has
   void enqueue_wait(const Stream& stream) const;  // later work on `stream` waits for it
   const Event& completion_event() const;
   std::size_t bytes() const noexcept;
@@ -124,8 +124,8 @@ class REVIVA_API TransferEngine {
 
  private:
   struct Impl;
-  Transfer submit(Direction direction, std::span<const CopyRequest> requests,
-                  const Event* producer, const PinnedBlock* block);
+  Transfer submit(Direction direction, std::span<const CopyRequest> requests, const Event* producer,
+                  const PinnedBlock* block);
   void check_request(Direction direction, const CopyRequest& request, std::size_t index) const;
 
   std::shared_ptr<PinnedHostPool> pool_;

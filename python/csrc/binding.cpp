@@ -77,9 +77,8 @@ class Runtime {
 #if defined(REVIVA_TORCH_CUDA)
     if (is_cuda()) {
       c10::cuda::CUDACachingAllocator::recordStream(
-          t.storage().data_ptr(),
-          c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream.handle()),
-                                           device_.index()));
+          t.storage().data_ptr(), c10::cuda::getStreamFromExternal(
+                                      static_cast<cudaStream_t>(stream.handle()), device_.index()));
     }
 #else
     (void)t;
@@ -130,7 +129,8 @@ struct OffloadedTensor {
       py::gil_scoped_release release;
       d2h.wait();
     }
-    keepalive = torch::Tensor();  // with the GIL held: dropping a tensor may touch its Python object
+    keepalive =
+        torch::Tensor();  // with the GIL held: dropping a tensor may touch its Python object
   }
   bool ready() {
     const bool r = d2h.ready();
@@ -180,8 +180,8 @@ class PyTransferEngine {
       out.push_back(std::move(h));
     }
     std::optional<Event> producer = rt_->producer_event();
-    Transfer transfer = engine_->copy_batch(Direction::DeviceToHost, requests,
-                                            producer ? &*producer : nullptr);
+    Transfer transfer =
+        engine_->copy_batch(Direction::DeviceToHost, requests, producer ? &*producer : nullptr);
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       out[i]->d2h = transfer;
       rt_->record_stream(tensors[i], engine_->stream(Direction::DeviceToHost));
@@ -198,8 +198,8 @@ class PyTransferEngine {
                                            std::vector<std::optional<torch::Tensor>> outs,
                                            bool wait) {
     REVIVA_CHECK_ARG(!handles.empty(), "restore_batch: no tensors given");
-    REVIVA_CHECK_ARG(outs.empty() || outs.size() == handles.size(), "restore_batch: ",
-                     handles.size(), " tensors but ", outs.size(), " outputs");
+    REVIVA_CHECK_ARG(outs.empty() || outs.size() == handles.size(),
+                     "restore_batch: ", handles.size(), " tensors but ", outs.size(), " outputs");
     const Stream& h2d = engine_->stream(Direction::HostToDevice);
     std::vector<torch::Tensor> results;
     std::vector<CopyRequest> requests;
@@ -227,8 +227,8 @@ class PyTransferEngine {
     }
     // `dst` memory may have been in use by earlier torch work on the current stream.
     std::optional<Event> producer = rt_->producer_event();
-    Transfer transfer = engine_->copy_batch(Direction::HostToDevice, requests,
-                                            producer ? &*producer : nullptr);
+    Transfer transfer =
+        engine_->copy_batch(Direction::HostToDevice, requests, producer ? &*producer : nullptr);
     for (const torch::Tensor& dst : results) rt_->record_stream(dst, h2d);
     if (auto current = rt_->current_stream()) {
       if (wait) transfer.enqueue_wait(*current);  // rule 3: compute waits for the H2D
@@ -248,10 +248,9 @@ class PyTransferEngine {
                      " bytes, src has ", src.nbytes());
     const bool d2h = dst.device().is_cpu() && src.device() == rt_->device();
     const bool h2d = src.device().is_cpu() && dst.device() == rt_->device();
-    REVIVA_CHECK_ARG(rt_->is_cuda() && (d2h || h2d),
-                     "copy_: needs one tensor on ", rt_->device().str(),
-                     " and one pinned CPU tensor; got dst ", describe(dst), " and src ",
-                     describe(src));
+    REVIVA_CHECK_ARG(rt_->is_cuda() && (d2h || h2d), "copy_: needs one tensor on ",
+                     rt_->device().str(), " and one pinned CPU tensor; got dst ", describe(dst),
+                     " and src ", describe(src));
     const torch::Tensor& host = d2h ? dst : src;
     const torch::Tensor& device = d2h ? src : dst;
     check_on_runtime_device(*rt_, device, "copy_");
@@ -360,11 +359,13 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<const std::optional<std::string>&>(), py::arg("device") = py::none())
       .def_property_readonly("device", [](const Runtime& r) { return r.device().str(); })
       .def_property_readonly("backend", [](const Runtime& r) { return r.backend()->name(); })
-      .def_property_readonly("kind", [](const Runtime& r) { return to_string(r.backend()->kind()); })
-      .def("device_memory_info", [](const Runtime& r) {
-        const DeviceMemoryInfo info = r.backend()->device_memory_info();
-        return py::make_tuple(info.free_bytes, info.total_bytes);
-      })
+      .def_property_readonly("kind",
+                             [](const Runtime& r) { return to_string(r.backend()->kind()); })
+      .def("device_memory_info",
+           [](const Runtime& r) {
+             const DeviceMemoryInfo info = r.backend()->device_memory_info();
+             return py::make_tuple(info.free_bytes, info.total_bytes);
+           })
       .def("__repr__", &Runtime::repr);
 
   py::class_<PinnedHostPool, std::shared_ptr<PinnedHostPool>>(m, "PinnedHostPool")
@@ -391,8 +392,8 @@ PYBIND11_MODULE(_C, m) {
       .def("ready", &Transfer::ready)
       .def("wait", &Transfer::wait, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("nbytes", &Transfer::bytes)
-      .def_property_readonly("direction",
-                             [](const Transfer& t) { return std::string(to_string(t.direction())); });
+      .def_property_readonly(
+          "direction", [](const Transfer& t) { return std::string(to_string(t.direction())); });
 
   py::class_<OffloadedTensor, OffloadedPtr>(m, "OffloadedTensor")
       .def("ready", &OffloadedTensor::ready)
@@ -422,8 +423,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("coalesce_below") = std::size_t{256} << 10)
       .def("offload", &PyTransferEngine::offload, py::arg("tensor"))
       .def("offload_batch", &PyTransferEngine::offload_batch, py::arg("tensors"))
-      .def("restore", &PyTransferEngine::restore, py::arg("offloaded"),
-           py::arg("out") = py::none(), py::arg("wait") = true)
+      .def("restore", &PyTransferEngine::restore, py::arg("offloaded"), py::arg("out") = py::none(),
+           py::arg("wait") = true)
       .def("restore_batch", &PyTransferEngine::restore_batch, py::arg("offloaded"),
            py::arg("outs") = std::vector<std::optional<torch::Tensor>>{}, py::arg("wait") = true)
       .def("copy_", &PyTransferEngine::copy_, py::arg("dst"), py::arg("src"))

@@ -6,6 +6,9 @@ The core (pinned host pool, transfer engine) is C++/CUDA; this package exposes i
 
 from __future__ import annotations
 
+# torch first: it loads libtorch and the CUDA runtime that reviva._C links against.
+import torch  # noqa: F401
+
 from reviva._C import (  # noqa: F401  (re-exported API)
     OffloadedTensor,
     PinnedHostPool,

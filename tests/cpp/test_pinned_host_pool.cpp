@@ -143,7 +143,7 @@ TEST_P(PoolTest, CapReleasesCachedSlabsToFitALargerRequest) {
     for (int i = 0; i < 3; ++i) blocks.push_back(pool->allocate(2 * kMiB));
   }
   EXPECT_EQ(pool->stats().bytes_reserved, 6 * kMiB);  // three free slabs cached
-  PinnedBlock big = pool->allocate(5 * kMiB);          // needs one 6 MiB slab: release first
+  PinnedBlock big = pool->allocate(5 * kMiB);         // needs one 6 MiB slab: release first
   const auto st = pool->stats();
   EXPECT_LE(st.bytes_reserved, 6 * kMiB);
   EXPECT_EQ(st.slabs_released, 3u);

@@ -33,9 +33,9 @@ class EngineTest : public BackendTest {
 };
 
 TEST_P(EngineTest, RoundTripsRandomDataOfManySizesBitExactly) {
-  const std::vector<std::size_t> sizes = {1,         3,          512,        4095,
-                                          64 * kKiB, 64 * kKiB + 3, kMiB - 1, kMiB,
-                                          kMiB + 1,  5 * kMiB + 17, 33 * kMiB + 5};
+  const std::vector<std::size_t> sizes = {
+      1,        3,    512,      4095,          64 * kKiB,    64 * kKiB + 3,
+      kMiB - 1, kMiB, kMiB + 1, 5 * kMiB + 17, 33 * kMiB + 5};
   std::uint64_t seed = 7;
   for (std::size_t n : sizes) {
     SCOPED_TRACE("bytes=" + std::to_string(n));

@@ -1,0 +1,94 @@
+"""What every Reviva benchmark records beside its figures: git sha, GPU, versions, command line.
+
+Also a tiny table printer, so each benchmark ends with a short table a reader can check.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def git_sha() -> str:
+    """The commit measured, with '-dirty' when the tree had uncommitted changes."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("REVIVA_GIT_SHA", "unknown")
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "git_sha": git_sha(),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_memory_bytes"] = props.total_memory
+        env["gpu_count"] = torch.cuda.device_count()
+    else:
+        env["gpu"] = None
+    try:
+        import reviva
+
+        env["reviva_core"] = reviva.core_version()
+    except ImportError:
+        env["reviva_core"] = None
+    return env
+
+
+def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
+    """Writes benchmarks/results/<name>-<date>-<sha>.json (or into out_dir) and returns the path."""
+    out_dir = out_dir or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = payload.get("environment") or environment()
+    payload = {"environment": env, **payload}
+    stamp = env["date_utc"][:10]
+    path = out_dir / f"{name}-{stamp}-{env['git_sha'][:12]}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    """Prints rows as an aligned text table (floats with 2 decimals)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.2f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
+    ]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))

@@ -1,0 +1,27 @@
+# Helpers shared by scripts/demo and scripts/test (sourced, not run).
+#
+# reviva_venv: sets VENV to a virtual environment kept outside the clone, created on first use
+# and reused while requirements-dev.txt and the Python version are unchanged (the torch wheel
+# alone is several GB, so reuse is what keeps a second run fast).
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+reviva_venv() {
+  local py="${PYTHON:-python3}"
+  local key
+  key="$( { cat "$REPO/requirements-dev.txt"; "$py" --version; } | sha256sum | cut -c1-12)"
+  VENV="${REVIVA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/reviva/venv-$key}"
+  if [ ! -f "$VENV/.complete" ]; then
+    echo "reviva: creating the Python environment $VENV (first run: downloads torch)" >&2
+    rm -rf "$VENV"
+    "$py" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -r "$REPO/requirements-dev.txt"
+    touch "$VENV/.complete"
+  fi
+}
+
+# reviva_install: builds and installs the package (reviva._C against the venv's torch).
+reviva_install() {
+  echo "reviva: building and installing the package (pip install .)" >&2
+  "$VENV/bin/python" -m pip install -q "$REPO"
+}
