@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <cstdio>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -122,6 +123,22 @@ struct OffloadedTensor {
   torch::Device device{torch::kCPU};
   // Host runtime only: the source stays alive until its asynchronous copy has read it.
   torch::Tensor keepalive;
+
+  OffloadedTensor() = default;
+  OffloadedTensor(const OffloadedTensor&) = delete;
+  OffloadedTensor& operator=(const OffloadedTensor&) = delete;
+  // Host runtime: the copy thread may still be reading `keepalive`; it must outlive the read.
+  // (No GIL is needed: the host backend's copy threads never take it.)
+  ~OffloadedTensor() {
+    if (keepalive.defined() && d2h.valid()) {
+      try {
+        d2h.wait();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "reviva: warning: OffloadedTensor: waiting for the offload: %s\n",
+                     e.what());
+      }
+    }
+  }
 
   std::size_t nbytes() const { return block.size(); }
   void wait() {

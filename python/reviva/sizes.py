@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
 
 _UNITS = {
     "": 1,
@@ -27,8 +29,8 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"a byte size must be an int or a string like '24GB', got {value!r}")
     if isinstance(value, int | float):
-        if value < 0 or value != value:  # negative or NaN
-            raise ValueError(f"a byte size must be >= 0, got {value!r}")
+        if value < 0 or not math.isfinite(value) or value != int(value):
+            raise ValueError(f"a byte size must be a whole number >= 0, got {value!r}")
         return int(value)
     if not isinstance(value, str):
         raise TypeError(f"a byte size must be an int or a string like '24GB', got {value!r}")
@@ -38,4 +40,8 @@ def parse_bytes(value: int | float | str) -> int:
             f"cannot read {value!r} as a byte size: use a number with one of the units "
             f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '24GB')"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    # Decimal, not float: "2.01KB" is exactly 2010 bytes, not 2009.9999...
+    size = Decimal(match.group(1)) * _UNITS[match.group(2).upper()]
+    if size != size.to_integral_value():
+        raise ValueError(f"{value!r} is not a whole number of bytes ({size})")
+    return int(size)

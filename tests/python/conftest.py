@@ -11,8 +11,9 @@ import zlib
 from collections.abc import Iterator
 
 import pytest
-import reviva
 import torch
+
+import reviva
 
 GPU_SKIP_REASON = (
     "needs a CUDA device (torch.cuda.is_available() is False); "

@@ -16,8 +16,9 @@ import sys
 import textwrap
 
 import pytest
-import reviva
 import torch
+
+import reviva
 
 ROUND_TRIP_DTYPES = [
     torch.float32,
