@@ -32,11 +32,16 @@ struct TransferEngineOptions {
   // In copy_batch, requests smaller than this are coalesced into one segment copy. 0: never.
   std::size_t coalesce_below = std::size_t{256} << 10;
   // Check that host-side pointers are pinned (a pageable pointer would silently make the copy
-  // synchronous and slow, or fault in the segment kernel).
+  // synchronous and slow, or fault in the segment kernel). Pool blocks are known to be pinned.
   bool check_host_pointers = true;
   StreamPriority d2h_priority = StreamPriority::Normal;
   // Prefetches are usually on the critical path of compute: give H2D the higher priority.
   StreamPriority h2d_priority = StreamPriority::High;
+  // Streams owned by someone else to copy on (not destroyed by the engine), e.g. streams that
+  // must outlive the engine because another allocator recorded them (torch's record_stream).
+  // nullptr: the engine creates its own.
+  StreamHandle d2h_stream = nullptr;
+  StreamHandle h2d_stream = nullptr;
 };
 
 struct CopyRequest {

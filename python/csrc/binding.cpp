@@ -87,6 +87,22 @@ class Runtime {
 #endif
   }
 
+  // Copy streams for an engine: on CUDA, streams of torch's pool, which live as long as the
+  // process. torch's allocator records events on the streams named in record_stream when it frees
+  // such memory, possibly after the engine is gone, so the engine must not own (destroy) them.
+  void choose_copy_streams(TransferEngineOptions& options) const {
+#if defined(REVIVA_TORCH_CUDA)
+    if (is_cuda()) {
+      options.d2h_stream =
+          c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index()).stream();
+      options.h2d_stream =
+          c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index()).stream();
+    }
+#else
+    (void)options;
+#endif
+  }
+
   std::string repr() const {
     return "Runtime(device='" + device_.str() + "', backend='" + backend_->name() + "')";
   }
@@ -434,6 +450,7 @@ PYBIND11_MODULE(_C, m) {
              TransferEngineOptions o;
              o.chunk_bytes = chunk_bytes;
              o.coalesce_below = coalesce_below;
+             rt->choose_copy_streams(o);
              return std::make_unique<PyTransferEngine>(std::move(rt), std::move(pool), o);
            }),
            py::arg("runtime"), py::arg("pool"), py::arg("chunk_bytes") = std::size_t{64} << 20,

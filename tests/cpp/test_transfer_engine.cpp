@@ -287,3 +287,46 @@ INSTANTIATE_TEST_SUITE_P(Backends, EngineTest,
 
 }  // namespace
 }  // namespace reviva::test
+
+namespace reviva::test {
+namespace {
+
+using BackendSemanticsForEngine = BackendTest;
+
+TEST_P(BackendSemanticsForEngine, ExternalStreamsAreUsedAndNotDestroyed) {
+  auto pool = PinnedHostPool::create(backend_, {});
+  Stream d2h(backend_), h2d(backend_);
+  const std::size_t n = 1 << 20;
+  const auto data = random_bytes(n, 71);
+  PinnedBlock src = pool->allocate(n), dst = pool->allocate(n);
+  std::memcpy(src.data(), data.data(), n);
+  Stream compute(backend_);
+  DeviceBuffer dev(*backend_, compute, n);
+  compute.synchronize();
+  {
+    TransferEngineOptions o;
+    o.d2h_stream = d2h.handle();
+    o.h2d_stream = h2d.handle();
+    TransferEngine engine(pool, o);
+    EXPECT_EQ(engine.stream(Direction::DeviceToHost).handle(), d2h.handle());
+    EXPECT_FALSE(engine.stream(Direction::HostToDevice).owned());
+    engine.restore(src, dev.data(), n).enqueue_wait(engine.stream(Direction::DeviceToHost));
+    engine.offload(dev.data(), dst, n).wait();
+  }
+  // The engine is gone; its streams, which it did not own, still work.
+  Event e(backend_);
+  e.record(d2h);
+  e.record(h2d);
+  h2d.synchronize();
+  EXPECT_EQ(std::memcmp(dst.data(), data.data(), n), 0);
+  TransferEngineOptions same;
+  same.d2h_stream = same.h2d_stream = d2h.handle();
+  EXPECT_THROW(TransferEngine(pool, same), InvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, BackendSemanticsForEngine,
+                         ::testing::Values(BackendKind::Host, BackendKind::Cuda),
+                         backend_param_name);
+
+}  // namespace
+}  // namespace reviva::test

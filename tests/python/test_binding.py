@@ -290,6 +290,32 @@ def test_source_memory_is_not_reused_before_its_offload_has_read_it(
     busy_handle.wait()
 
 
+def test_tensors_outliving_their_engine_exit_cleanly(device: str) -> None:
+    # torch's allocator records events on the copy streams (record_stream) when it frees memory
+    # a copy used, possibly after the engine is gone: those streams must outlive the engine.
+    # Seen on the H200 before the fix: "CUDA error: context is destroyed" and an abort at exit.
+    script = textwrap.dedent(
+        f"""
+        import torch, reviva
+        rt = reviva.Runtime({device!r})
+        pool = reviva.PinnedHostPool(rt)
+        engine = reviva.TransferEngine(rt, pool)
+        sources = [torch.randn(1 << 16, device={device!r}) for _ in range(4)]
+        handles = engine.offload_batch(sources)
+        restored = engine.restore_batch(handles)
+        del engine, pool, rt
+        del sources, restored, handles
+        print("completed")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "completed" in proc.stdout, (
+        f"child exited with {proc.returncode}; stderr: {proc.stderr[-2000:]}"
+    )
+
+
 def test_dropping_a_handle_before_its_offload_completes_is_safe(device: str) -> None:
     # The source tensor and the handle are both dropped while the copy may still be queued: the
     # copy must not read freed memory. Run in a child process, since a use-after-free can take
