@@ -370,7 +370,8 @@ PYBIND11_MODULE(_C, m) {
       py::exception<OutOfMemory>(m, "RevivaOutOfMemoryError", PyExc_MemoryError).ptr();
   static PyObject* backend_error =
       py::exception<BackendError>(m, "RevivaBackendError", base_error).ptr();
-  py::register_exception_translator([](std::exception_ptr p) {
+  // Local: applies to exceptions from this module only, never to those of torch or others.
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const InvalidArgument& e) {
