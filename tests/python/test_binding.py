@@ -632,3 +632,28 @@ def test_parse_bytes_rejects_non_sizes_naming_the_value(value: int | float | str
 def test_parse_bytes_rejects_other_types(value: object) -> None:
     with pytest.raises(TypeError):
         reviva.parse_bytes(value)  # type: ignore[arg-type]
+
+
+# --- packaging ----------------------------------------------------------------------------------
+
+
+def _needed_libraries(path: str) -> list[str]:
+    out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True)
+    return [
+        line.split("[", 1)[1].rstrip("]") for line in out.stdout.splitlines() if "(NEEDED)" in line
+    ]
+
+
+def test_native_libraries_share_the_process_libstdcxx() -> None:
+    # A static copy of libstdc++ inside libreviva or _C, beside torch's shared one, crashed the
+    # first `ostream << long` on the GPU machine (its image links -static-libstdc++ by default).
+    import pathlib
+
+    folder = pathlib.Path(reviva.__file__).parent
+    libraries = [*folder.glob("libreviva.so*"), *folder.glob("_C*.so")]
+    assert libraries, f"no native libraries found in {folder}"
+    for lib in libraries:
+        needed = _needed_libraries(str(lib))
+        assert any(n.startswith("libstdc++.so") for n in needed), (
+            f"{lib.name} does not link the shared libstdc++ (NEEDED: {needed})"
+        )
