@@ -58,6 +58,7 @@ bool Transfer::ready() const { return checked(state_).done.query(); }
 void Transfer::wait() const { checked(state_).done.synchronize(); }
 void Transfer::enqueue_wait(const Stream& stream) const { stream.wait(checked(state_).done); }
 const Event& Transfer::completion_event() const { return checked(state_).done; }
+const Event& Transfer::start_event() const { return checked(state_).start; }
 std::size_t Transfer::bytes() const noexcept { return state_ ? state_->bytes : 0; }
 Direction Transfer::direction() const noexcept {
   return state_ ? state_->direction : Direction::DeviceToHost;

@@ -2,8 +2,13 @@
 #pragma once
 
 #include <reviva/backend.h>
+#include <reviva/device_allocator.h>
 #include <reviva/error.h>
+#include <reviva/eviction_policy.h>
+#include <reviva/metrics.h>
+#include <reviva/offload_manager.h>
 #include <reviva/pinned_host_pool.h>
+#include <reviva/prefetch_scheduler.h>
 #include <reviva/stream.h>
 #include <reviva/transfer_engine.h>
 #include <reviva/version.h>

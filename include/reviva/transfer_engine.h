@@ -82,6 +82,7 @@ class REVIVA_API Transfer {
   void wait() const;                              // blocks the calling thread until it has
   void enqueue_wait(const Stream& stream) const;  // later work on `stream` waits for it
   const Event& completion_event() const;
+  const Event& start_event() const;  // recorded when the copy stream began this transfer
   std::size_t bytes() const noexcept;
   Direction direction() const noexcept;
   std::uint64_t id() const noexcept;

@@ -2,14 +2,7 @@
 // contiguity, sizes), converts tensors to pointers and streams, and keeps the lifetime protocol
 // (DESIGN.md) at the torch boundary: producer events on torch's current stream, record_stream
 // for memory a copy stream still uses, and the current stream waiting on restores.
-#include <reviva/reviva.h>
-
-#include <torch/extension.h>
-
-#if defined(REVIVA_TORCH_CUDA)
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
+#include "runtime.h"
 
 #include <cstdio>
 #include <optional>
@@ -20,114 +13,10 @@
 namespace py = pybind11;
 
 namespace reviva::python {
+
+void bind_manager(py::module_& m);  // manager.cpp
+
 namespace {
-
-// --- Runtime: a backend bound to one torch device -----------------------------------------------
-
-class Runtime {
- public:
-  explicit Runtime(const std::optional<std::string>& device) {
-    std::string d = device.value_or(cuda_available() ? "cuda" : "cpu");
-    torch::Device td(d);
-    if (td.is_cuda()) {
-#if defined(REVIVA_TORCH_CUDA)
-      const int index = td.has_index() ? td.index() : 0;
-      backend_ = make_cuda_backend(index);
-      device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
-#else
-      throw InvalidArgument("Runtime: device '" + d +
-                            "' needs a CUDA build of both torch and Reviva; this build has none");
-#endif
-    } else if (td.is_cpu()) {
-      backend_ = make_host_backend();
-      device_ = torch::Device(torch::kCPU);
-    } else {
-      throw InvalidArgument("Runtime: unsupported device '" + d + "' (use 'cuda[:N]' or 'cpu')");
-    }
-  }
-
-  const std::shared_ptr<Backend>& backend() const { return backend_; }
-  const torch::Device& device() const { return device_; }
-  bool is_cuda() const { return device_.is_cuda(); }
-
-  // The stream torch computes on now, as a (non-owning) Reviva stream; nullptr on the host
-  // runtime, where torch computes synchronously.
-  std::shared_ptr<const Stream> current_stream() const {
-#if defined(REVIVA_TORCH_CUDA)
-    if (is_cuda()) {
-      cudaStream_t s = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
-      return std::make_shared<const Stream>(Stream::wrap(backend_, s));
-    }
-#endif
-    return nullptr;
-  }
-
-  // An event on torch's current stream: the point after which a copy may read (or overwrite)
-  // memory torch computed with (lifetime rule 1). nullopt on the host runtime.
-  std::optional<Event> producer_event() const {
-    auto stream = current_stream();
-    if (!stream) return std::nullopt;
-    Event e(backend_);
-    e.record(*stream);
-    return e;
-  }
-
-  // Lifetime rule 2 at the torch boundary: torch's allocator will not reuse `t`'s memory until
-  // `stream` has finished the work queued on it so far.
-  void record_stream(const torch::Tensor& t, const Stream& stream) const {
-#if defined(REVIVA_TORCH_CUDA)
-    if (is_cuda()) {
-      c10::cuda::CUDACachingAllocator::recordStream(
-          t.storage().data_ptr(), c10::cuda::getStreamFromExternal(
-                                      static_cast<cudaStream_t>(stream.handle()), device_.index()));
-    }
-#else
-    (void)t;
-    (void)stream;
-#endif
-  }
-
-  // Copy streams for an engine: on CUDA, streams of torch's pool, which live as long as the
-  // process. torch's allocator records events on the streams named in record_stream when it frees
-  // such memory, possibly after the engine is gone, so the engine must not own (destroy) them.
-  void choose_copy_streams(TransferEngineOptions& options) const {
-#if defined(REVIVA_TORCH_CUDA)
-    if (is_cuda()) {
-      options.d2h_stream =
-          c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index()).stream();
-      options.h2d_stream =
-          c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index()).stream();
-    }
-#else
-    (void)options;
-#endif
-  }
-
-  std::string repr() const {
-    return "Runtime(device='" + device_.str() + "', backend='" + backend_->name() + "')";
-  }
-
- private:
-  std::shared_ptr<Backend> backend_;
-  torch::Device device_{torch::kCPU};
-};
-
-// --- input checks ----------------------------------------------------------------------------
-
-std::string describe(const torch::Tensor& t) {
-  std::ostringstream s;
-  s << "tensor of shape " << t.sizes() << ", dtype " << t.dtype() << ", device " << t.device();
-  return s.str();
-}
-
-void check_on_runtime_device(const Runtime& rt, const torch::Tensor& t, const char* what) {
-  REVIVA_CHECK_ARG(t.defined(), what, ": tensor is undefined (None)");
-  REVIVA_CHECK_ARG(t.device() == rt.device(), what, ": expected a tensor on ", rt.device().str(),
-                   " (the runtime's device), got a ", describe(t));
-  REVIVA_CHECK_ARG(t.is_contiguous(), what, ": the tensor must be contiguous, got strides ",
-                   t.strides(), " for a ", describe(t), " (call .contiguous() first)");
-  REVIVA_CHECK_ARG(t.nbytes() > 0, what, ": the tensor is empty (", describe(t), ")");
-}
 
 // --- OffloadedTensor: a tensor's bytes in a pinned block, and how to rebuild it ------------
 
@@ -188,7 +77,7 @@ class PyTransferEngine {
  public:
   PyTransferEngine(std::shared_ptr<Runtime> rt, std::shared_ptr<PinnedHostPool> pool,
                    TransferEngineOptions options)
-      : rt_(std::move(rt)), engine_(std::make_unique<TransferEngine>(std::move(pool), options)) {
+      : rt_(std::move(rt)), engine_(std::make_shared<TransferEngine>(std::move(pool), options)) {
     REVIVA_CHECK_ARG(&engine_->backend() == rt_->backend().get(),
                      "TransferEngine: the pool belongs to another runtime");
   }
@@ -326,10 +215,12 @@ class PyTransferEngine {
 
   void reset_stats() { engine_->reset_stats(); }
   TransferEngine& engine() { return *engine_; }
+  const std::shared_ptr<TransferEngine>& engine_ptr() const { return engine_; }
+  const std::shared_ptr<Runtime>& runtime() const { return rt_; }
 
  private:
   std::shared_ptr<Runtime> rt_;
-  std::unique_ptr<TransferEngine> engine_;
+  std::shared_ptr<TransferEngine> engine_;
   Transfer last_restore_;
 };
 
@@ -356,6 +247,14 @@ py::dict pool_stats(const PinnedHostPool& pool) {
 }
 
 }  // namespace
+
+std::shared_ptr<TransferEngine> engine_of(py::handle py_engine) {
+  return py_engine.cast<PyTransferEngine&>().engine_ptr();
+}
+std::shared_ptr<Runtime> runtime_of(py::handle py_engine) {
+  return py_engine.cast<PyTransferEngine&>().runtime();
+}
+
 }  // namespace reviva::python
 
 PYBIND11_MODULE(_C, m) {
@@ -466,4 +365,6 @@ PYBIND11_MODULE(_C, m) {
       .def("synchronize", &PyTransferEngine::synchronize)
       .def("stats", &PyTransferEngine::stats)
       .def("reset_stats", &PyTransferEngine::reset_stats);
+
+  bind_manager(m);
 }

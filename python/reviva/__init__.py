@@ -11,7 +11,9 @@ import torch  # noqa: F401
 
 from reviva._C import (  # noqa: F401  (re-exported API)
     OffloadedTensor,
+    OffloadManager,
     PinnedHostPool,
+    PrefetchScheduler,
     RevivaBackendError,
     RevivaError,
     RevivaOutOfMemoryError,
@@ -28,7 +30,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "OffloadedTensor",
+    "OffloadManager",
     "PinnedHostPool",
+    "PrefetchScheduler",
     "RevivaBackendError",
     "RevivaError",
     "RevivaOutOfMemoryError",

@@ -1,0 +1,33 @@
+// DeviceAllocator: how the core obtains device memory for the blocks it manages.
+//
+// Allocation is stream-ordered: memory returned by allocate(bytes, s) may be used by work
+// submitted to `s` after the call (other streams must be ordered after `s` by events), and
+// deallocate(p, bytes, s) makes it reusable only once the work submitted to `s` before the call
+// has completed. The default implementation is cudaMallocAsync / cudaFreeAsync on the backend;
+// the Python binding supplies one on PyTorch's caching allocator, so that Reviva and PyTorch
+// share one pool and one budget.
+#pragma once
+
+#include <reviva/backend.h>
+#include <reviva/export.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+namespace reviva {
+
+class REVIVA_API DeviceAllocator {
+ public:
+  virtual ~DeviceAllocator();
+  // Throws OutOfMemory naming the numbers when the memory cannot be had.
+  virtual void* allocate(std::size_t bytes, StreamHandle stream) = 0;
+  virtual void deallocate(void* ptr, std::size_t bytes, StreamHandle stream) noexcept = 0;
+  virtual std::string name() const = 0;
+};
+
+// The backend's own stream-ordered allocator (cudaMallocAsync on CUDA).
+REVIVA_API std::shared_ptr<DeviceAllocator> make_backend_device_allocator(
+    std::shared_ptr<Backend> backend);
+
+}  // namespace reviva

@@ -1,0 +1,120 @@
+// OffloadManager: the residency of every registered block (a tensor's bytes), under a device
+// memory budget that it never exceeds.
+//
+// States of a block (DESIGN.md, "Core concepts"):
+//   Empty     no valid contents anywhere, no memory (registered, or discarded)
+//   Device    resident; the host may also hold a valid copy ("clean")
+//   ToHost    a D2H copy is in flight; its device memory is freed when the copy completes
+//   Host      only the pinned host copy holds the contents
+//   ToDevice  an H2D copy is in flight into fresh device memory
+// Every transition is a copy on a copy stream bracketed by events, following the lifetime
+// protocol to the letter (see Note [Lifetime protocol] in offload_manager.cpp).
+//
+// Compute uses a block between acquire() and release(): acquire makes it resident (fetching it if
+// needed), makes the compute stream wait for any copy still bringing it in, and pins it (a pinned
+// block is never evicted); release records the point on the compute stream after which it may
+// leave. When room is needed the eviction policy picks victims among resident, unpinned blocks.
+// The manager is thread-safe and makes no backend call while holding its mutex.
+#pragma once
+
+#include <reviva/device_allocator.h>
+#include <reviva/eviction_policy.h>
+#include <reviva/export.h>
+#include <reviva/metrics.h>
+#include <reviva/stream.h>
+#include <reviva/transfer_engine.h>
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace reviva {
+
+enum class BlockState { Empty, Device, ToHost, Host, ToDevice };
+REVIVA_API const char* to_string(BlockState state) noexcept;
+
+// How compute will use an acquired block.
+enum class Access {
+  ReadWrite,  // contents needed, and changed: the host copy becomes stale
+  ReadOnly,   // contents needed, unchanged: a valid host copy stays valid (clean eviction later)
+  WriteOnly,  // contents not needed (overwritten entirely): nothing is fetched
+};
+
+struct OffloadManagerOptions {
+  // Bytes of device memory the manager may hold. 0: `budget_fraction` of the device's total.
+  std::size_t budget_bytes = 0;
+  double budget_fraction = 0.8;
+  PolicyKind policy = PolicyKind::Lru;                   // ignored when a policy object is passed
+  std::size_t timeline_capacity = std::size_t{1} << 16;  // events kept (then counted as dropped)
+};
+
+class REVIVA_API OffloadManager {
+ public:
+  OffloadManager(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceAllocator> allocator,
+                 OffloadManagerOptions options = {},
+                 std::unique_ptr<EvictionPolicy> policy = nullptr);
+  ~OffloadManager();
+  OffloadManager(const OffloadManager&) = delete;
+  OffloadManager& operator=(const OffloadManager&) = delete;
+
+  // A new block of `bytes` (> 0) in state Empty: no memory is taken until first acquired.
+  BlockId register_block(std::size_t bytes, std::string name = {});
+  // Takes over `bytes` of device memory the caller already holds (state Device, contents valid
+  // once `producer`'s work so far completes). `release` gives the memory back when the block
+  // leaves the device; it is called once, with a stream after whose current work the memory is
+  // free. Throws OutOfMemory if the budget cannot make room for it.
+  BlockId adopt(void* device_ptr, std::size_t bytes, std::function<void(StreamHandle)> release,
+                const Stream& producer, std::string name = {});
+  // Frees the block's memory (stream-ordered) and forgets it. It must not be acquired.
+  void unregister(BlockId id);
+
+  // The block's device address, valid for work submitted to `compute` from now until release().
+  void* acquire(BlockId id, const Stream& compute, Access access = Access::ReadWrite);
+  void release(BlockId id, const Stream& compute);
+
+  // Starts moving an unpinned resident block to the host now. No-op unless Device.
+  void offload(BlockId id);
+  // Starts bringing a Host block back now, if it fits without waiting. Returns whether it is
+  // resident or on its way (false: no room right now, or the block has no contents).
+  bool prefetch(BlockId id);
+  // Drops the contents (state Empty) and frees memory on both sides. It must not be acquired.
+  void discard(BlockId id);
+
+  BlockState state(BlockId id) const;
+  std::size_t bytes(BlockId id) const;
+  const std::string& name(BlockId id) const;
+  std::vector<BlockId> blocks() const;
+
+  std::size_t budget_bytes() const;
+  // Changes the budget. Blocks over a lowered budget leave as room is next needed.
+  void set_budget_bytes(std::size_t bytes);
+  std::size_t device_bytes() const;  // held now: resident, in flight, or being freed
+
+  // Marks the end of a step (policies that learn from the previous step's trace use it).
+  void end_step();
+  // Waits for every copy in flight and folds all completions into state and metrics.
+  void synchronize();
+  // Folds completed copies and waits into state and metrics without blocking.
+  void poll();
+
+  ManagerMetrics metrics();
+  std::vector<TimelineEvent> timeline();
+  void reset_metrics();
+
+  TransferEngine& engine() const noexcept { return *engine_; }
+  const std::shared_ptr<TransferEngine>& engine_ptr() const noexcept { return engine_; }
+  Backend& backend() const noexcept { return engine_->backend(); }
+  std::string policy_name() const;
+
+  // For tests: every invariant of the state machine and the accounting (aborts on violation).
+  void check_invariants() const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<TransferEngine> engine_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace reviva

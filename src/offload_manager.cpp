@@ -1,0 +1,1050 @@
+// OffloadManager: block residency under a device budget (see offload_manager.h).
+//
+// Note [Lifetime protocol]
+// DESIGN.md's five rules, and where each is kept here:
+//   1. A D2H starts only after the events recorded where compute last used the block: every
+//      eviction first makes the D2H stream wait on the block's last-use events (evict()).
+//   2. Device memory of an offloaded block is released only after its D2H: the memory is freed
+//      stream-ordered on the D2H stream after the copy, and its bytes stay counted against the
+//      budget until the copy's completion event is seen (poll()). A clean eviction (the host copy
+//      is still valid) frees on the D2H stream after the same waits, guarded by an event.
+//   3. A block is handed to compute only after the compute stream waits on its H2D event
+//      (acquire() -> wait_for_copy()).
+//   4. Host memory of a block is reused only after every copy that read it: host blocks come
+//      from the PinnedHostPool, and the engine records each copy's stream on them, so the pool
+//      defers their reuse (Note [Deferred free] in pinned_host_pool.cpp); a block's own host copy
+//      is rewritten only by a D2H that is ordered after compute's use of the data an earlier H2D
+//      brought in.
+//   5. No backend call while holding `mutex`: each operation decides under the mutex (marking the
+//      block `busy` while it is in transition), makes its backend calls unlocked, and records the
+//      outcome under the mutex again. Objects whose destructors call the backend (events,
+//      transfers, pinned blocks) are moved into a Graveyard that dies after the lock is released.
+#include <reviva/error.h>
+#include <reviva/offload_manager.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+namespace reviva {
+
+const char* to_string(BlockState state) noexcept {
+  switch (state) {
+    case BlockState::Empty: return "Empty";
+    case BlockState::Device: return "Device";
+    case BlockState::ToHost: return "ToHost";
+    case BlockState::Host: return "Host";
+    case BlockState::ToDevice: return "ToDevice";
+  }
+  return "?";
+}
+
+const char* to_string(TimelineKind kind) noexcept {
+  switch (kind) {
+    case TimelineKind::CopyToHost: return "copy_to_host";
+    case TimelineKind::CopyToDevice: return "copy_to_device";
+    case TimelineKind::ComputeStall: return "compute_stall";
+    case TimelineKind::HostWait: return "host_wait";
+  }
+  return "?";
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A stall shorter than this is timer noise, not compute waiting for a copy.
+constexpr double kStallThresholdMs = 0.01;
+
+// A point after which one stream no longer uses a block's device memory.
+struct UseGuard {
+  std::shared_ptr<Event> event;  // either an event recorded on `stream` ...
+  Transfer transfer;             // ... or the completion of a copy (on a copy stream)
+  StreamHandle stream = nullptr;
+  const Event& point() const { return event ? *event : transfer.completion_event(); }
+};
+
+// Backend-calling objects released under the mutex die here, after it is unlocked. Declare it
+// before the lock so that it is destroyed after the lock (reverse order of declaration).
+struct Graveyard {
+  std::vector<Transfer> transfers;
+  std::vector<PinnedBlock> blocks;
+  std::vector<UseGuard> guards;
+  std::vector<std::shared_ptr<Event>> events;
+};
+
+}  // namespace
+
+struct OffloadManager::Impl {
+  struct Block {
+    BlockId id = kInvalidBlock;
+    std::size_t bytes = 0;
+    std::string name;
+    BlockState state = BlockState::Empty;
+    void* device = nullptr;
+    std::function<void(StreamHandle)> release_adopted;  // set while the memory is the caller's
+    PinnedBlock host;
+    bool host_valid = false;
+    int pins = 0;
+    bool busy = false;        // a thread is moving it (decided under the mutex, acting unlocked)
+    bool prefetched = false;  // arrived by prefetch(), not yet acquired
+    std::vector<UseGuard> last_use;  // latest use per stream since it became resident
+    Transfer transfer;               // D2H while ToHost; H2D while ToDevice or until folded
+  };
+  struct Freeing {  // device memory freed stream-ordered, counted until `guard` completes
+    std::uint64_t id;
+    std::size_t bytes;
+    std::shared_ptr<Event> guard;
+  };
+  struct Stall {
+    BlockId block;
+    std::shared_ptr<Event> before, after;
+    bool prefetched;
+  };
+
+  std::shared_ptr<TransferEngine> engine;
+  std::shared_ptr<Backend> backend;
+  std::shared_ptr<DeviceAllocator> allocator;
+  OffloadManagerOptions options;
+  std::unique_ptr<EvictionPolicy> policy;  // guarded by mutex
+  Event origin;
+  Clock::time_point origin_host;
+
+  mutable std::mutex mutex;
+  std::condition_variable changed;  // a block stopped being busy, or memory was freed
+  std::unordered_map<BlockId, std::unique_ptr<Block>> blocks;  // guarded by mutex
+  BlockId next_id = 1;                                         // guarded by mutex
+  std::size_t budget = 0;                                      // guarded by mutex
+  std::size_t held = 0;           // guarded by mutex: bytes counted against the budget
+  std::size_t freeing_bytes = 0;  // guarded by mutex: of `held`, already on their way out
+  std::size_t registered = 0;     // guarded by mutex
+  std::vector<Freeing> freeing;   // guarded by mutex
+  std::uint64_t next_freeing_id = 1;
+  std::vector<Stall> stalls;  // guarded by mutex
+  ManagerMetrics metrics;     // guarded by mutex (counters; derived fields filled on read)
+  std::vector<TimelineEvent> timeline;  // guarded by mutex
+  std::atomic<bool> polling{false};
+
+  Impl(std::shared_ptr<TransferEngine> e, std::shared_ptr<DeviceAllocator> a,
+       OffloadManagerOptions o, std::unique_ptr<EvictionPolicy> p)
+      : engine(std::move(e)),
+        backend(engine->pool().backend_ptr()),
+        allocator(std::move(a)),
+        options(o),
+        policy(std::move(p)),
+        origin(backend, /*enable_timing=*/true) {}
+
+  const Stream& d2h() const { return engine->stream(Direction::DeviceToHost); }
+  const Stream& h2d() const { return engine->stream(Direction::HostToDevice); }
+
+  Block& find(BlockId id) {  // requires mutex
+    auto it = blocks.find(id);
+    REVIVA_CHECK_ARG(it != blocks.end(), "unknown block id ", id);
+    return *it->second;
+  }
+
+  // Waits (releasing the mutex) until no thread is moving the block; returns it.
+  Block& wait_idle(std::unique_lock<std::mutex>& lock, BlockId id) {
+    for (;;) {
+      Block& b = find(id);
+      if (!b.busy) return b;
+      changed.wait(lock);
+    }
+  }
+
+  double since_origin_ms(const Event& e) const { return Event::elapsed_ms(origin, e); }
+  double host_now_ms() const {
+    return std::chrono::duration<double, std::milli>(Clock::now() - origin_host).count();
+  }
+
+  void add_timeline(TimelineKind kind, BlockId block, double start, double end,
+                    std::size_t bytes) {  // requires mutex
+    if (timeline.size() < options.timeline_capacity)
+      timeline.push_back({kind, block, start, end, bytes});
+    else
+      ++metrics.timeline_dropped;
+  }
+
+  void note_held() {  // requires mutex
+    metrics.peak_device_bytes = std::max(metrics.peak_device_bytes, held);
+    REVIVA_ASSERT(held <= budget, "held ", held, " bytes over the budget of ", budget);
+  }
+
+  std::string numbers() const {  // requires mutex
+    std::size_t pinned = 0;
+    for (const auto& [id, b] : blocks)
+      if (b->pins > 0) pinned += b->bytes;
+    return detail::concat("budget ", budget, " bytes, held ", held, " (", freeing_bytes,
+                          " being freed, ", pinned, " in use by compute)");
+  }
+
+  // Frees a block's device memory stream-ordered on `stream` (the caller's, or the allocator).
+  void free_device(void* ptr, std::size_t bytes, std::function<void(StreamHandle)> release,
+                   StreamHandle stream) {
+    if (release)
+      release(stream);
+    else
+      allocator->deallocate(ptr, bytes, stream);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Eviction. `b` was marked busy in state Device with no pins by the caller. Unlocked.
+  void evict(BlockId id) {
+    std::vector<UseGuard> uses;
+    void* ptr;
+    std::size_t bytes;
+    bool clean;
+    bool need_host;
+    std::function<void(StreamHandle)> release;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      Block& b = find(id);
+      REVIVA_ASSERT(b.busy && b.state == BlockState::Device && b.pins == 0);
+      uses = b.last_use;
+      ptr = b.device;
+      bytes = b.bytes;
+      clean = b.host_valid;
+      need_host = !b.host;
+      release = std::move(b.release_adopted);
+      b.release_adopted = nullptr;
+    }
+    std::shared_ptr<Event> guard;
+    Transfer transfer;
+    try {
+      PinnedBlock* host_slot = nullptr;  // stable while the block is busy: only we touch it
+      if (!clean) {
+        PinnedBlock fresh;
+        if (need_host) fresh = engine->pool().allocate(bytes);
+        std::lock_guard<std::mutex> lock(mutex);
+        Block& b = find(id);
+        if (need_host) b.host = std::move(fresh);
+        host_slot = &b.host;
+      }
+      // Rule 1: the D2H stream is ordered after every use of the block.
+      for (const UseGuard& u : uses) d2h().wait(u.point());
+      if (!clean) transfer = engine->offload(ptr, *host_slot, bytes);
+      // Rule 2: the memory is freed on the D2H stream after the copy (or after the waits).
+      free_device(ptr, bytes, std::move(release), d2h().handle());
+      release = nullptr;
+      if (clean) {
+        guard = std::make_shared<Event>(backend);
+        guard->record(d2h());
+      }
+    } catch (...) {
+      Graveyard trash;
+      std::lock_guard<std::mutex> lock(mutex);
+      Block& b = find(id);
+      if (!b.release_adopted) b.release_adopted = std::move(release);
+      b.busy = false;
+      changed.notify_all();
+      throw;
+    }
+    Graveyard trash;
+    std::lock_guard<std::mutex> lock(mutex);
+    Block& b = find(id);
+    for (UseGuard& u : b.last_use) trash.guards.push_back(std::move(u));
+    b.last_use.clear();
+    b.device = nullptr;
+    b.busy = false;
+    ++metrics.evictions;
+    if (clean) {
+      ++metrics.clean_evictions;
+      b.state = BlockState::Host;
+      freeing.push_back({next_freeing_id++, bytes, std::move(guard)});
+    } else {
+      b.state = BlockState::ToHost;
+      b.transfer = std::move(transfer);
+    }
+    freeing_bytes += bytes;
+    policy->on_evict(id);
+    changed.notify_all();
+  }
+
+  // Counts `bytes` against the budget for block `self` (excluded from eviction), evicting and
+  // waiting as needed. Without `may_wait`, returns false instead of waiting. Unlocked.
+  bool reserve(std::size_t bytes, bool may_wait, BlockId self) {
+    for (;;) {
+      BlockId victim = kInvalidBlock;
+      bool wait = false;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (bytes > budget)
+          throw OutOfMemory(detail::concat("block ", self, " of ", bytes,
+                                           " bytes cannot fit the device budget: ", numbers()));
+        if (held + bytes <= budget) {
+          held += bytes;
+          note_held();
+          return true;
+        }
+        if (held - freeing_bytes + bytes > budget) {
+          std::vector<BlockId> candidates;
+          for (const auto& [id, b] : blocks)
+            if (id != self && b->state == BlockState::Device && b->pins == 0 && !b->busy &&
+                !b->transfer.valid())  // an H2D not folded yet: a candidate after poll()
+              candidates.push_back(id);
+          if (!candidates.empty()) {
+            victim = policy->choose_victim(candidates);
+            Block& v = find(victim);
+            REVIVA_ASSERT(v.state == BlockState::Device && v.pins == 0 && !v.busy,
+                          "the policy chose block ", victim, " that cannot be evicted");
+            v.busy = true;
+          }
+        }
+        if (victim == kInvalidBlock) {
+          bool in_flight = freeing_bytes > 0;
+          for (const auto& [id, b] : blocks)
+            if (id != self && (b->busy || b->transfer.valid())) in_flight = true;
+          if (!in_flight)
+            throw OutOfMemory(detail::concat("cannot make room for ", bytes, " bytes (block ", self,
+                                             ") within the device budget: ", numbers(),
+                                             "; the rest is in use by compute"));
+          if (!may_wait) return false;
+          wait = true;
+        }
+      }
+      if (victim != kInvalidBlock) {
+        evict(victim);
+      } else if (wait) {
+        wait_for_memory();
+      }
+    }
+  }
+
+  // Blocks until some device memory in flight is freed (or a copy lands). Unlocked.
+  void wait_for_memory() {
+    std::shared_ptr<Event> guard;
+    Transfer transfer;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!freeing.empty()) guard = freeing.front().guard;
+      for (const auto& [id, b] : blocks) {
+        if (transfer.valid() || guard) break;
+        if (!b->busy && b->transfer.valid()) transfer = b->transfer;
+      }
+    }
+    const double t0 = host_now_ms();
+    if (guard) {
+      guard->synchronize();
+    } else if (transfer.valid()) {
+      transfer.wait();
+    } else {
+      // Another thread is mid-transition: let it finish.
+      std::unique_lock<std::mutex> lock(mutex);
+      changed.wait_for(lock, std::chrono::milliseconds(1));
+    }
+    const double t1 = host_now_ms();
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      metrics.host_wait_ms += t1 - t0;
+      add_timeline(TimelineKind::HostWait, kInvalidBlock, t0, t1, 0);
+    }
+    poll(/*wait_for_turn=*/true);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Folding completions into state and metrics (Note at the top: queries run unlocked).
+  void poll(bool wait_for_turn) {
+    while (polling.exchange(true, std::memory_order_acquire)) {
+      if (!wait_for_turn) return;
+      std::this_thread::yield();
+    }
+    struct Probe {
+      BlockId id;
+      Transfer transfer;
+      bool done = false;
+      double start = 0, end = 0;
+    };
+    struct FreeProbe {
+      std::uint64_t id;
+      std::shared_ptr<Event> guard;
+      bool done = false;
+    };
+    struct StallProbe {
+      Stall stall;
+      bool done = false;
+      double ms = 0, start = 0;
+    };
+    std::vector<Probe> probes;
+    std::vector<FreeProbe> frees;
+    std::vector<StallProbe> stall_probes;
+    Graveyard trash;
+    try {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        for (const auto& [id, b] : blocks)
+          if (!b->busy && b->transfer.valid()) probes.push_back({id, b->transfer});
+        for (const Freeing& f : freeing) frees.push_back({f.id, f.guard});
+        for (const Stall& s : stalls) stall_probes.push_back({s});
+      }
+      for (Probe& p : probes) {
+        p.done = p.transfer.ready();
+        if (p.done) {
+          p.start = since_origin_ms(p.transfer.start_event());
+          p.end = since_origin_ms(p.transfer.completion_event());
+        }
+      }
+      for (FreeProbe& f : frees) f.done = f.guard->query();
+      for (StallProbe& s : stall_probes) {
+        s.done = s.stall.after->query();
+        if (s.done) {
+          s.ms = Event::elapsed_ms(*s.stall.before, *s.stall.after);
+          s.start = since_origin_ms(*s.stall.before);
+        }
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      for (Probe& p : probes) {
+        if (!p.done) continue;
+        auto it = blocks.find(p.id);
+        if (it == blocks.end()) continue;
+        Block& b = *it->second;
+        if (b.busy || !b.transfer.valid() || b.transfer.id() != p.transfer.id()) continue;
+        const bool to_host = p.transfer.direction() == Direction::DeviceToHost;
+        if (to_host) {
+          REVIVA_ASSERT(b.state == BlockState::ToHost);
+          b.state = BlockState::Host;
+          b.host_valid = true;
+          held -= b.bytes;
+          freeing_bytes -= b.bytes;
+          metrics.bytes_to_host += p.transfer.bytes();
+          metrics.to_host_busy_ms += p.end - p.start;
+        } else {
+          if (b.state == BlockState::ToDevice) b.state = BlockState::Device;
+          metrics.bytes_to_device += p.transfer.bytes();
+          metrics.to_device_busy_ms += p.end - p.start;
+        }
+        add_timeline(to_host ? TimelineKind::CopyToHost : TimelineKind::CopyToDevice, p.id, p.start,
+                     p.end, p.transfer.bytes());
+        trash.transfers.push_back(std::move(b.transfer));
+        b.transfer = Transfer();
+      }
+      for (FreeProbe& f : frees) {
+        if (!f.done) continue;
+        auto it = std::find_if(freeing.begin(), freeing.end(),
+                               [&](const Freeing& x) { return x.id == f.id; });
+        if (it == freeing.end()) continue;
+        held -= it->bytes;
+        freeing_bytes -= it->bytes;
+        trash.events.push_back(std::move(it->guard));
+        freeing.erase(it);
+      }
+      for (StallProbe& s : stall_probes) {
+        if (!s.done) continue;
+        auto it = std::find_if(stalls.begin(), stalls.end(),
+                               [&](const Stall& x) { return x.after == s.stall.after; });
+        if (it == stalls.end()) continue;
+        metrics.compute_stall_ms += s.ms;
+        if (s.stall.prefetched) {
+          if (s.ms > kStallThresholdMs)
+            ++metrics.prefetch_late;
+          else
+            ++metrics.prefetch_hits;
+        }
+        if (s.ms > kStallThresholdMs)
+          add_timeline(TimelineKind::ComputeStall, s.stall.block, s.start, s.start + s.ms, 0);
+        trash.events.push_back(std::move(it->before));
+        trash.events.push_back(std::move(it->after));
+        stalls.erase(it);
+      }
+      changed.notify_all();
+    } catch (...) {
+      polling.store(false, std::memory_order_release);
+      throw;
+    }
+    polling.store(false, std::memory_order_release);
+  }
+
+  // Rule 3: `compute` waits for `copy`, with two timing events around the wait measuring how
+  // long it actually stalled. Unlocked.
+  void wait_for_copy(BlockId id, const Transfer& copy, const Stream& compute, bool prefetched) {
+    auto before = std::make_shared<Event>(backend, true);
+    auto after = std::make_shared<Event>(backend, true);
+    before->record(compute);
+    copy.enqueue_wait(compute);
+    after->record(compute);
+    std::lock_guard<std::mutex> lock(mutex);
+    stalls.push_back({id, std::move(before), std::move(after), prefetched});
+  }
+};
+
+// --- OffloadManager ------------------------------------------------------------------------------
+
+OffloadManager::OffloadManager(std::shared_ptr<TransferEngine> engine,
+                               std::shared_ptr<DeviceAllocator> allocator,
+                               OffloadManagerOptions options,
+                               std::unique_ptr<EvictionPolicy> policy)
+    : engine_(std::move(engine)) {
+  REVIVA_CHECK_ARG(engine_ != nullptr, "OffloadManager: engine is null");
+  REVIVA_CHECK_ARG(allocator != nullptr, "OffloadManager: allocator is null");
+  REVIVA_CHECK_ARG(
+      options.budget_bytes > 0 || (options.budget_fraction > 0.0 && options.budget_fraction <= 1.0),
+      "OffloadManager: budget_fraction must be in (0, 1] when budget_bytes is 0, got ",
+      options.budget_fraction);
+  if (!policy) policy = make_policy(options.policy);
+  impl_ = std::make_unique<Impl>(engine_, std::move(allocator), options, std::move(policy));
+  Impl& m = *impl_;
+  if (options.budget_bytes > 0) {
+    m.budget = options.budget_bytes;
+  } else {
+    const DeviceMemoryInfo info = m.backend->device_memory_info();
+    m.budget =
+        static_cast<std::size_t>(static_cast<double>(info.total_bytes) * options.budget_fraction);
+  }
+  m.metrics.budget_bytes = m.budget;
+  m.origin.record(m.d2h());
+  m.origin.synchronize();
+  m.origin_host = Clock::now();
+}
+
+OffloadManager::~OffloadManager() {
+  try {
+    synchronize();
+    std::vector<BlockId> ids = blocks();
+    for (BlockId id : ids) {
+      Impl& m = *impl_;
+      {
+        std::lock_guard<std::mutex> lock(m.mutex);
+        Impl::Block& b = m.find(id);
+        if (b.pins > 0) {
+          std::fprintf(stderr,
+                       "reviva: warning: ~OffloadManager: block %llu (%s) is still acquired\n",
+                       static_cast<unsigned long long>(id), b.name.c_str());
+          b.pins = 0;
+        }
+      }
+      unregister(id);
+    }
+    engine_->synchronize();
+    synchronize();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "reviva: warning: ~OffloadManager: %s\n", e.what());
+  }
+}
+
+BlockId OffloadManager::register_block(std::size_t bytes, std::string name) {
+  REVIVA_CHECK_ARG(bytes > 0, "register_block: bytes must be > 0");
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mutex);
+  const BlockId id = m.next_id++;
+  auto b = std::make_unique<Impl::Block>();
+  b->id = id;
+  b->bytes = bytes;
+  b->name = name.empty() ? "block" + std::to_string(id) : std::move(name);
+  m.blocks.emplace(id, std::move(b));
+  m.registered += bytes;
+  m.metrics.peak_registered_bytes = std::max(m.metrics.peak_registered_bytes, m.registered);
+  m.policy->on_register(id, bytes);
+  return id;
+}
+
+BlockId OffloadManager::adopt(void* device_ptr, std::size_t bytes,
+                              std::function<void(StreamHandle)> release, const Stream& producer,
+                              std::string name) {
+  REVIVA_CHECK_ARG(device_ptr != nullptr, "adopt: device pointer is null");
+  REVIVA_CHECK_ARG(release != nullptr, "adopt: a release function is required");
+  Impl& m = *impl_;
+  const BlockId id = register_block(bytes, std::move(name));
+  {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    m.find(id).busy = true;
+  }
+  try {
+    m.reserve(bytes, /*may_wait=*/true, id);
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      m.find(id).busy = false;
+    }
+    unregister(id);
+    throw;
+  }
+  auto event = std::make_shared<Event>(m.backend);
+  event->record(producer);
+  std::lock_guard<std::mutex> lock(m.mutex);
+  Impl::Block& b = m.find(id);
+  b.state = BlockState::Device;
+  b.device = device_ptr;
+  b.release_adopted = std::move(release);
+  b.last_use.push_back(UseGuard{std::move(event), Transfer(), producer.handle()});
+  b.busy = false;
+  m.changed.notify_all();
+  return id;
+}
+
+void OffloadManager::unregister(BlockId id) {
+  discard(id);
+  Impl& m = *impl_;
+  Graveyard trash;
+  std::unique_lock<std::mutex> lock(m.mutex);
+  Impl::Block& b = m.wait_idle(lock, id);
+  REVIVA_CHECK_ARG(b.pins == 0, "unregister: block ", id, " (", b.name, ") is acquired ", b.pins,
+                   " time(s); release it first");
+  if (b.state != BlockState::Empty) {  // raced with another thread's acquire: try again
+    lock.unlock();
+    unregister(id);
+    return;
+  }
+  trash.blocks.push_back(std::move(b.host));
+  for (UseGuard& u : b.last_use) trash.guards.push_back(std::move(u));
+  m.registered -= b.bytes;
+  m.policy->on_unregister(id);
+  m.blocks.erase(id);
+}
+
+void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) {
+  REVIVA_CHECK_ARG(&compute.backend() == &backend(),
+                   "acquire: the stream belongs to another backend");
+  Impl& m = *impl_;
+  m.poll(/*wait_for_turn=*/false);
+  for (;;) {
+    Transfer wait_on;
+    bool prefetched = false;
+    Transfer in_flight_d2h;
+    {
+      std::unique_lock<std::mutex> lock(m.mutex);
+      Impl::Block& b = m.wait_idle(lock, id);
+      switch (b.state) {
+        case BlockState::Device:
+        case BlockState::ToDevice: {
+          ++b.pins;
+          if (b.state == BlockState::ToDevice || b.transfer.valid()) {
+            wait_on = b.transfer;  // its H2D may still run
+            prefetched = b.prefetched;
+          } else if (b.prefetched) {
+            ++m.metrics.prefetch_hits;  // landed before it was needed
+          }
+          b.state = BlockState::Device;
+          b.prefetched = false;
+          if (access != Access::ReadOnly) b.host_valid = false;
+          m.policy->on_access(id);
+          void* ptr = b.device;
+          lock.unlock();
+          if (wait_on.valid()) m.wait_for_copy(id, wait_on, compute, prefetched);
+          return ptr;
+        }
+        case BlockState::ToHost: in_flight_d2h = b.transfer; break;
+        case BlockState::Host:
+        case BlockState::Empty: b.busy = true; break;
+      }
+    }
+    if (in_flight_d2h.valid()) {
+      // The data is on its way out: let it land, then bring it back (or overwrite it).
+      const double t0 = m.host_now_ms();
+      in_flight_d2h.wait();
+      {
+        std::lock_guard<std::mutex> lock(m.mutex);
+        m.metrics.host_wait_ms += m.host_now_ms() - t0;
+      }
+      m.poll(/*wait_for_turn=*/true);
+      continue;
+    }
+
+    // Host or Empty, marked busy: make room, allocate, fetch if the contents are needed.
+    BlockState state;
+    std::size_t bytes;
+    {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      Impl::Block& b = m.find(id);
+      state = b.state;
+      bytes = b.bytes;
+    }
+    const bool fetch = state == BlockState::Host && access != Access::WriteOnly;
+    void* ptr = nullptr;
+    Transfer copy;
+    bool reserved = false;
+    try {
+      m.reserve(bytes, /*may_wait=*/true, id);
+      reserved = true;
+      if (fetch) {
+        ptr = m.allocator->allocate(bytes, m.h2d().handle());
+        const PinnedBlock* host;
+        {
+          std::lock_guard<std::mutex> lock(m.mutex);
+          host = &m.find(id).host;
+        }
+        copy = m.engine->restore(*host, ptr, bytes);
+      } else {
+        ptr = m.allocator->allocate(bytes, compute.handle());
+      }
+    } catch (...) {
+      if (ptr) m.allocator->deallocate(ptr, bytes, fetch ? m.h2d().handle() : compute.handle());
+      std::lock_guard<std::mutex> lock(m.mutex);
+      if (reserved) m.held -= bytes;
+      m.find(id).busy = false;
+      m.changed.notify_all();
+      throw;
+    }
+    {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      Impl::Block& b = m.find(id);
+      b.state = BlockState::Device;
+      b.device = ptr;
+      b.pins = 1;
+      b.busy = false;
+      b.prefetched = false;
+      if (fetch) {
+        b.transfer = copy;
+        b.last_use.push_back(UseGuard{nullptr, copy, m.h2d().handle()});
+        ++m.metrics.prefetch_misses;
+      }
+      b.host_valid = fetch && access == Access::ReadOnly;
+      m.policy->on_access(id);
+      m.changed.notify_all();
+    }
+    if (fetch) m.wait_for_copy(id, copy, compute, /*prefetched=*/false);
+    return ptr;
+  }
+}
+
+void OffloadManager::release(BlockId id, const Stream& compute) {
+  REVIVA_CHECK_ARG(&compute.backend() == &backend(),
+                   "release: the stream belongs to another backend");
+  Impl& m = *impl_;
+  auto event = std::make_shared<Event>(m.backend);
+  event->record(compute);
+  Graveyard trash;
+  std::lock_guard<std::mutex> lock(m.mutex);
+  Impl::Block& b = m.find(id);
+  REVIVA_CHECK_ARG(b.pins > 0, "release: block ", id, " (", b.name, ") is not acquired");
+  // Keep the latest use per stream: an eviction waits for all of them (rule 1).
+  auto same = std::find_if(b.last_use.begin(), b.last_use.end(),
+                           [&](const UseGuard& u) { return u.stream == compute.handle(); });
+  if (same != b.last_use.end()) {
+    trash.guards.push_back(std::move(*same));
+    *same = UseGuard{std::move(event), Transfer(), compute.handle()};
+  } else {
+    b.last_use.push_back(UseGuard{std::move(event), Transfer(), compute.handle()});
+  }
+  --b.pins;
+  m.changed.notify_all();
+}
+
+void OffloadManager::offload(BlockId id) {
+  Impl& m = *impl_;
+  m.poll(/*wait_for_turn=*/false);  // an H2D that has landed must be folded before eviction
+  {
+    std::unique_lock<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.wait_idle(lock, id);
+    REVIVA_CHECK_ARG(b.pins == 0, "offload: block ", id, " (", b.name, ") is acquired ", b.pins,
+                     " time(s); release it first");
+    if (b.state != BlockState::Device || b.transfer.valid()) return;
+    b.busy = true;
+  }
+  m.evict(id);
+}
+
+bool OffloadManager::prefetch(BlockId id) {
+  Impl& m = *impl_;
+  std::size_t bytes;
+  {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.find(id);
+    if (b.busy) return false;
+    if (b.state == BlockState::Device || b.state == BlockState::ToDevice) return true;
+    if (b.state != BlockState::Host) return false;
+    b.busy = true;
+    bytes = b.bytes;
+  }
+  void* ptr = nullptr;
+  Transfer copy;
+  bool reserved = false;
+  try {
+    reserved = m.reserve(bytes, /*may_wait=*/false, id);
+    if (reserved) {
+      ptr = m.allocator->allocate(bytes, m.h2d().handle());
+      const PinnedBlock* host;
+      {
+        std::lock_guard<std::mutex> lock(m.mutex);
+        host = &m.find(id).host;
+      }
+      copy = m.engine->restore(*host, ptr, bytes);
+    }
+  } catch (const OutOfMemory&) {
+    if (ptr) m.allocator->deallocate(ptr, bytes, m.h2d().handle());
+    std::lock_guard<std::mutex> lock(m.mutex);
+    if (reserved) m.held -= bytes;
+    m.find(id).busy = false;
+    m.changed.notify_all();
+    return false;  // no room after all: the access will fetch it on demand
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    if (reserved) m.held -= bytes;
+    m.find(id).busy = false;
+    m.changed.notify_all();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(m.mutex);
+  Impl::Block& b = m.find(id);
+  b.busy = false;
+  m.changed.notify_all();
+  if (!reserved) return false;
+  b.state = BlockState::ToDevice;
+  b.device = ptr;
+  b.transfer = copy;
+  b.prefetched = true;
+  b.last_use.push_back(UseGuard{nullptr, copy, m.h2d().handle()});
+  ++m.metrics.prefetches;
+  return true;
+}
+
+void OffloadManager::discard(BlockId id) {
+  Impl& m = *impl_;
+  for (;;) {
+    Transfer in_flight;
+    std::vector<UseGuard> uses;
+    void* ptr = nullptr;
+    std::size_t bytes = 0;
+    std::function<void(StreamHandle)> release;
+    {
+      Graveyard trash;
+      std::unique_lock<std::mutex> lock(m.mutex);
+      Impl::Block& b = m.wait_idle(lock, id);
+      REVIVA_CHECK_ARG(b.pins == 0, "discard: block ", id, " (", b.name, ") is acquired ", b.pins,
+                       " time(s); release it first");
+      if (b.state == BlockState::ToHost || b.state == BlockState::ToDevice || b.transfer.valid()) {
+        in_flight = b.transfer;
+      } else if (b.state == BlockState::Device) {
+        b.busy = true;
+        uses = b.last_use;
+        ptr = b.device;
+        bytes = b.bytes;
+        release = std::move(b.release_adopted);
+        b.release_adopted = nullptr;
+      } else {  // Host or Empty: only the host copy to drop
+        trash.blocks.push_back(std::move(b.host));
+        b.host = PinnedBlock();
+        b.host_valid = false;
+        b.state = BlockState::Empty;
+        return;
+      }
+    }
+    if (in_flight.valid()) {
+      in_flight.wait();
+      m.poll(/*wait_for_turn=*/true);
+      continue;
+    }
+    // Device: free after every use (rule 2), counted until then.
+    auto guard = std::make_shared<Event>(m.backend);
+    try {
+      for (const UseGuard& u : uses) m.d2h().wait(u.point());
+      m.free_device(ptr, bytes, std::move(release), m.d2h().handle());
+      guard->record(m.d2h());
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      m.find(id).busy = false;
+      m.changed.notify_all();
+      throw;
+    }
+    Graveyard trash;
+    std::lock_guard<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.find(id);
+    for (UseGuard& u : b.last_use) trash.guards.push_back(std::move(u));
+    b.last_use.clear();
+    trash.blocks.push_back(std::move(b.host));
+    b.host = PinnedBlock();
+    b.host_valid = false;
+    b.device = nullptr;
+    b.state = BlockState::Empty;
+    b.busy = false;
+    m.freeing.push_back({m.next_freeing_id++, bytes, std::move(guard)});
+    m.freeing_bytes += bytes;
+    m.changed.notify_all();
+    return;
+  }
+}
+
+BlockState OffloadManager::state(BlockId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->find(id).state;
+}
+
+std::size_t OffloadManager::bytes(BlockId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->find(id).bytes;
+}
+
+const std::string& OffloadManager::name(BlockId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->find(id).name;
+}
+
+std::vector<BlockId> OffloadManager::blocks() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::vector<BlockId> ids;
+  for (const auto& [id, b] : impl_->blocks) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+std::size_t OffloadManager::budget_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->budget;
+}
+
+void OffloadManager::set_budget_bytes(std::size_t bytes) {
+  REVIVA_CHECK_ARG(bytes > 0, "set_budget_bytes: the budget must be > 0");
+  Impl& m = *impl_;
+  std::size_t old;
+  {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    old = m.budget;
+    if (bytes >= m.held) {
+      m.budget = bytes;
+      m.metrics.budget_bytes = bytes;
+      return;
+    }
+  }
+  // Lowering below what is held: evict down to it first, so `held <= budget` always holds.
+  {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    m.budget = old;
+  }
+  for (;;) {
+    BlockId victim = kInvalidBlock;
+    bool wait = false;
+    {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      if (m.held <= bytes) {
+        m.budget = bytes;
+        m.metrics.budget_bytes = bytes;
+        return;
+      }
+      if (m.held - m.freeing_bytes > bytes) {
+        std::vector<BlockId> candidates;
+        for (const auto& [id, b] : m.blocks)
+          if (b->state == BlockState::Device && b->pins == 0 && !b->busy && !b->transfer.valid())
+            candidates.push_back(id);
+        if (!candidates.empty()) {
+          victim = m.policy->choose_victim(candidates);
+          m.find(victim).busy = true;
+        }
+      }
+      if (victim == kInvalidBlock) {
+        if (m.freeing_bytes == 0)
+          throw OutOfMemory(
+              detail::concat("set_budget_bytes(", bytes, "): cannot evict enough, ", m.numbers()));
+        wait = true;
+      }
+    }
+    if (victim != kInvalidBlock) m.evict(victim);
+    if (wait) m.wait_for_memory();
+  }
+}
+
+std::size_t OffloadManager::device_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->held;
+}
+
+void OffloadManager::end_step() {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->policy->on_step_end();
+}
+
+void OffloadManager::synchronize() {
+  Impl& m = *impl_;
+  engine_->synchronize();
+  std::vector<std::shared_ptr<Event>> waits;
+  {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    for (const auto& f : m.freeing) waits.push_back(f.guard);
+    for (const auto& s : m.stalls) waits.push_back(s.after);
+  }
+  for (const auto& e : waits) e->synchronize();
+  m.poll(/*wait_for_turn=*/true);
+}
+
+void OffloadManager::poll() { impl_->poll(/*wait_for_turn=*/false); }
+
+ManagerMetrics OffloadManager::metrics() {
+  Impl& m = *impl_;
+  m.poll(/*wait_for_turn=*/true);
+  std::lock_guard<std::mutex> lock(m.mutex);
+  ManagerMetrics r = m.metrics;
+  r.budget_bytes = m.budget;
+  r.device_bytes = m.held;
+  r.registered_bytes = m.registered;
+  r.device_bytes_saved = m.registered > m.held ? m.registered - m.held : 0;
+  const double copy_ms = r.to_host_busy_ms + r.to_device_busy_ms;
+  const double exposed = r.compute_stall_ms + r.host_wait_ms;
+  r.overlap_ratio = copy_ms > 0 ? std::clamp(1.0 - exposed / copy_ms, 0.0, 1.0) : 1.0;
+  return r;
+}
+
+std::vector<TimelineEvent> OffloadManager::timeline() {
+  impl_->poll(/*wait_for_turn=*/true);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->timeline;
+}
+
+void OffloadManager::reset_metrics() {
+  Impl& m = *impl_;
+  m.poll(/*wait_for_turn=*/true);
+  std::lock_guard<std::mutex> lock(m.mutex);
+  m.metrics = ManagerMetrics{};
+  m.metrics.budget_bytes = m.budget;
+  m.metrics.peak_device_bytes = m.held;
+  m.metrics.peak_registered_bytes = m.registered;
+  m.timeline.clear();
+}
+
+std::string OffloadManager::policy_name() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->policy->name();
+}
+
+void OffloadManager::check_invariants() const {
+  const Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mutex);
+  std::size_t held = 0, leaving = 0, registered = 0;
+  for (const auto& [id, bp] : m.blocks) {
+    const Impl::Block& b = *bp;
+    REVIVA_ASSERT(b.id == id);
+    registered += b.bytes;
+    REVIVA_ASSERT(b.pins >= 0);
+    if (b.busy) continue;  // in transition: checked once it settles
+    switch (b.state) {
+      case BlockState::Empty:
+        REVIVA_ASSERT(b.device == nullptr && !b.host_valid && b.pins == 0 && !b.transfer.valid(),
+                      "Empty block ", id, " holds memory or a copy");
+        break;
+      case BlockState::Device:
+        REVIVA_ASSERT(b.device != nullptr, "Device block ", id, " without device memory");
+        held += b.bytes;
+        break;
+      case BlockState::ToDevice:
+        REVIVA_ASSERT(b.device != nullptr && b.transfer.valid() && b.pins == 0 && b.host_valid);
+        held += b.bytes;
+        break;
+      case BlockState::ToHost:
+        REVIVA_ASSERT(b.device == nullptr && b.transfer.valid() && b.pins == 0 && b.host);
+        held += b.bytes;
+        leaving += b.bytes;
+        break;
+      case BlockState::Host:
+        REVIVA_ASSERT(b.device == nullptr && b.host && b.host_valid && b.pins == 0, "Host block ",
+                      id, " without a valid host copy");
+        break;
+    }
+    if (b.pins > 0) REVIVA_ASSERT(b.state == BlockState::Device);
+  }
+  for (const auto& f : m.freeing) {
+    held += f.bytes;
+    leaving += f.bytes;
+  }
+  REVIVA_ASSERT(registered == m.registered, "registered ", registered, " != ", m.registered);
+  bool any_busy = false;
+  for (const auto& [id, b] : m.blocks) any_busy = any_busy || b->busy;
+  if (!any_busy) {
+    REVIVA_ASSERT(held == m.held, "blocks hold ", held, " bytes, the account says ", m.held);
+    REVIVA_ASSERT(leaving == m.freeing_bytes, "leaving ", leaving, " != ", m.freeing_bytes);
+  }
+  REVIVA_ASSERT(m.held <= m.budget, "held ", m.held, " over the budget ", m.budget);
+  REVIVA_ASSERT(m.metrics.peak_device_bytes <= std::max(m.budget, m.metrics.budget_bytes));
+}
+
+}  // namespace reviva

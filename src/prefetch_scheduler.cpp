@@ -1,0 +1,185 @@
+// PrefetchScheduler: replays a step's group order, keeping `window` groups in flight ahead of
+// compute and moving out early what is needed late (see prefetch_scheduler.h).
+#include <reviva/error.h>
+#include <reviva/prefetch_scheduler.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace reviva {
+
+namespace {
+constexpr std::size_t kNowhere = std::numeric_limits<std::size_t>::max();
+constexpr std::size_t kAdaptEvents = 16;  // accesses the adaptive window looks back over
+}  // namespace
+
+PrefetchScheduler::PrefetchScheduler(OffloadManager& manager, PrefetchSchedulerOptions options)
+    : manager_(manager), options_(options), window_(options.prefetch_groups) {
+  REVIVA_CHECK_ARG(options.prefetch_groups >= 0, "prefetch_groups must be >= 0, got ",
+                   options.prefetch_groups);
+  REVIVA_CHECK_ARG(options.min_window >= 0 && options.min_window <= options.max_window,
+                   "need 0 <= min_window <= max_window, got ", options.min_window, " and ",
+                   options.max_window);
+  if (options.adaptive) window_ = std::clamp(window_, options.min_window, options.max_window);
+  stats_.window = window_;
+}
+
+PrefetchScheduler::~PrefetchScheduler() = default;
+
+void PrefetchScheduler::declare_order(std::vector<std::vector<BlockId>> order) {
+  for (std::size_t i = 0; i < order.size(); ++i)
+    REVIVA_CHECK_ARG(!order[i].empty(), "declare_order: group ", i, " is empty");
+  order_ = std::move(order);
+  declared_ = true;
+  recording_.clear();
+  position_ = 0;
+  on_schedule_ = false;
+  rebuild_index();
+}
+
+void PrefetchScheduler::rebuild_index() {
+  uses_.clear();
+  for (std::size_t i = 0; i < order_.size(); ++i)
+    for (BlockId id : order_[i]) {
+      auto& positions = uses_[id];
+      if (positions.empty() || positions.back() != i) positions.push_back(i);
+    }
+  stats_.groups_in_order = order_.size();
+}
+
+// The position of `group` in the order: the expected next one, else the first match after it
+// (wrapping). kNowhere when the group is not in the order.
+std::size_t PrefetchScheduler::locate(std::span<const BlockId> group) {
+  const std::size_t n = order_.size();
+  if (n == 0) return kNowhere;
+  const std::size_t expected = on_schedule_ ? (position_ + 1) % n : position_ % n;
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t i = (expected + k) % n;
+    if (std::equal(order_[i].begin(), order_[i].end(), group.begin(), group.end())) return i;
+  }
+  return kNowhere;
+}
+
+std::vector<void*> PrefetchScheduler::acquire_group(std::span<const BlockId> group,
+                                                    const Stream& compute, Access access) {
+  REVIVA_CHECK_ARG(!group.empty(), "acquire_group: the group is empty");
+  if (!declared_) recording_.emplace_back(group.begin(), group.end());
+  const std::size_t p = locate(group);
+  if (p == kNowhere) {
+    ++stats_.off_schedule_accesses;
+    on_schedule_ = false;
+  } else {
+    position_ = p;
+    on_schedule_ = true;
+  }
+  // The current group first: prefetches must not take the room it needs.
+  std::vector<void*> addresses;
+  addresses.reserve(group.size());
+  for (BlockId id : group) addresses.push_back(manager_.acquire(id, compute, access));
+  if (on_schedule_) prefetch_ahead(p);
+  if (options_.adaptive) adapt(compute);
+  return addresses;
+}
+
+void PrefetchScheduler::prefetch_ahead(std::size_t position) {
+  const std::size_t n = order_.size();
+  for (int k = 1; k <= window_ && static_cast<std::size_t>(k) < n; ++k) {
+    for (BlockId id : order_[(position + static_cast<std::size_t>(k)) % n]) {
+      BlockState state;
+      try {
+        state = manager_.state(id);
+      } catch (const InvalidArgument&) {
+        continue;  // a recorded block that has since been unregistered
+      }
+      if (state != BlockState::Host) continue;
+      if (manager_.prefetch(id)) {
+        ++stats_.prefetches_issued;
+      } else {
+        ++stats_.prefetches_without_room;
+        return;  // the budget is full now; later groups would not fit either
+      }
+    }
+  }
+}
+
+std::size_t PrefetchScheduler::distance_to_next_use(BlockId id, std::size_t position) const {
+  auto it = uses_.find(id);
+  if (it == uses_.end() || it->second.empty()) return kNowhere;
+  const auto& positions = it->second;
+  auto next = std::upper_bound(positions.begin(), positions.end(), position);
+  if (next != positions.end()) return *next - position;
+  return order_.size() - position + positions.front();  // in the next step
+}
+
+void PrefetchScheduler::release_group(std::span<const BlockId> group, const Stream& compute) {
+  for (BlockId id : group) manager_.release(id, compute);
+  if (!options_.eager_offload || !on_schedule_) return;
+  for (BlockId id : group) {
+    if (distance_to_next_use(id, position_) > static_cast<std::size_t>(window_)) {
+      if (manager_.state(id) == BlockState::Device) {
+        manager_.offload(id);
+        ++stats_.eager_offloads;
+      }
+    }
+  }
+}
+
+void PrefetchScheduler::end_step() {
+  if (!declared_ && !recording_.empty()) {
+    order_ = std::move(recording_);
+    recording_.clear();
+    rebuild_index();
+  }
+  ++stats_.steps;
+  position_ = 0;
+  on_schedule_ = false;
+  manager_.end_step();
+}
+
+// Adaptive window: the copy of a group must finish within the compute of the groups before it.
+void PrefetchScheduler::adapt(const Stream& compute) {
+  access_events_.emplace_back(manager_.engine().pool().backend_ptr(), /*enable_timing=*/true);
+  access_events_.back().record(compute);
+  while (access_events_.size() > kAdaptEvents) access_events_.pop_front();
+  // Compute time per group: between the oldest and newest completed access events.
+  std::size_t last_done = kNowhere;
+  for (std::size_t i = access_events_.size(); i-- > 0;)
+    if (access_events_[i].query()) {
+      last_done = i;
+      break;
+    }
+  if (last_done == kNowhere || last_done == 0) return;
+  const double compute_ms = Event::elapsed_ms(access_events_.front(), access_events_[last_done]) /
+                            static_cast<double>(last_done);
+  const ManagerMetrics mm = manager_.metrics();
+  if (mm.to_device_busy_ms <= 0.0 || order_.empty()) return;
+  const double h2d_bytes_per_ms = static_cast<double>(mm.bytes_to_device) / mm.to_device_busy_ms;
+  std::size_t bytes = 0;
+  for (const auto& g : order_)
+    for (BlockId id : g) {
+      try {
+        bytes += manager_.bytes(id);
+      } catch (const InvalidArgument&) {
+      }
+    }
+  const double copy_ms =
+      static_cast<double>(bytes) / static_cast<double>(order_.size()) / h2d_bytes_per_ms;
+  int target =
+      compute_ms > 0 ? static_cast<int>(std::ceil(copy_ms / compute_ms)) + 1 : options_.max_window;
+  if (mm.prefetch_late > late_seen_) target = std::max(target, window_ + 1);  // still stalling
+  if (stats_.prefetches_without_room > hits_seen_) target = std::min(target, window_ - 1);
+  late_seen_ = mm.prefetch_late;
+  hits_seen_ = stats_.prefetches_without_room;
+  window_ = std::clamp(target, options_.min_window, options_.max_window);
+  stats_.measured_compute_ms_per_group = compute_ms;
+  stats_.measured_copy_ms_per_group = copy_ms;
+}
+
+PrefetchSchedulerStats PrefetchScheduler::stats() const {
+  PrefetchSchedulerStats s = stats_;
+  s.window = window_;
+  return s;
+}
+
+}  // namespace reviva
