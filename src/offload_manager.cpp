@@ -753,7 +753,16 @@ bool OffloadManager::prefetch(BlockId id) {
   Transfer copy;
   bool reserved = false;
   try {
-    reserved = m.reserve(bytes, /*may_wait=*/false, id);
+    {
+      // Free room only: evicting here could push out a block needed sooner than this one (the
+      // scheduler makes room by offloading what is needed late).
+      std::lock_guard<std::mutex> lock(m.mutex);
+      if (m.held + bytes <= m.budget) {
+        m.held += bytes;
+        m.note_held();
+        reserved = true;
+      }
+    }
     if (reserved) {
       ptr = m.allocator->allocate(bytes, m.h2d().handle());
       const PinnedBlock* host;
@@ -970,7 +979,9 @@ ManagerMetrics OffloadManager::metrics() {
   r.registered_bytes = m.registered;
   r.device_bytes_saved = m.registered > m.held ? m.registered - m.held : 0;
   const double copy_ms = r.to_host_busy_ms + r.to_device_busy_ms;
-  const double exposed = r.compute_stall_ms + r.host_wait_ms;
+  // Host waits are not counted: the GPU may be busy with queued work while the caller waits.
+  // Their cost shows in end-to-end time, and host_wait_ms reports them on their own.
+  const double exposed = r.compute_stall_ms;
   r.overlap_ratio = copy_ms > 0 ? std::clamp(1.0 - exposed / copy_ms, 0.0, 1.0) : 1.0;
   return r;
 }

@@ -21,8 +21,9 @@ struct ManagerMetrics {
   double compute_stall_ms = 0.0;
   // Time the calling thread blocked waiting for device memory to be freed (evictions in flight).
   double host_wait_ms = 0.0;
-  // Copy time hidden under compute / total copy time: 1 - (stall + host wait) / copy time,
-  // clamped to [0, 1]; 1 when nothing was copied.
+  // Copy time hidden under compute / total copy time: 1 - compute stall / copy time, clamped
+  // to [0, 1]; 1 when nothing was copied. (Host waits are reported apart: the GPU may still be
+  // busy with queued work while the caller waits.)
   double overlap_ratio = 1.0;
   std::size_t budget_bytes = 0;
   std::size_t device_bytes = 0;  // held now (resident, in flight, being freed)

@@ -76,8 +76,9 @@ class REVIVA_API OffloadManager {
 
   // Starts moving an unpinned resident block to the host now. No-op unless Device.
   void offload(BlockId id);
-  // Starts bringing a Host block back now, if it fits without waiting. Returns whether it is
-  // resident or on its way (false: no room right now, or the block has no contents).
+  // Starts bringing a Host block back now if it fits in free room: prefetch never evicts (that
+  // could push out a block needed sooner) and never waits. Returns whether the block is resident
+  // or on its way (false: no room right now, or the block has no contents).
   bool prefetch(BlockId id);
   // Drops the contents (state Empty) and frees memory on both sides. It must not be acquired.
   void discard(BlockId id);
