@@ -93,6 +93,7 @@ struct OffloadManager::Impl {
     int pins = 0;
     bool busy = false;        // a thread is moving it (decided under the mutex, acting unlocked)
     bool prefetched = false;  // arrived by prefetch(), not yet acquired
+    bool drop_on_landing = false;    // discarded while its D2H ran: Empty once the copy lands
     std::vector<UseGuard> last_use;  // latest use per stream since it became resident
     Transfer transfer;               // D2H while ToHost; H2D while ToDevice or until folded
   };
@@ -126,7 +127,9 @@ struct OffloadManager::Impl {
   std::vector<Freeing> freeing;   // guarded by mutex
   std::uint64_t next_freeing_id = 1;
   std::vector<Stall> stalls;  // guarded by mutex
-  ManagerMetrics metrics;     // guarded by mutex (counters; derived fields filled on read)
+  // H2D copies of blocks that left the device before the copy was folded: still to be counted.
+  std::vector<std::pair<BlockId, Transfer>> orphans;  // guarded by mutex
+  ManagerMetrics metrics;  // guarded by mutex (counters; derived fields filled on read)
   std::vector<TimelineEvent> timeline;  // guarded by mutex
   std::atomic<bool> polling{false};
 
@@ -258,8 +261,9 @@ struct OffloadManager::Impl {
       freeing.push_back({next_freeing_id++, bytes, std::move(guard)});
     } else {
       b.state = BlockState::ToHost;
-      b.transfer = std::move(transfer);
     }
+    if (b.transfer.valid()) orphans.emplace_back(id, std::move(b.transfer));  // its H2D
+    b.transfer = std::move(transfer);  // the D2H, or none for a clean eviction
     freeing_bytes += bytes;
     policy->on_evict(id);
     changed.notify_all();
@@ -284,8 +288,7 @@ struct OffloadManager::Impl {
         if (held - freeing_bytes + bytes > budget) {
           std::vector<BlockId> candidates;
           for (const auto& [id, b] : blocks)
-            if (id != self && b->state == BlockState::Device && b->pins == 0 && !b->busy &&
-                !b->transfer.valid())  // an H2D not folded yet: a candidate after poll()
+            if (id != self && b->state == BlockState::Device && b->pins == 0 && !b->busy)
               candidates.push_back(id);
           if (!candidates.empty()) {
             victim = policy->choose_victim(candidates);
@@ -322,9 +325,11 @@ struct OffloadManager::Impl {
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (!freeing.empty()) guard = freeing.front().guard;
-      for (const auto& [id, b] : blocks) {
-        if (transfer.valid() || guard) break;
-        if (!b->busy && b->transfer.valid()) transfer = b->transfer;
+      if (!guard) {  // a D2H landing frees memory; an H2D landing makes a block evictable
+        for (const auto& [id, b] : blocks)
+          if (!b->busy && b->state == BlockState::ToHost) transfer = b->transfer;
+        for (const auto& [id, b] : blocks)
+          if (!transfer.valid() && !b->busy && b->transfer.valid()) transfer = b->transfer;
       }
     }
     const double t0 = host_now_ms();
@@ -378,6 +383,7 @@ struct OffloadManager::Impl {
         std::lock_guard<std::mutex> lock(mutex);
         for (const auto& [id, b] : blocks)
           if (!b->busy && b->transfer.valid()) probes.push_back({id, b->transfer});
+        for (const auto& [id, t] : orphans) probes.push_back({id, t, false, 0, 0});
         for (const Freeing& f : freeing) frees.push_back({f.id, f.guard});
         for (const Stall& s : stalls) stall_probes.push_back({s});
       }
@@ -399,6 +405,16 @@ struct OffloadManager::Impl {
       std::lock_guard<std::mutex> lock(mutex);
       for (Probe& p : probes) {
         if (!p.done) continue;
+        auto orphan = std::find_if(orphans.begin(), orphans.end(),
+                                   [&](const auto& o) { return o.second.id() == p.transfer.id(); });
+        if (orphan != orphans.end()) {  // only metrics to fold: the block has moved on
+          metrics.bytes_to_device += p.transfer.bytes();
+          metrics.to_device_busy_ms += p.end - p.start;
+          add_timeline(TimelineKind::CopyToDevice, p.id, p.start, p.end, p.transfer.bytes());
+          trash.transfers.push_back(std::move(orphan->second));
+          orphans.erase(orphan);
+          continue;
+        }
         auto it = blocks.find(p.id);
         if (it == blocks.end()) continue;
         Block& b = *it->second;
@@ -408,6 +424,13 @@ struct OffloadManager::Impl {
           REVIVA_ASSERT(b.state == BlockState::ToHost);
           b.state = BlockState::Host;
           b.host_valid = true;
+          if (b.drop_on_landing) {  // discarded meanwhile: nothing to keep
+            b.drop_on_landing = false;
+            b.state = BlockState::Empty;
+            b.host_valid = false;
+            trash.blocks.push_back(std::move(b.host));
+            b.host = PinnedBlock();
+          }
           held -= b.bytes;
           freeing_bytes -= b.bytes;
           metrics.bytes_to_host += p.transfer.bytes();
@@ -583,8 +606,13 @@ void OffloadManager::unregister(BlockId id) {
   Impl::Block& b = m.wait_idle(lock, id);
   REVIVA_CHECK_ARG(b.pins == 0, "unregister: block ", id, " (", b.name, ") is acquired ", b.pins,
                    " time(s); release it first");
-  if (b.state != BlockState::Empty) {  // raced with another thread's acquire: try again
+  if (b.state != BlockState::Empty) {  // a D2H still landing, or another thread's acquire
+    Transfer landing = b.transfer;
     lock.unlock();
+    if (landing.valid()) {
+      landing.wait();
+      m.poll(/*wait_for_turn=*/true);
+    }
     unregister(id);
     return;
   }
@@ -731,7 +759,7 @@ void OffloadManager::offload(BlockId id) {
     Impl::Block& b = m.wait_idle(lock, id);
     REVIVA_CHECK_ARG(b.pins == 0, "offload: block ", id, " (", b.name, ") is acquired ", b.pins,
                      " time(s); release it first");
-    if (b.state != BlockState::Device || b.transfer.valid()) return;
+    if (b.state != BlockState::Device) return;
     b.busy = true;
   }
   m.evict(id);
@@ -814,7 +842,11 @@ void OffloadManager::discard(BlockId id) {
       Impl::Block& b = m.wait_idle(lock, id);
       REVIVA_CHECK_ARG(b.pins == 0, "discard: block ", id, " (", b.name, ") is acquired ", b.pins,
                        " time(s); release it first");
-      if (b.state == BlockState::ToHost || b.state == BlockState::ToDevice || b.transfer.valid()) {
+      if (b.state == BlockState::ToHost) {
+        b.drop_on_landing = true;  // no need to wait: poll() empties it when the copy lands
+        return;
+      }
+      if (b.state == BlockState::ToDevice) {
         in_flight = b.transfer;
       } else if (b.state == BlockState::Device) {
         b.busy = true;
@@ -853,6 +885,8 @@ void OffloadManager::discard(BlockId id) {
     Impl::Block& b = m.find(id);
     for (UseGuard& u : b.last_use) trash.guards.push_back(std::move(u));
     b.last_use.clear();
+    if (b.transfer.valid()) m.orphans.emplace_back(id, std::move(b.transfer));  // its H2D
+    b.transfer = Transfer();
     trash.blocks.push_back(std::move(b.host));
     b.host = PinnedBlock();
     b.host_valid = false;
@@ -868,7 +902,8 @@ void OffloadManager::discard(BlockId id) {
 
 BlockState OffloadManager::state(BlockId id) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  return impl_->find(id).state;
+  const Impl::Block& b = impl_->find(id);
+  return b.drop_on_landing ? BlockState::Empty : b.state;  // its contents are already gone
 }
 
 std::size_t OffloadManager::bytes(BlockId id) const {
@@ -925,8 +960,7 @@ void OffloadManager::set_budget_bytes(std::size_t bytes) {
       if (m.held - m.freeing_bytes > bytes) {
         std::vector<BlockId> candidates;
         for (const auto& [id, b] : m.blocks)
-          if (b->state == BlockState::Device && b->pins == 0 && !b->busy && !b->transfer.valid())
-            candidates.push_back(id);
+          if (b->state == BlockState::Device && b->pins == 0 && !b->busy) candidates.push_back(id);
         if (!candidates.empty()) {
           victim = m.policy->choose_victim(candidates);
           m.find(victim).busy = true;

@@ -112,17 +112,22 @@ std::size_t PrefetchScheduler::distance_to_next_use(BlockId id, std::size_t posi
   return order_.size() - position + positions.front();  // in the next step
 }
 
-void PrefetchScheduler::release_group(std::span<const BlockId> group, const Stream& compute) {
+void PrefetchScheduler::release_group(std::span<const BlockId> group, const Stream& compute,
+                                      bool discard) {
   for (BlockId id : group) manager_.release(id, compute);
-  if (!options_.eager_offload || !on_schedule_) return;
-  for (BlockId id : group) {
-    if (distance_to_next_use(id, position_) > static_cast<std::size_t>(window_)) {
-      if (manager_.state(id) == BlockState::Device) {
+  if (discard) {
+    for (BlockId id : group) manager_.discard(id);
+  } else if (options_.eager_offload && on_schedule_) {
+    for (BlockId id : group) {
+      if (distance_to_next_use(id, position_) > static_cast<std::size_t>(window_) &&
+          manager_.state(id) == BlockState::Device) {
         manager_.offload(id);
         ++stats_.eager_offloads;
       }
     }
   }
+  // Room may have been made (now or by copies that landed since): try the window again.
+  if (on_schedule_) prefetch_ahead(position_);
 }
 
 void PrefetchScheduler::end_step() {

@@ -81,6 +81,7 @@ class REVIVA_API OffloadManager {
   // or on its way (false: no room right now, or the block has no contents).
   bool prefetch(BlockId id);
   // Drops the contents (state Empty) and frees memory on both sides. It must not be acquired.
+  // A block whose D2H is in flight becomes Empty when that copy lands (no waiting).
   void discard(BlockId id);
 
   BlockState state(BlockId id) const;

@@ -58,7 +58,9 @@ class REVIVA_API PrefetchScheduler {
   std::vector<void*> acquire_group(std::span<const BlockId> group, const Stream& compute,
                                    Access access = Access::ReadWrite);
   // Releases the group's blocks; with eager offload, starts moving out those needed far later.
-  void release_group(std::span<const BlockId> group, const Stream& compute);
+  // With `discard`, their contents are dead (e.g. activations after their backward use): they
+  // are dropped instead of copied out. Then retries prefetches that found no room before.
+  void release_group(std::span<const BlockId> group, const Stream& compute, bool discard = false);
   // Ends a step: a recorded order becomes the order of the next step.
   void end_step();
 

@@ -281,10 +281,11 @@ class PyPrefetchScheduler {
     return out;
   }
 
-  void release_group(const std::vector<BlockId>& group) {
+  void release_group(const std::vector<BlockId>& group, bool discard) {
+    for (BlockId id : group) manager_->lookup(id);
     auto stream = manager_->runtime()->compute_stream();
     py::gil_scoped_release nogil;
-    scheduler_->release_group(group, *stream);
+    scheduler_->release_group(group, *stream, discard);
   }
 
   py::dict stats() const {
@@ -395,7 +396,8 @@ void bind_manager(py::module_& m) {
       .def("declare_order", &PyPrefetchScheduler::declare_order, py::arg("order"))
       .def("acquire_group", &PyPrefetchScheduler::acquire_group, py::arg("group"),
            py::arg("access") = "readwrite")
-      .def("release_group", &PyPrefetchScheduler::release_group, py::arg("group"))
+      .def("release_group", &PyPrefetchScheduler::release_group, py::arg("group"),
+           py::arg("discard") = false)
       .def("end_step", [](PyPrefetchScheduler& self) { self.scheduler().end_step(); })
       .def_property_readonly("window",
                              [](PyPrefetchScheduler& self) { return self.scheduler().window(); })

@@ -1,0 +1,401 @@
+// PrefetchScheduler (host backend): the next `window` groups of a declared order are on their way
+// when a group is acquired, wrapping into the next step; a recorded first step is replayed from
+// the second, with prefetch hits replacing demand fetches; eager offload moves out only blocks
+// needed beyond the window; the adaptive window stays within its bounds, widening when copies
+// are late and narrowing when prefetches find no room; contents survive every step bit-exactly.
+#include "test_util.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <thread>
+
+namespace reviva::test {
+namespace {
+
+constexpr std::size_t kKiB = 1024;
+constexpr std::size_t kMiB = 1024 * 1024;
+using Group = std::vector<BlockId>;
+
+void fill_random(void* dst, std::size_t n, std::uint64_t seed) {
+  auto* p = static_cast<std::uint8_t*>(dst);
+  std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  auto next = [&x] {
+    std::uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const std::uint64_t r = next();
+    std::memcpy(p + i, &r, 8);
+  }
+  for (; i < n; ++i) p[i] = static_cast<std::uint8_t>(next());
+}
+
+// Compute work that takes `ms` on the stream (what a layer's kernels would).
+void compute_for(const Stream& stream, double ms) {
+  stream.launch_host_func([ms] {
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int>(ms * 1000)));
+  });
+}
+
+bool on_the_way(BlockState s) { return s == BlockState::ToDevice || s == BlockState::Device; }
+bool leaving(BlockState s) { return s == BlockState::ToHost || s == BlockState::Host; }
+
+// A manager on the host backend with `groups` groups of `per_group` blocks, each block filled
+// with random contents, offloaded, and shadowed by the test.
+class Rig {
+ public:
+  Rig(std::size_t budget, int groups, int per_group, std::size_t block_bytes,
+      PolicyKind policy = PolicyKind::Lru) {
+    HostBackendOptions bo;
+    bo.simulated_device_bytes = std::size_t{1} << 30;
+    backend = make_host_backend(bo);
+    pool = PinnedHostPool::create(backend, {});
+    staging = PinnedHostPool::create(backend, {});
+    engine = std::make_shared<TransferEngine>(pool);
+    compute = std::make_shared<Stream>(backend);
+    OffloadManagerOptions o;
+    o.budget_bytes = budget;
+    o.policy = policy;
+    manager = std::make_unique<OffloadManager>(engine, make_backend_device_allocator(backend), o);
+    for (int g = 0; g < groups; ++g) {
+      Group group;
+      for (int b = 0; b < per_group; ++b) {
+        const std::size_t bytes = block_bytes + 8 * static_cast<std::size_t>(g * per_group + b);
+        const BlockId id = manager->register_block(bytes);
+        void* p = manager->acquire(id, *compute, Access::WriteOnly);
+        write(id, p);
+        manager->release(id, *compute);
+        manager->offload(id);
+        group.push_back(id);
+      }
+      order.push_back(group);
+    }
+    manager->synchronize();
+  }
+  ~Rig() {
+    compute->synchronize();
+    manager->synchronize();
+    manager.reset();
+  }
+
+  void write(BlockId id, void* dev) {
+    auto& shadow = shadows[id];
+    shadow.resize(manager->bytes(id));
+    PinnedBlock st = staging->allocate(shadow.size());
+    fill_random(st.data(), shadow.size(), ++seed);
+    std::memcpy(shadow.data(), st.data(), shadow.size());
+    backend->copy_async(dev, st.data(), shadow.size(), compute->handle());
+    st.record_use(compute);
+  }
+  ::testing::AssertionResult matches(BlockId id, const void* dev) {
+    const auto& shadow = shadows.at(id);
+    PinnedBlock st = staging->allocate(shadow.size());
+    backend->copy_async(st.data(), dev, shadow.size(), compute->handle());
+    compute->synchronize();
+    if (std::memcmp(st.data(), shadow.data(), shadow.size()) == 0)
+      return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << "block " << id << " does not hold its contents";
+  }
+
+  // One group access as a compute loop does it: acquire, check and rewrite, compute, release.
+  void use(PrefetchScheduler& scheduler, const Group& group, double compute_ms = 0.0,
+           bool check = true) {
+    const std::vector<void*> ptrs = scheduler.acquire_group(group, *compute);
+    ASSERT_EQ(ptrs.size(), group.size());
+    for (std::size_t i = 0; i < group.size(); ++i) {
+      ASSERT_NE(ptrs[i], nullptr);
+      if (check) {
+        ASSERT_TRUE(matches(group[i], ptrs[i]));
+        write(group[i], ptrs[i]);
+      }
+    }
+    if (compute_ms > 0) compute_for(*compute, compute_ms);
+    scheduler.release_group(group, *compute);
+    ASSERT_LE(manager->device_bytes(), manager->budget_bytes());
+  }
+
+  std::size_t group_bytes(const Group& g) const {
+    std::size_t n = 0;
+    for (BlockId id : g) n += manager->bytes(id);
+    return n;
+  }
+
+  std::shared_ptr<Backend> backend;
+  std::shared_ptr<PinnedHostPool> pool;
+  std::shared_ptr<PinnedHostPool> staging;
+  std::shared_ptr<TransferEngine> engine;
+  std::shared_ptr<Stream> compute;
+  std::unique_ptr<OffloadManager> manager;
+  std::vector<Group> order;
+  std::map<BlockId, std::vector<std::uint8_t>> shadows;
+  std::uint64_t seed = 1;
+};
+
+TEST(PrefetchScheduler, DeclaredOrderKeepsTheNextGroupsOnTheirWay) {
+  const int groups = 6, window = 2;
+  Rig rig(64 * kMiB, groups, 2, 192 * kKiB + 3);
+  PrefetchSchedulerOptions o;
+  o.prefetch_groups = window;
+  PrefetchScheduler scheduler(*rig.manager, o);
+  scheduler.declare_order(rig.order);
+  EXPECT_EQ(scheduler.window(), window);
+  EXPECT_EQ(scheduler.order(), rig.order);
+  for (int step = 0; step < 3; ++step) {
+    for (int i = 0; i < groups; ++i) {
+      SCOPED_TRACE("step " + std::to_string(step) + ", group " + std::to_string(i));
+      // Blocks of the next `window` groups (wrapping into the next step) that are on the host.
+      std::vector<BlockId> ahead_on_host;
+      for (int k = 1; k <= window; ++k)
+        for (BlockId id : rig.order[(i + k) % groups])
+          if (rig.manager->state(id) == BlockState::Host) ahead_on_host.push_back(id);
+      const auto ptrs = scheduler.acquire_group(rig.order[i], *rig.compute);
+      for (BlockId id : ahead_on_host) {
+        EXPECT_TRUE(on_the_way(rig.manager->state(id)))
+            << "block " << id << " ahead in the window is " << to_string(rig.manager->state(id));
+      }
+      for (std::size_t b = 0; b < ptrs.size(); ++b) {
+        EXPECT_TRUE(rig.matches(rig.order[i][b], ptrs[b]));
+        rig.write(rig.order[i][b], ptrs[b]);
+      }
+      scheduler.release_group(rig.order[i], *rig.compute);
+      rig.manager->check_invariants();
+      // Let the eager offloads land, so that the next groups are on the host when checked.
+      rig.manager->synchronize();
+    }
+    scheduler.end_step();
+  }
+  const auto st = scheduler.stats();
+  EXPECT_GT(st.prefetches_issued, 0u);
+  EXPECT_EQ(st.off_schedule_accesses, 0u);
+  EXPECT_EQ(st.groups_in_order, static_cast<std::size_t>(groups));
+  EXPECT_EQ(st.window, window);
+  EXPECT_GT(rig.manager->metrics().prefetches, 0u);
+}
+
+TEST(PrefetchScheduler, RecordedFirstStepIsReplayedFromTheSecond) {
+  const int groups = 8;
+  const std::size_t block = 256 * kKiB;
+  // Room for four of the eight groups: blocks go back and forth every step.
+  Rig rig(4 * 2 * (block + 8 * 16), groups, 2, block);
+  PrefetchScheduler scheduler(*rig.manager);  // window 2, eager offload
+  std::vector<ManagerMetrics> after_step;
+  rig.manager->synchronize();
+  after_step.push_back(rig.manager->metrics());
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    for (const Group& g : rig.order) {
+      ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, g, /*compute_ms=*/3.0));
+      if (step == 0) {
+        EXPECT_TRUE(scheduler.order().empty()) << "the order exists while recording";
+      }
+    }
+    scheduler.end_step();
+    EXPECT_EQ(scheduler.order().size(), static_cast<std::size_t>(groups));
+    EXPECT_EQ(scheduler.order(), rig.order);
+    EXPECT_EQ(scheduler.stats().groups_in_order, static_cast<std::size_t>(groups));
+    EXPECT_EQ(scheduler.stats().steps, static_cast<std::size_t>(step + 1));
+    rig.compute->synchronize();
+    rig.manager->synchronize();
+    after_step.push_back(rig.manager->metrics());
+    rig.manager->check_invariants();
+  }
+  auto delta = [&](int step, auto field) {
+    return after_step[step + 1].*field - after_step[step].*field;
+  };
+  const auto misses_1 = delta(0, &ManagerMetrics::prefetch_misses);
+  const auto misses_2 = delta(1, &ManagerMetrics::prefetch_misses);
+  const auto hits_2 = delta(1, &ManagerMetrics::prefetch_hits);
+  EXPECT_GT(misses_1, 0u) << "the first step found nothing on the host";
+  EXPECT_EQ(delta(0, &ManagerMetrics::prefetches), 0u) << "prefetches without an order";
+  EXPECT_GT(hits_2, 0u);
+  EXPECT_LT(misses_2, misses_1);
+  EXPECT_GT(scheduler.stats().prefetches_issued, 0u);
+  EXPECT_LE(rig.manager->metrics().peak_device_bytes, rig.manager->budget_bytes());
+}
+
+TEST(PrefetchScheduler, EagerOffloadMovesOutOnlyBlocksNeededBeyondTheWindow) {
+  const std::size_t block = 128 * kKiB;
+  for (bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager offload" : "no eager offload");
+    Rig rig(64 * kMiB, 5, 2, block);  // room for everything: nothing leaves for lack of room
+    // `shared` is in groups 0 and 1: its next use after group 0 is inside the window.
+    const BlockId shared = rig.order[1][0];
+    std::vector<Group> order = rig.order;
+    order[0].push_back(shared);
+    PrefetchSchedulerOptions o;
+    o.prefetch_groups = 2;
+    o.eager_offload = eager;
+    PrefetchScheduler scheduler(*rig.manager, o);
+    scheduler.declare_order(order);
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      SCOPED_TRACE("group " + std::to_string(i));
+      ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, order[i]));
+      for (BlockId id : order[i]) {
+        const BlockState s = rig.manager->state(id);
+        // Next use: group 1 for `shared` after group 0, otherwise the next step (5 groups on).
+        const bool needed_soon = id == shared && i == 0;
+        if (eager && !needed_soon) {
+          EXPECT_TRUE(leaving(s)) << "block " << id << " needed far later is " << to_string(s);
+        } else {
+          EXPECT_EQ(s, BlockState::Device) << "block " << id;
+        }
+      }
+    }
+    if (eager) {
+      EXPECT_GT(scheduler.stats().eager_offloads, 0u);
+    } else {
+      EXPECT_EQ(scheduler.stats().eager_offloads, 0u);
+    }
+  }
+}
+
+TEST(PrefetchScheduler, EagerOffloadWorksWhenTheHostRunsAheadOfTheCopies) {
+  // As on a GPU: the group's H2D copies have not run yet (the copy stream is gated) when compute
+  // work is queued and the group released. Its blocks, needed only in the next step, must still
+  // start leaving: the offload is ordered after the copies and the compute work.
+  const std::size_t block = 256 * kKiB;
+  Rig rig(64 * kMiB, 4, 2, block);
+  PrefetchScheduler scheduler(*rig.manager);  // window 2, eager offload
+  scheduler.declare_order(rig.order);
+  for (std::size_t i = 0; i < rig.order.size(); ++i) {
+    SCOPED_TRACE("group " + std::to_string(i));
+    {
+      StreamGate gate;
+      gate.block(rig.engine->stream(Direction::HostToDevice));
+      const auto ptrs = scheduler.acquire_group(rig.order[i], *rig.compute);
+      for (std::size_t b = 0; b < ptrs.size(); ++b) rig.write(rig.order[i][b], ptrs[b]);
+      scheduler.release_group(rig.order[i], *rig.compute);
+      for (BlockId id : rig.order[i]) {
+        EXPECT_TRUE(leaving(rig.manager->state(id)))
+            << "block " << id << " needed next step is " << to_string(rig.manager->state(id));
+      }
+      gate.open();
+    }
+    rig.manager->synchronize();
+  }
+  rig.manager->synchronize();
+  for (const Group& g : rig.order) {
+    for (BlockId id : g) {
+      void* p = rig.manager->acquire(id, *rig.compute, Access::ReadOnly);
+      EXPECT_TRUE(rig.matches(id, p));
+      rig.manager->release(id, *rig.compute);
+    }
+  }
+}
+
+TEST(PrefetchScheduler, OffScheduleAccessesAreCountedAndStillCorrect) {
+  Rig rig(64 * kMiB, 4, 2, 64 * kKiB);
+  PrefetchScheduler scheduler(*rig.manager);
+  const std::vector<Group> declared(rig.order.begin(), rig.order.begin() + 3);
+  scheduler.declare_order(declared);
+  ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, declared[0]));
+  ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, rig.order[3]));  // not in the order
+  EXPECT_EQ(scheduler.stats().off_schedule_accesses, 1u);
+  ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, declared[2]));  // in the order, out of turn
+  ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, declared[0]));
+  ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, declared[1]));
+  ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, declared[2]));
+  EXPECT_LE(scheduler.stats().off_schedule_accesses, 2u);
+  rig.manager->check_invariants();
+}
+
+TEST(PrefetchScheduler, ContentsSurviveManyStepsUnderATightBudget) {
+  // Groups of different sizes, a budget of about three groups, a window of two: prefetches, eager
+  // offloads and evictions interleave; every access checks and rewrites every block.
+  for (PolicyKind policy : {PolicyKind::Lru, PolicyKind::TwoQ, PolicyKind::Belady}) {
+    for (bool declared : {true, false}) {
+      SCOPED_TRACE(std::string(to_string(policy)) + (declared ? ", declared" : ", recorded"));
+      const std::size_t block = 160 * kKiB;
+      Rig rig(3 * 3 * (block + 8 * 24), 8, 3, block, policy);
+      PrefetchScheduler scheduler(*rig.manager);
+      if (declared) scheduler.declare_order(rig.order);
+      for (int step = 0; step < scaled(4); ++step) {
+        for (const Group& g : rig.order) {
+          ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, g, 0.2));
+        }
+        scheduler.end_step();
+        rig.manager->check_invariants();
+      }
+      EXPECT_LE(rig.manager->metrics().peak_device_bytes, rig.manager->budget_bytes());
+    }
+  }
+}
+
+TEST(PrefetchScheduler, AdaptiveWindowWidensWhenCopiesAreLate) {
+  // Copies of megabytes against compute that takes no time: every prefetch is late, so the
+  // window grows, never past max_window. Paced: the host waits for each access's compute (as a
+  // loop that reads a result does); not paced: the host runs ahead of the copies, as on a GPU.
+  for (bool paced : {true, false}) {
+    SCOPED_TRACE(paced ? "host paced by compute" : "host running ahead");
+    PrefetchSchedulerOptions o;
+    o.adaptive = true;
+    o.prefetch_groups = 1;
+    o.min_window = 1;
+    o.max_window = 4;
+    Rig rig(256 * kMiB, 6, 1, 8 * kMiB);
+    PrefetchScheduler scheduler(*rig.manager, o);
+    scheduler.declare_order(rig.order);
+    int widest = scheduler.window();
+    for (int step = 0; step < 4; ++step) {
+      for (const Group& g : rig.order) {
+        ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, g, 0.0, /*check=*/paced));
+        EXPECT_GE(scheduler.window(), o.min_window);
+        EXPECT_LE(scheduler.window(), o.max_window);
+        EXPECT_EQ(scheduler.stats().window, scheduler.window());
+        widest = std::max(widest, scheduler.window());
+      }
+      scheduler.end_step();
+    }
+    EXPECT_GT(widest, o.prefetch_groups) << "late prefetches did not widen the window";
+    EXPECT_GT(scheduler.stats().measured_copy_ms_per_group, 0.0);
+  }
+}
+
+TEST(PrefetchScheduler, AdaptiveWindowNarrowsWhenPrefetchesFindNoRoom) {
+  // Room for one group and a half: prefetches of the next group never fit; compute is slow, so
+  // copies are never late. The window shrinks, never below min_window.
+  PrefetchSchedulerOptions o;
+  o.adaptive = true;
+  o.prefetch_groups = 4;
+  o.min_window = 2;
+  o.max_window = 4;
+  const std::size_t block = 128 * kKiB;
+  Rig rig(3 * block + block / 2, 6, 2, block);
+  PrefetchScheduler scheduler(*rig.manager, o);
+  scheduler.declare_order(rig.order);
+  int narrowest = scheduler.window();
+  for (int step = 0; step < 3; ++step) {
+    for (const Group& g : rig.order) {
+      ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, g, 2.0));
+      EXPECT_GE(scheduler.window(), o.min_window);
+      EXPECT_LE(scheduler.window(), o.max_window);
+      narrowest = std::min(narrowest, scheduler.window());
+    }
+    scheduler.end_step();
+  }
+  EXPECT_GT(scheduler.stats().prefetches_without_room, 0u);
+  EXPECT_LT(narrowest, o.prefetch_groups) << "prefetches without room did not narrow the window";
+  EXPECT_GT(scheduler.stats().measured_compute_ms_per_group, 0.0);
+}
+
+TEST(PrefetchScheduler, FixedWindowIsTheConfiguredOne) {
+  for (int w : {1, 3}) {
+    Rig rig(64 * kMiB, 4, 1, 64 * kKiB);
+    PrefetchSchedulerOptions o;
+    o.prefetch_groups = w;
+    PrefetchScheduler scheduler(*rig.manager, o);
+    EXPECT_EQ(scheduler.window(), w);
+    scheduler.declare_order(rig.order);
+    for (const Group& g : rig.order) {
+      ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, g));
+    }
+    EXPECT_EQ(scheduler.window(), w);
+  }
+}
+
+}  // namespace
+}  // namespace reviva::test
