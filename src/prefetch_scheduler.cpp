@@ -95,12 +95,36 @@ void PrefetchScheduler::prefetch_ahead(std::size_t position) {
       if (state != BlockState::Host) continue;
       if (manager_.prefetch(id)) {
         ++stats_.prefetches_issued;
-      } else {
-        ++stats_.prefetches_without_room;
-        return;  // the budget is full now; later groups would not fit either
+        continue;
       }
+      // No free room: move out what is needed later than the window (e.g. at the start of a
+      // replayed step, the budget is full of the groups the order needs last), then try again.
+      if (make_room(position) && manager_.prefetch(id)) {
+        ++stats_.prefetches_issued;
+        continue;
+      }
+      ++stats_.prefetches_without_room;
+      return;  // the budget is full now; later groups would not fit either
     }
   }
+}
+
+// Offloads resident blocks of the order whose next use lies beyond the window. Returns whether
+// any was started (its memory frees when the copy lands).
+bool PrefetchScheduler::make_room(std::size_t position) {
+  bool started = false;
+  for (const auto& [id, positions] : uses_) {
+    if (distance_to_next_use(id, position) <= static_cast<std::size_t>(window_)) continue;
+    try {
+      if (manager_.state(id) != BlockState::Device) continue;
+      manager_.offload(id);
+      ++stats_.eager_offloads;
+      started = true;
+    } catch (const InvalidArgument&) {
+      // acquired by compute right now, or unregistered since the order was recorded
+    }
+  }
+  return started;
 }
 
 std::size_t PrefetchScheduler::distance_to_next_use(BlockId id, std::size_t position) const {

@@ -71,6 +71,7 @@ class REVIVA_API PrefetchScheduler {
  private:
   std::size_t locate(std::span<const BlockId> group);
   void prefetch_ahead(std::size_t position);
+  bool make_room(std::size_t position);
   std::size_t distance_to_next_use(BlockId id, std::size_t position) const;
   void rebuild_index();
   void adapt(const Stream& compute);

@@ -64,6 +64,20 @@ void fill_random(void* dst, std::size_t n, std::uint64_t seed) {
          << " (0xa5: memory never written after allocation; 0x5a: memory already freed)";
 }
 
+// ThreadSanitizer makes every memory access about ten times slower: under it the randomized runs
+// are shortened (every operation still interleaves with the copy threads), so that CI stays fast.
+#if defined(__SANITIZE_THREAD__)
+constexpr double kSanitizerScale = 0.25;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr double kSanitizerScale = 0.25;
+#else
+constexpr double kSanitizerScale = 1.0;
+#endif
+#else
+constexpr double kSanitizerScale = 1.0;
+#endif
+
 // Work on `stream` pauses for `us` microseconds: copies queued behind it run late, so that a
 // missing wait on them shows up as wrong data.
 void stall(const Stream& stream, int us) {
@@ -455,7 +469,7 @@ TEST_P(ManagerPropertyTest, RandomOperationsKeepBudgetStatesAndDataIntact) {
     ASSERT_LE(outstanding, held) << "device memory in use that the manager does not count";
   };
 
-  const int ops = scaled(2500);
+  const int ops = scaled(static_cast<int>(2500 * kSanitizerScale));
   int max_held = 1;
   for (int op = 0; op < ops; ++op) {
     if (op % 200 == 0) max_held = static_cast<int>(uniform(1, 4));
@@ -581,8 +595,13 @@ TEST_P(ManagerPropertyTest, RandomOperationsKeepBudgetStatesAndDataIntact) {
       BlockModel* b = pick(free_block);
       if (!b) continue;
       const BlockState before = m.state(b->id);
+      const std::size_t room = m.budget_bytes() - m.device_bytes();  // only grows meanwhile
       const bool on_its_way = m.prefetch(b->id);
       const BlockState after = m.state(b->id);
+      if (before == BlockState::Host && room >= b->bytes) {
+        ASSERT_TRUE(on_its_way) << "prefetch refused with " << room << " bytes free for "
+                                << b->bytes;
+      }
       if (before == BlockState::Empty) {
         ASSERT_FALSE(on_its_way) << "prefetch of a block without contents";
         ASSERT_EQ(after, BlockState::Empty);
@@ -1641,7 +1660,7 @@ TEST_P(ManagerConcurrencyTest, ThreadsWithTheirOwnStreamsShareOneManager) {
     std::vector<bool> has_contents;
     for (int i = 0; i < 5; ++i) {
       ids.push_back(
-          m.register_block(32 * kKiB + rng() % (largest - 32 * kKiB), "t" + std::to_string(t)));
+          m.register_block(32 * kKiB + rng() % (largest - 32 * kKiB), detail::concat("t", t)));
       has_contents.push_back(false);
     }
     auto fail = [&](const std::string& what) {
