@@ -481,6 +481,18 @@ struct OffloadManager::Impl {
     polling.store(false, std::memory_order_release);
   }
 
+  // Fresh device memory for busy block `id` (*ptr, set before the copy can fail), and the H2D
+  // of its host copy into it. Unlocked.
+  Transfer fetch(BlockId id, std::size_t bytes, void** ptr) {
+    *ptr = allocator->allocate(bytes, h2d().handle());
+    const PinnedBlock* host;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      host = &find(id).host;  // stable: the block is busy, only this thread touches it
+    }
+    return engine->restore(*host, *ptr, bytes);
+  }
+
   // Rule 3: `compute` waits for `copy`, with two timing events around the wait measuring how
   // long it actually stalled. Unlocked.
   void wait_for_copy(BlockId id, const Transfer& copy, const Stream& compute, bool prefetched) {
@@ -688,13 +700,7 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
       m.reserve(bytes, /*may_wait=*/true, id);
       reserved = true;
       if (fetch) {
-        ptr = m.allocator->allocate(bytes, m.h2d().handle());
-        const PinnedBlock* host;
-        {
-          std::lock_guard<std::mutex> lock(m.mutex);
-          host = &m.find(id).host;
-        }
-        copy = m.engine->restore(*host, ptr, bytes);
+        copy = m.fetch(id, bytes, &ptr);
       } else {
         ptr = m.allocator->allocate(bytes, compute.handle());
       }
@@ -792,13 +798,7 @@ bool OffloadManager::prefetch(BlockId id) {
       }
     }
     if (reserved) {
-      ptr = m.allocator->allocate(bytes, m.h2d().handle());
-      const PinnedBlock* host;
-      {
-        std::lock_guard<std::mutex> lock(m.mutex);
-        host = &m.find(id).host;
-      }
-      copy = m.engine->restore(*host, ptr, bytes);
+      copy = m.fetch(id, bytes, &ptr);
     }
   } catch (const OutOfMemory&) {
     if (ptr) m.allocator->deallocate(ptr, bytes, m.h2d().handle());
