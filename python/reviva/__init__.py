@@ -24,6 +24,7 @@ from reviva._C import (  # noqa: F401  (re-exported API)
     cuda_device_count,
 )
 from reviva._C import version as _core_version
+from reviva.config import RevivaConfig
 from reviva.sizes import parse_bytes
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "PinnedHostPool",
     "PrefetchScheduler",
     "RevivaBackendError",
+    "RevivaConfig",
     "RevivaError",
     "RevivaOutOfMemoryError",
     "Runtime",

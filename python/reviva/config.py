@@ -1,0 +1,79 @@
+"""RevivaConfig: how RevivaManager may use device memory, host memory and copies.
+
+Validated on construction; every error names the bad value. (Issue 4 builds RevivaManager on it;
+the config stands alone so that it can be checked and documented first.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reviva.sizes import parse_bytes
+
+_OFFLOAD_DEVICES = ("cpu", "disk")
+
+
+@dataclass(frozen=True)
+class RevivaConfig:
+    """Limits and knobs of a RevivaManager.
+
+    vram_threshold: fraction of the device's total memory Reviva's work may hold (0 < x <= 1).
+    vram_budget:    absolute budget ("24GB", "20GiB" or bytes); wins over vram_threshold.
+    prefetch_layers: layers kept in flight ahead of compute (>= 0), or "auto" (adaptive).
+    offload_device: where offloaded K/V and activations go: "cpu" (pinned host memory).
+                    "disk" is reserved for the disk tier and not available yet.
+    pin_memory:     use pinned host memory (True); pageable memory copies at a third of the speed.
+    host_memory:    cap on pinned host memory ("64GB", bytes), None for no cap.
+    chunk_tokens:   token chunk of the MLP/projections in prefill (> 0), None to choose it
+                    from the budget.
+    """
+
+    vram_threshold: float = 0.8
+    vram_budget: int | str | None = None
+    prefetch_layers: int | str = 2
+    offload_device: str = "cpu"
+    pin_memory: bool = True
+    host_memory: int | str | None = None
+    chunk_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.vram_threshold
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 < t <= 1.0:
+            raise ValueError(f"vram_threshold must be a fraction in (0, 1], got {t!r}")
+        if self.vram_budget is not None:
+            budget = parse_bytes(self.vram_budget)
+            if budget <= 0:
+                raise ValueError(f"vram_budget must be > 0 bytes, got {self.vram_budget!r}")
+        p = self.prefetch_layers
+        if not (p == "auto" or (isinstance(p, int) and not isinstance(p, bool) and p >= 0)):
+            raise ValueError(f"prefetch_layers must be an int >= 0 or 'auto', got {p!r}")
+        if self.offload_device not in _OFFLOAD_DEVICES:
+            raise ValueError(
+                f"offload_device must be one of {_OFFLOAD_DEVICES}, got {self.offload_device!r}"
+            )
+        if self.offload_device == "disk":
+            raise ValueError(
+                "offload_device='disk' needs the disk tier, which this version does not have yet; "
+                "use 'cpu'"
+            )
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"pin_memory must be True or False, got {self.pin_memory!r}")
+        if self.host_memory is not None and parse_bytes(self.host_memory) <= 0:
+            raise ValueError(f"host_memory must be > 0 bytes, got {self.host_memory!r}")
+        c = self.chunk_tokens
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c <= 0):
+            raise ValueError(f"chunk_tokens must be an int > 0 or None, got {c!r}")
+
+    def budget_bytes(self, total_device_bytes: int) -> int:
+        """The device budget in bytes: vram_budget if given, else the threshold of the total."""
+        if self.vram_budget is not None:
+            return parse_bytes(self.vram_budget)
+        return int(total_device_bytes * self.vram_threshold)
+
+    def host_memory_bytes(self) -> int:
+        """The pinned host memory cap in bytes; 0 means no cap."""
+        return 0 if self.host_memory is None else parse_bytes(self.host_memory)
+
+    @property
+    def adaptive_prefetch(self) -> bool:
+        return self.prefetch_layers == "auto"

@@ -1,0 +1,48 @@
+"""RevivaConfig: defaults, budgets from a fraction or an absolute size, and errors that name the
+bad value."""
+
+from __future__ import annotations
+
+import pytest
+
+from reviva.config import RevivaConfig
+
+
+def test_defaults_take_a_fraction_of_the_device() -> None:
+    c = RevivaConfig()
+    assert c.budget_bytes(100 * 10**9) == 80 * 10**9
+    assert c.host_memory_bytes() == 0
+    assert c.prefetch_layers == 2 and not c.adaptive_prefetch
+
+
+def test_absolute_budget_wins_over_the_threshold() -> None:
+    c = RevivaConfig(vram_threshold=0.5, vram_budget="24GB", host_memory="64GiB")
+    assert c.budget_bytes(141 * 10**9) == 24 * 10**9
+    assert c.host_memory_bytes() == 64 * 2**30
+
+
+def test_auto_prefetch_is_adaptive() -> None:
+    assert RevivaConfig(prefetch_layers="auto").adaptive_prefetch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"vram_threshold": 0.0}, "vram_threshold .* got 0.0"),
+        ({"vram_threshold": 1.5}, "vram_threshold .* got 1.5"),
+        ({"vram_threshold": True}, "vram_threshold .* got True"),
+        ({"vram_budget": "24 parsecs"}, "24 parsecs"),
+        ({"vram_budget": 0}, "vram_budget must be > 0 bytes, got 0"),
+        ({"prefetch_layers": -1}, "prefetch_layers .* got -1"),
+        ({"prefetch_layers": "sometimes"}, "prefetch_layers .* got 'sometimes'"),
+        ({"offload_device": "gpu"}, "offload_device .* got 'gpu'"),
+        ({"offload_device": "disk"}, "disk tier"),
+        ({"pin_memory": "yes"}, "pin_memory .* got 'yes'"),
+        ({"host_memory": "0GB"}, "host_memory must be > 0 bytes"),
+        ({"chunk_tokens": 0}, "chunk_tokens .* got 0"),
+        ({"chunk_tokens": 2.5}, "chunk_tokens .* got 2.5"),
+    ],
+)
+def test_bad_values_are_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RevivaConfig(**kwargs)
