@@ -77,6 +77,7 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) usage_error(a + " needs a value");
       return argv[++i];
     };
+    if (rx::apply_config_flag(a, value, o.config)) continue;
     if (a == "--json")
       o.json_path = value();
     else if (a == "--backend")
@@ -85,24 +86,8 @@ Options parse(int argc, char** argv) {
       o.config.layers = std::stoi(value());
     else if (a == "--activation")
       o.config.activation_bytes = rx::parse_size(value());
-    else if (a == "--hidden")
-      o.config.hidden = std::stoi(value());
-    else if (a == "--dtype")
-      o.config.compute_type = rx::parse_compute_type(value());
     else if (a == "--ratios")
       o.ratios = parse_ratios(value());
-    else if (a == "--window")
-      o.config.prefetch_window = std::stoi(value());
-    else if (a == "--budget-activations")
-      o.config.budget_activations = std::stoi(value());
-    else if (a == "--policy")
-      o.config.policy = reviva::parse_policy(value());
-    else if (a == "--adaptive")
-      o.config.adaptive_window = true;
-    else if (a == "--warmup")
-      o.config.warmup_steps = std::stoi(value());
-    else if (a == "--steps")
-      o.config.timed_steps = std::stoi(value());
     else if (a == "--bandwidth-copies")
       o.bandwidth_copies = std::stoi(value());
     else
@@ -215,6 +200,15 @@ struct Check {
   double threshold;
   bool pass;
 };
+
+void write_check(Json& js, const Check& c) {
+  js.begin_object();
+  js.field("what", c.what)
+      .field("measured", c.measured)
+      .field("threshold", c.threshold)
+      .field("pass", c.pass);
+  js.end_object();
+}
 
 std::string hex(std::uint64_t v) {
   char buf[24];
@@ -422,14 +416,7 @@ int run(const Options& opt) {
     write_mode(js, reviva, none, roofline);
     js.end_object();
     js.key("checks").begin_array();
-    for (const Check& c : local) {
-      js.begin_object();
-      js.field("what", c.what)
-          .field("measured", c.measured)
-          .field("threshold", c.threshold)
-          .field("pass", c.pass);
-      js.end_object();
-    }
+    for (const Check& c : local) write_check(js, c);
     js.end_array();
     js.end_object();
     checks.insert(checks.end(), local.begin(), local.end());
@@ -439,12 +426,7 @@ int run(const Options& opt) {
   bool all_pass = true;
   js.key("acceptance").begin_array();
   for (const Check& c : checks) {
-    js.begin_object();
-    js.field("what", c.what)
-        .field("measured", c.measured)
-        .field("threshold", c.threshold)
-        .field("pass", c.pass);
-    js.end_object();
+    write_check(js, c);
     all_pass = all_pass && c.pass;
   }
   js.end_array();

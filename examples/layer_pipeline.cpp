@@ -140,6 +140,31 @@ std::size_t parse_size(std::string_view text) {
   return static_cast<std::size_t>(value * scale);
 }
 
+bool apply_config_flag(const std::string& flag, const std::function<std::string()>& value,
+                       PipelineConfig& config) {
+  if (flag == "--hidden")
+    config.hidden = std::stoi(value());
+  else if (flag == "--dtype")
+    config.compute_type = parse_compute_type(value());
+  else if (flag == "--window")
+    config.prefetch_window = std::stoi(value());
+  else if (flag == "--budget-activations")
+    config.budget_activations = std::stoi(value());
+  else if (flag == "--policy")
+    config.policy = parse_policy(value());
+  else if (flag == "--adaptive")
+    config.adaptive_window = true;
+  else if (flag == "--no-eager-offload")
+    config.eager_offload = false;
+  else if (flag == "--warmup")
+    config.warmup_steps = std::stoi(value());
+  else if (flag == "--steps")
+    config.timed_steps = std::stoi(value());
+  else
+    return false;
+  return true;
+}
+
 // --- compute -----------------------------------------------------------------------------------
 
 // What a layer computes. Forward writes the layer's activation; backward reads it and folds it

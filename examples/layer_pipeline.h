@@ -24,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -152,5 +153,12 @@ std::uint64_t hash_bytes(const void* data, std::size_t bytes, std::uint64_t seed
 // "64MiB", "256KiB", "1GiB", "4096" (bytes; KiB/MiB/GiB and KB/MB/GB, case-insensitive).
 // InvalidArgument naming the value otherwise.
 std::size_t parse_size(std::string_view text);
+
+// Applies one of the command-line flags that set PipelineConfig fields, shared by the pipeline's
+// programs: --hidden N, --dtype bf16|fp32, --window N, --budget-activations N, --policy NAME,
+// --adaptive, --no-eager-offload, --warmup N, --steps N. `value` yields the flag's argument.
+// Returns false when `flag` is none of them.
+bool apply_config_flag(const std::string& flag, const std::function<std::string()>& value,
+                       PipelineConfig& config);
 
 }  // namespace reviva::examples

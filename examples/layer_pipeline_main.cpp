@@ -63,6 +63,7 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) usage_error(a + " needs a value");
       return argv[++i];
     };
+    if (rx::apply_config_flag(a, value, o.config)) continue;
     if (a == "--backend")
       o.backend = value();
     else if (a == "--modes")
@@ -71,28 +72,10 @@ Options parse(int argc, char** argv) {
       o.layers = std::stoi(value());
     else if (a == "--activation")
       o.activation_bytes = rx::parse_size(value());
-    else if (a == "--hidden")
-      o.config.hidden = std::stoi(value());
-    else if (a == "--dtype")
-      o.config.compute_type = rx::parse_compute_type(value());
     else if (a == "--compute-ms")
       o.compute_ms = std::stod(value());
     else if (a == "--compute-ratio")
       o.compute_ratio = std::stod(value());
-    else if (a == "--window")
-      o.config.prefetch_window = std::stoi(value());
-    else if (a == "--budget-activations")
-      o.config.budget_activations = std::stoi(value());
-    else if (a == "--policy")
-      o.config.policy = reviva::parse_policy(value());
-    else if (a == "--adaptive")
-      o.config.adaptive_window = true;
-    else if (a == "--no-eager-offload")
-      o.config.eager_offload = false;
-    else if (a == "--warmup")
-      o.config.warmup_steps = std::stoi(value());
-    else if (a == "--steps")
-      o.config.timed_steps = std::stoi(value());
     else if (a == "--no-verify")
       o.verify = false;
     else

@@ -28,6 +28,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -186,6 +187,20 @@ struct OffloadManager::Impl {
                           " being freed, ", pinned, " in use by compute)");
   }
 
+  // Bookkeeping of a block whose device memory was just freed (eviction or discard): its uses
+  // and an unfolded H2D go (the copy still to be counted), and the bytes are on their way out.
+  // Requires mutex.
+  void left_device(Block& b, Graveyard& trash) {
+    for (UseGuard& u : b.last_use) trash.guards.push_back(std::move(u));
+    b.last_use.clear();
+    if (b.transfer.valid()) orphans.emplace_back(b.id, std::move(b.transfer));  // its H2D
+    b.transfer = Transfer();
+    b.device = nullptr;
+    b.busy = false;
+    freeing_bytes += b.bytes;
+    changed.notify_all();
+  }
+
   // Frees a block's device memory stream-ordered on `stream` (the caller's, or the allocator).
   void free_device(void* ptr, std::size_t bytes, std::function<void(StreamHandle)> release,
                    StreamHandle stream) {
@@ -250,10 +265,7 @@ struct OffloadManager::Impl {
     Graveyard trash;
     std::lock_guard<std::mutex> lock(mutex);
     Block& b = find(id);
-    for (UseGuard& u : b.last_use) trash.guards.push_back(std::move(u));
-    b.last_use.clear();
-    b.device = nullptr;
-    b.busy = false;
+    left_device(b, trash);
     ++metrics.evictions;
     if (clean) {
       ++metrics.clean_evictions;
@@ -261,31 +273,36 @@ struct OffloadManager::Impl {
       freeing.push_back({next_freeing_id++, bytes, std::move(guard)});
     } else {
       b.state = BlockState::ToHost;
+      b.transfer = std::move(transfer);  // its bytes are freed when this D2H lands
     }
-    if (b.transfer.valid()) orphans.emplace_back(id, std::move(b.transfer));  // its H2D
-    b.transfer = std::move(transfer);  // the D2H, or none for a clean eviction
-    freeing_bytes += bytes;
     policy->on_evict(id);
-    changed.notify_all();
   }
 
-  // Counts `bytes` against the budget for block `self` (excluded from eviction), evicting and
-  // waiting as needed. Without `may_wait`, returns false instead of waiting. Unlocked.
-  bool reserve(std::size_t bytes, bool may_wait, BlockId self) {
+  // Evicts and waits until `bytes` more fit under the limit: the budget, or `lower_budget` while
+  // the budget is being lowered. Then, under the same lock, counts the bytes against the budget
+  // (or makes `lower_budget` the budget), so that `held <= budget` always holds. Block `self` is
+  // never evicted. Without `may_wait`, returns false instead of waiting. Unlocked.
+  bool make_room(std::size_t bytes, std::optional<std::size_t> lower_budget, bool may_wait,
+                 BlockId self) {
     for (;;) {
       BlockId victim = kInvalidBlock;
-      bool wait = false;
       {
         std::lock_guard<std::mutex> lock(mutex);
-        if (bytes > budget)
+        const std::size_t limit = lower_budget.value_or(budget);
+        if (bytes > limit)
           throw OutOfMemory(detail::concat("block ", self, " of ", bytes,
                                            " bytes cannot fit the device budget: ", numbers()));
-        if (held + bytes <= budget) {
-          held += bytes;
-          note_held();
+        if (held + bytes <= limit) {
+          if (lower_budget) {
+            budget = limit;
+            metrics.budget_bytes = limit;
+          } else {
+            held += bytes;
+            note_held();
+          }
           return true;
         }
-        if (held - freeing_bytes + bytes > budget) {
+        if (held - freeing_bytes + bytes > limit) {
           std::vector<BlockId> candidates;
           for (const auto& [id, b] : blocks)
             if (id != self && b->state == BlockState::Device && b->pins == 0 && !b->busy)
@@ -304,18 +321,20 @@ struct OffloadManager::Impl {
             if (id != self && (b->busy || b->transfer.valid())) in_flight = true;
           if (!in_flight)
             throw OutOfMemory(detail::concat("cannot make room for ", bytes, " bytes (block ", self,
-                                             ") within the device budget: ", numbers(),
+                                             ") within a device budget of ", limit, ": ", numbers(),
                                              "; the rest is in use by compute"));
           if (!may_wait) return false;
-          wait = true;
         }
       }
-      if (victim != kInvalidBlock) {
+      if (victim != kInvalidBlock)
         evict(victim);
-      } else if (wait) {
+      else
         wait_for_memory();
-      }
     }
+  }
+
+  bool reserve(std::size_t bytes, bool may_wait, BlockId self) {
+    return make_room(bytes, std::nullopt, may_wait, self);
   }
 
   // Blocks until some device memory in flight is freed (or a copy lands). Unlocked.
@@ -883,19 +902,12 @@ void OffloadManager::discard(BlockId id) {
     Graveyard trash;
     std::lock_guard<std::mutex> lock(m.mutex);
     Impl::Block& b = m.find(id);
-    for (UseGuard& u : b.last_use) trash.guards.push_back(std::move(u));
-    b.last_use.clear();
-    if (b.transfer.valid()) m.orphans.emplace_back(id, std::move(b.transfer));  // its H2D
-    b.transfer = Transfer();
+    m.left_device(b, trash);
     trash.blocks.push_back(std::move(b.host));
     b.host = PinnedBlock();
     b.host_valid = false;
-    b.device = nullptr;
     b.state = BlockState::Empty;
-    b.busy = false;
     m.freeing.push_back({m.next_freeing_id++, bytes, std::move(guard)});
-    m.freeing_bytes += bytes;
-    m.changed.notify_all();
     return;
   }
 }
@@ -931,51 +943,8 @@ std::size_t OffloadManager::budget_bytes() const {
 
 void OffloadManager::set_budget_bytes(std::size_t bytes) {
   REVIVA_CHECK_ARG(bytes > 0, "set_budget_bytes: the budget must be > 0");
-  Impl& m = *impl_;
-  std::size_t old;
-  {
-    std::lock_guard<std::mutex> lock(m.mutex);
-    old = m.budget;
-    if (bytes >= m.held) {
-      m.budget = bytes;
-      m.metrics.budget_bytes = bytes;
-      return;
-    }
-  }
-  // Lowering below what is held: evict down to it first, so `held <= budget` always holds.
-  {
-    std::lock_guard<std::mutex> lock(m.mutex);
-    m.budget = old;
-  }
-  for (;;) {
-    BlockId victim = kInvalidBlock;
-    bool wait = false;
-    {
-      std::lock_guard<std::mutex> lock(m.mutex);
-      if (m.held <= bytes) {
-        m.budget = bytes;
-        m.metrics.budget_bytes = bytes;
-        return;
-      }
-      if (m.held - m.freeing_bytes > bytes) {
-        std::vector<BlockId> candidates;
-        for (const auto& [id, b] : m.blocks)
-          if (b->state == BlockState::Device && b->pins == 0 && !b->busy) candidates.push_back(id);
-        if (!candidates.empty()) {
-          victim = m.policy->choose_victim(candidates);
-          m.find(victim).busy = true;
-        }
-      }
-      if (victim == kInvalidBlock) {
-        if (m.freeing_bytes == 0)
-          throw OutOfMemory(
-              detail::concat("set_budget_bytes(", bytes, "): cannot evict enough, ", m.numbers()));
-        wait = true;
-      }
-    }
-    if (victim != kInvalidBlock) m.evict(victim);
-    if (wait) m.wait_for_memory();
-  }
+  // Lowering below what is held evicts down to it first.
+  impl_->make_room(0, bytes, /*may_wait=*/true, kInvalidBlock);
 }
 
 std::size_t OffloadManager::device_bytes() const {

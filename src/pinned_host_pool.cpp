@@ -135,6 +135,15 @@ struct PinnedHostPool::Impl {
     free_blocks.insert(b);
   }
 
+  // A pending block whose streams are done: back to the free list, its events kept for reuse.
+  // Requires mutex.
+  void finish_pending(PendingFree& p) {
+    stats.bytes_pending -= p.block->size;
+    pending_count.fetch_sub(1);
+    insert_free(p.block);
+    for (Event& e : p.events) idle_events.push_back(std::move(e));
+  }
+
   void note_allocated(PoolBlock* b, std::size_t requested, bool hit) {
     b->requested = requested;
     stats.bytes_in_use += b->size;
@@ -396,10 +405,7 @@ void PinnedHostPool::process_pending() {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   for (std::size_t i = 0; i < batch.size(); ++i) {
     if (done[i]) {
-      impl_->stats.bytes_pending -= batch[i].block->size;
-      impl_->pending_count.fetch_sub(1);
-      impl_->insert_free(batch[i].block);
-      for (Event& e : batch[i].events) impl_->idle_events.push_back(std::move(e));
+      impl_->finish_pending(batch[i]);
     } else {
       impl_->pending.push_back(std::move(batch[i]));
     }
@@ -415,12 +421,7 @@ void PinnedHostPool::synchronize_pending() {
   for (PendingFree& p : batch)
     for (const Event& e : p.events) e.synchronize();
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  for (PendingFree& p : batch) {
-    impl_->stats.bytes_pending -= p.block->size;
-    impl_->pending_count.fetch_sub(1);
-    impl_->insert_free(p.block);
-    for (Event& e : p.events) impl_->idle_events.push_back(std::move(e));
-  }
+  for (PendingFree& p : batch) impl_->finish_pending(p);
 }
 
 std::size_t PinnedHostPool::release_cached() {

@@ -158,7 +158,6 @@ class PyTransferEngine {
       py::gil_scoped_release release;
       transfer.wait();  // host runtime: torch computes synchronously
     }
-    last_restore_ = transfer;
     return results;
   }
 
@@ -221,7 +220,6 @@ class PyTransferEngine {
  private:
   std::shared_ptr<Runtime> rt_;
   std::shared_ptr<TransferEngine> engine_;
-  Transfer last_restore_;
 };
 
 py::dict pool_stats(const PinnedHostPool& pool) {
