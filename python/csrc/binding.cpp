@@ -14,7 +14,8 @@ namespace py = pybind11;
 
 namespace reviva::python {
 
-void bind_manager(py::module_& m);  // manager.cpp
+void bind_manager(py::module_& m);   // manager.cpp
+void bind_kv_store(py::module_& m);  // kv_store.cpp
 
 namespace {
 
@@ -365,4 +366,5 @@ PYBIND11_MODULE(_C, m) {
       .def("reset_stats", &PyTransferEngine::reset_stats);
 
   bind_manager(m);
+  bind_kv_store(m);
 }
