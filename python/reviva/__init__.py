@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch  # noqa: F401
 
 from reviva._C import (  # noqa: F401  (re-exported API)
+    KVStore,
     OffloadedTensor,
     OffloadManager,
     PinnedHostPool,
@@ -29,14 +30,31 @@ from reviva.sizes import parse_bytes
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # The HF integration imports transformers: loaded on first use, not with the core.
+    if name == "RevivaManager":
+        from reviva.manager import RevivaManager
+
+        return RevivaManager
+    if name == "RevivaCache":
+        from reviva.kv_cache import RevivaCache
+
+        return RevivaCache
+    raise AttributeError(f"module 'reviva' has no attribute {name!r}")
+
+
 __all__ = [
+    "KVStore",
     "OffloadedTensor",
     "OffloadManager",
     "PinnedHostPool",
     "PrefetchScheduler",
     "RevivaBackendError",
+    "RevivaCache",
     "RevivaConfig",
     "RevivaError",
+    "RevivaManager",
     "RevivaOutOfMemoryError",
     "Runtime",
     "Transfer",

@@ -1,0 +1,113 @@
+"""What RevivaManager needs of a HuggingFace causal LM, found once and checked up front.
+
+Supported: the Llama decoder layout, shared by Llama, Mistral, Qwen2 and Qwen3 (and any model that
+follows it): `model.model.layers[i]` with `input_layernorm`, `self_attn` (`q_proj`, `k_proj`,
+`v_proj`, `o_proj`, optional `q_norm`/`k_norm`), `post_attention_layernorm` and `mlp`; a final
+`model.model.norm`; a `model.model.rotary_emb`; and the modeling module's `apply_rotary_pos_emb`.
+Anything else gets a ValueError naming the first missing piece.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """The pieces of a Llama-layout model that the manager drives."""
+
+    model: nn.Module  # the CausalLM
+    layers: list[nn.Module]
+    final_norm: nn.Module
+    apply_rotary_pos_emb: Callable
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """K and V of one token in one layer, for batch 1."""
+        return (
+            2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        )
+
+
+def _need(obj: object, name: str, where: str) -> object:
+    if not hasattr(obj, name):
+        raise ValueError(
+            f"RevivaManager supports models with the Llama decoder layout (Llama, Mistral, Qwen2, "
+            f"Qwen3); this model has no `{where}.{name}`"
+        )
+    return getattr(obj, name)
+
+
+def inspect_model(model: nn.Module) -> DecoderLayout:
+    """Finds the decoder pieces of `model`, or raises ValueError naming the first missing one."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"RevivaManager wraps a torch.nn.Module, got {type(model).__name__}")
+    cfg = _need(model, "config", "model")
+    inner = _need(model, "model", "model")
+    layers = _need(inner, "layers", "model.model")
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError("RevivaManager: `model.model.layers` must be a non-empty nn.ModuleList")
+    final_norm = _need(inner, "norm", "model.model")
+    _need(inner, "rotary_emb", "model.model")
+    _need(inner, "embed_tokens", "model.model")
+    _need(model, "lm_head", "model")
+    for i, layer in enumerate(layers):
+        for part in _LAYER_PARTS:
+            _need(layer, part, f"model.model.layers[{i}]")
+        for part in _ATTN_PARTS:
+            _need(layer.self_attn, part, f"model.model.layers[{i}].self_attn")
+        if getattr(layer.self_attn, "layer_idx", i) != i:
+            raise ValueError(
+                f"RevivaManager: layer {i} has self_attn.layer_idx {layer.self_attn.layer_idx}"
+            )
+    modeling = sys.modules.get(type(layers[0].self_attn).__module__)
+    rope = getattr(modeling, "apply_rotary_pos_emb", None)
+    if rope is None:
+        raise ValueError(
+            f"RevivaManager: the modeling module {type(layers[0].self_attn).__module__} has no "
+            "`apply_rotary_pos_emb` (rotary position embeddings of the Llama layout)"
+        )
+    for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        _need(cfg, name, "model.config")
+    num_heads = cfg.num_attention_heads
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", True):
+        raise ValueError(
+            f"RevivaManager: sliding-window attention (config.sliding_window={window}) is not "
+            "supported; set config.sliding_window = None for full attention"
+        )
+    param = next(model.parameters())
+    return DecoderLayout(
+        model=model,
+        layers=list(layers),
+        final_norm=final_norm,
+        apply_rotary_pos_emb=rope,
+        num_layers=len(layers),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=cfg.vocab_size,
+        dtype=param.dtype,
+        device=param.device,
+    )
