@@ -2,10 +2,10 @@
 without Reviva, and a table of what each used and how fast it ran.
 
 On a GPU: a 1B-shaped model (Llama-3.2-1B: hidden 2048, 16 layers, 32 query / 8 K/V heads,
-MLP 8192) in bf16, a 32k-token prompt, and a budget of the weights plus the working set plus half
-of the K/V cache, so that half the layers' K/V stream from pinned host memory. On a CPU: a small model
-of the same shape in fp32 and a 2k-token prompt, on the host backend (threads play the CUDA
-streams). Plain HF runs first without any cap; both must produce the same tokens.
+MLP 8192) in bf16, a 32k-token prompt, and a budget of the weights plus the working set plus
+half of the K/V cache, so that half the layers' K/V stream from pinned host memory. On a CPU: a
+small model of the same shape in fp32 and a 4k-token prompt, on the host backend (threads play
+the CUDA streams). Plain HF runs first without any cap; both must produce the same tokens.
 """
 
 from __future__ import annotations
