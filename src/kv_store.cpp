@@ -90,8 +90,8 @@ void KVStore::make_resident(int layer, std::vector<void*> buffers) {
                    "KVStore::make_resident: ", buffers.size(), " buffers given, expected ",
                    options_.tensors_per_layer);
   REVIVA_CHECK_ARG(!l.resident, "KVStore::make_resident: layer ", layer, " is already resident");
-  REVIVA_CHECK_ARG(l.length == 0 && !l.acquired && l.slot < 0, "KVStore::make_resident: layer ",
-                   layer, " already holds tokens or a slot");
+  REVIVA_CHECK_ARG(!host_ready_, "KVStore::make_resident: layer ", layer,
+                   ": residency is fixed once a layer was acquired");
   for (void* b : buffers) REVIVA_CHECK_ARG(b != nullptr, "KVStore::make_resident: null buffer");
   l.resident = true;
   l.buffers = std::move(buffers);
@@ -172,8 +172,23 @@ void KVStore::prefetch_after(int layer) {
   }
 }
 
+// The host copies of every streamed layer, at the first acquire (the residency is fixed from
+// then on): pinned allocations can synchronize the device, so none is made once compute runs.
+void KVStore::allocate_host_copies() {
+  PinnedHostPool& pool = engine_->pool();
+  for (int layer : streamed_) {
+    Layer& l = layers_[static_cast<std::size_t>(layer)];
+    while (l.host.size() < static_cast<std::size_t>(options_.tensors_per_layer)) {
+      l.host.push_back(pool.allocate(buffer_bytes()));
+      stats_.host_bytes += buffer_bytes();
+    }
+  }
+  host_ready_ = true;
+}
+
 std::vector<void*> KVStore::acquire(int layer, const Stream& compute) {
   Layer& l = layer_at(layer, "acquire");
+  if (!host_ready_) allocate_host_copies();
   REVIVA_CHECK_ARG(!l.acquired, "KVStore::acquire: layer ", layer, " is already acquired");
   if (l.resident) {
     l.acquired = true;
@@ -213,13 +228,6 @@ void KVStore::wrote(int layer, std::size_t first, std::size_t count, const Strea
                    ") exceed the capacity of ", options_.capacity_tokens, " tokens");
   l.length = std::max(l.length, first + count);
   if (l.resident || count == 0) return;
-  if (l.host.empty()) {
-    PinnedHostPool& pool = engine_->pool();
-    for (int t = 0; t < options_.tensors_per_layer; ++t) {
-      l.host.push_back(pool.allocate(buffer_bytes()));
-      stats_.host_bytes += buffer_bytes();
-    }
-  }
   Slot& slot = slots_[static_cast<std::size_t>(l.slot)];
   Event producer(backend_);
   producer.record(compute);  // rule 1

@@ -62,7 +62,7 @@ class REVIVA_API KVStore {
   KVStore& operator=(const KVStore&) = delete;
 
   // Layer `layer` lives in `buffers` (tensors_per_layer device pointers of buffer_bytes() each)
-  // for good. Only before anything was written to the layer.
+  // for good. Only before the first acquire (which allocates the streamed layers' host copies).
   void make_resident(int layer, std::vector<void*> buffers);
   // A staging slot for streamed layers (tensors_per_layer device pointers of buffer_bytes()).
   void add_slot(std::vector<void*> buffers);
@@ -97,6 +97,7 @@ class REVIVA_API KVStore {
   bool fill(int layer, bool prefetch);
   int take_free_slot();
   void fold_stalls(bool wait);
+  void allocate_host_copies();
 
   std::shared_ptr<TransferEngine> engine_;
   std::shared_ptr<Backend> backend_;
@@ -107,6 +108,7 @@ class REVIVA_API KVStore {
   std::vector<int> streamed_;   // streamed layers in cycle order
   std::vector<Stall> stalls_;   // waits whose duration is not measured yet
   KVStoreStats stats_;
+  bool host_ready_ = false;
 };
 
 }  // namespace reviva

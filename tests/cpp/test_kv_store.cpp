@@ -191,6 +191,8 @@ TEST_P(KVStoreTest, MisuseIsRefusedNamingTheValues) {
             std::string::npos);
   EXPECT_NE(message([&] { rig.store->make_resident(0, {b[0], b[1]}); }).find("already resident"),
             std::string::npos);
+  EXPECT_NE(message([&] { rig.store->make_resident(2, {b[0], b[1]}); }).find("residency is fixed"),
+            std::string::npos);
   EXPECT_NE(message([&] { rig.store->add_slot({b[0]}); }).find("expected 2"), std::string::npos);
   EXPECT_NE(message([&] {
               KVStoreOptions o;
