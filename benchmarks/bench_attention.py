@@ -161,13 +161,49 @@ def prefill(tokens: int) -> list[dict]:
     return rows
 
 
+def profile_decode(tokens: int) -> dict:
+    """torch.profiler over 4 decode steps of an 8-layer model, plain HF and Reviva: the kernels
+    that take the time, and wall time per step."""
+    from bench_generate import build_model
+    from torch.profiler import ProfilerActivity, profile
+
+    import reviva
+    from reviva.timing import GenerationTimer
+
+    model = build_model(8)
+    ids = torch.randint(1, 128256, (1, tokens), device="cuda")
+    result = {}
+    for label in ("hf", "reviva"):
+        timer = GenerationTimer("cuda")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            timer.begin()
+            if label == "hf":
+                model.generate(ids, max_new_tokens=6, do_sample=False, streamer=timer)
+            else:
+                reviva.RevivaManager(model).generate(
+                    ids, max_new_tokens=6, do_sample=False, streamer=timer
+                )
+        table = prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=18, max_name_column_width=60
+        )
+        print(f"--- {label}: decode {timer.decode_tok_s:.2f} tok/s")
+        print(table)
+        result[label] = {"decode_tok_s": timer.decode_tok_s, "table": table}
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="profile decode steps only")
     args = parser.parse_args()
+    if args.profile:
+        prof = profile_decode(args.tokens)
+        write_result("attention-profile", {"profile": prof}, Path(args.out) if args.out else None)
+        return 0
     dec = decode_attention(args.tokens)
     print_table(
         ["layout", "call", "ms", "max diff / error"],

@@ -26,6 +26,10 @@ class RevivaConfig:
     host_memory:    cap on pinned host memory ("64GB", bytes), None for no cap.
     chunk_tokens:   token chunk of the MLP/projections in prefill (> 0), None to choose it
                     from the budget.
+    prefill_attention: "whole" (one attention call over the prompt: the fastest kernel, but
+                    the queries and output of every token at once), "chunked" (by query chunks,
+                    bottom-right causal), or "auto" (whole when it takes at most a quarter of
+                    the room left after the weights).
     """
 
     vram_threshold: float = 0.8
@@ -35,6 +39,7 @@ class RevivaConfig:
     pin_memory: bool = True
     host_memory: int | str | None = None
     chunk_tokens: int | None = None
+    prefill_attention: str = "auto"
 
     def __post_init__(self) -> None:
         t = self.vram_threshold
@@ -60,6 +65,11 @@ class RevivaConfig:
             raise ValueError(f"pin_memory must be True or False, got {self.pin_memory!r}")
         if self.host_memory is not None and parse_bytes(self.host_memory) <= 0:
             raise ValueError(f"host_memory must be > 0 bytes, got {self.host_memory!r}")
+        if self.prefill_attention not in ("auto", "whole", "chunked"):
+            raise ValueError(
+                "prefill_attention must be 'auto', 'whole' or 'chunked', got "
+                f"{self.prefill_attention!r}"
+            )
         c = self.chunk_tokens
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c <= 0):
             raise ValueError(f"chunk_tokens must be an int > 0 or None, got {c!r}")

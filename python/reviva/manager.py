@@ -48,6 +48,9 @@ class Plan:
     prompt_tokens: int
     capacity: int  # prompt + new tokens
     chunk_tokens: int
+    # Attention over the whole prompt in one call (queries and output held whole) while the
+    # projections and the MLP go by chunks; else attention by query chunks too.
+    whole_attention: bool
     layer_kv_bytes: int  # K and V of one layer at full capacity
     working_set: int  # estimated transient peak (prefill or decode), margin included
     margin: int  # part of the working set kept for allocator rounding and fragmentation
@@ -176,68 +179,118 @@ class RevivaManager:
     def _prefill_layer(
         self, i: int, layer: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]
     ) -> torch.Tensor:
-        """One decoder layer over the whole prompt, chunk by chunk, in place on `h`.
-
-        A chunk's queries attend to the keys of all tokens up to the chunk's end, which earlier
-        chunks (and this one) have already written into the cache, so one pass suffices and the
-        chunk's input rows are dead once its output is written.
-        """
+        """One decoder layer over the whole prompt, by token chunks, in place on `h`."""
         if torch.is_grad_enabled():
             raise RuntimeError("RevivaManager prefill runs under torch.no_grad() (generate does)")
         cache = self._cache
         assert cache is not None and self._plan is not None
         attn = layer.self_attn
         mask = kwargs.get("attention_mask")
+        if "position_embeddings" not in kwargs:
+            raise ValueError(
+                "RevivaManager: the decoder layer was called without position_embeddings "
+                "(the Llama layout passes them from model.model.rotary_emb)"
+            )
         cos, sin = kwargs["position_embeddings"]
-        batch, tokens, _ = h.shape
-        head_dim = self.layout.head_dim
-        chunk = self._plan.chunk_tokens
-        rope = self.layout.apply_rotary_pos_emb
-        whole = chunk >= tokens
+        whole = self._plan.chunk_tokens >= h.shape[1]
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
-        if whole and interface is None:
+        if (whole or self._plan.whole_attention) and interface is None:
             raise ValueError(
                 f"RevivaManager: attention implementation {attn.config._attn_implementation!r} "
                 "is not registered with transformers"
             )
         cache.acquire(i)
         try:
-            for s in range(0, tokens, chunk):
-                e = min(tokens, s + chunk)
-                x = layer.input_layernorm(h[:, s:e])
-                shape = (batch, e - s, -1, head_dim)
-                q = attn.q_proj(x).view(shape)
-                k = attn.k_proj(x).view(shape)
-                if hasattr(attn, "q_norm"):
-                    q = attn.q_norm(q)
-                if hasattr(attn, "k_norm"):
-                    k = attn.k_norm(k)
-                q, k = q.transpose(1, 2), k.transpose(1, 2)
-                v = attn.v_proj(x).view(shape).transpose(1, 2)
-                q, k = rope(q, k, cos[:, s:e], sin[:, s:e])
-                cache.write(i, s, k, v)
-                k_all, v_all = cache.view(i, e)
-                if whole:
-                    # Exactly HF's call (same function, same arguments): the same numbers.
-                    out, _ = interface(
-                        attn,
-                        q,
-                        k_all,
-                        v_all,
-                        mask,
-                        dropout=0.0,
-                        scaling=attn.scaling,
-                        sliding_window=getattr(attn, "sliding_window", None),
-                    )
-                else:
-                    out = _chunk_attention(q, k_all, v_all, mask, s, e, attn.scaling)
-                    out = out.transpose(1, 2)
-                out = attn.o_proj(out.reshape(batch, e - s, -1))
-                r = h[:, s:e] + out
-                h[:, s:e] = r + layer.mlp(layer.post_attention_layernorm(r))
+            if whole or not self._plan.whole_attention:
+                self._prefill_fused(i, layer, h, cos, sin, mask, interface)
+            else:
+                self._prefill_whole_attention(i, layer, h, cos, sin, mask, interface)
         finally:
             cache.release(i)
         return h
+
+    def _qkv(
+        self,
+        layer: nn.Module,
+        h: torch.Tensor,
+        s: int,
+        e: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys (both with RoPE) and values of tokens [s, e), [B, heads, n, D]."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(h[:, s:e])
+        shape = (h.shape[0], e - s, -1, self.layout.head_dim)
+        q = attn.q_proj(x).view(shape)
+        k = attn.k_proj(x).view(shape)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q)
+        if hasattr(attn, "k_norm"):
+            k = attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = self.layout.apply_rotary_pos_emb(q, k, cos[:, s:e], sin[:, s:e])
+        return q, k, v
+
+    def _finish(self, layer: nn.Module, h: torch.Tensor, s: int, e: int, out: torch.Tensor) -> None:
+        """o_proj of the attention output [B, n, heads, D], residual, MLP: h[:, s:e] in place."""
+        o = layer.self_attn.o_proj(out.reshape(h.shape[0], e - s, -1))
+        r = h[:, s:e] + o
+        h[:, s:e] = r + layer.mlp(layer.post_attention_layernorm(r))
+
+    def _attend_hf(self, attn: nn.Module, q, k, v, mask, interface) -> torch.Tensor:  # noqa: ANN001
+        # Exactly HF's call (same function, same arguments): the same numbers.
+        out, _ = interface(
+            attn,
+            q,
+            k,
+            v,
+            mask,
+            dropout=0.0,
+            scaling=attn.scaling,
+            sliding_window=getattr(attn, "sliding_window", None),
+        )
+        return out
+
+    def _prefill_fused(self, i, layer, h, cos, sin, mask, interface) -> None:  # noqa: ANN001
+        """Chunk by chunk: a chunk's queries attend to the keys of all tokens up to its end, which
+        this and earlier chunks have written, so one pass suffices and a chunk's input rows are
+        dead once its output is written."""
+        cache = self._cache
+        tokens, chunk = h.shape[1], self._plan.chunk_tokens
+        for s in range(0, tokens, chunk):
+            e = min(tokens, s + chunk)
+            q, k, v = self._qkv(layer, h, s, e, cos, sin)
+            cache.write(i, s, k, v)
+            k_all, v_all = cache.view(i, e)
+            if s == 0 and e == tokens:
+                out = self._attend_hf(layer.self_attn, q, k_all, v_all, mask, interface)
+            else:
+                out = _chunk_attention(q, k_all, v_all, mask, s, e, layer.self_attn.scaling)
+                out = out.transpose(1, 2)
+            self._finish(layer, h, s, e, out)
+
+    def _prefill_whole_attention(self, i, layer, h, cos, sin, mask, interface) -> None:  # noqa: ANN001
+        """Projections by chunks into whole-prompt queries and the cache, one attention call
+        over the prompt, then o_proj and the MLP by chunks."""
+        cache = self._cache
+        tokens, chunk = h.shape[1], self._plan.chunk_tokens
+        lay = self.layout
+        q_all = torch.empty(
+            h.shape[0], lay.num_heads, tokens, lay.head_dim, dtype=h.dtype, device=h.device
+        )
+        for s in range(0, tokens, chunk):
+            e = min(tokens, s + chunk)
+            q, k, v = self._qkv(layer, h, s, e, cos, sin)
+            cache.write(i, s, k, v)
+            q_all[:, :, s:e] = q
+        k_all, v_all = cache.view(i, tokens)
+        out = self._attend_hf(layer.self_attn, q_all, k_all, v_all, mask, interface)
+        del q_all
+        for s in range(0, tokens, chunk):
+            e = min(tokens, s + chunk)
+            self._finish(layer, h, s, e, out[:, s:e])
 
     # --- phases ----------------------------------------------------------------------------------
 
@@ -300,7 +353,19 @@ class RevivaManager:
         rotary = batch * prompt_tokens * lay.head_dim * (2 * e + 8)
         mask = batch * prompt_tokens * capacity if padded else 0
         logits = batch * lay.vocab_size * (e + 12)
+        # Whole-prompt attention needs the queries and the output of all tokens at once; it is
+        # chosen when they take at most a quarter of the room, since one attention call over the
+        # prompt runs the fastest kernel (a chunk's queries need a bottom-right causal mask).
+        q_and_out = 2 * batch * prompt_tokens * lay.num_heads * lay.head_dim * e
+        if chunk >= prompt_tokens or cfg.prefill_attention == "whole":
+            whole_attention = True
+        elif cfg.prefill_attention == "chunked":
+            whole_attention = False
+        else:
+            whole_attention = 4 * q_and_out <= free_for_work
         prefill = hidden + rotary + mask + chunk * per_token + logits
+        if whole_attention and chunk < prompt_tokens:
+            prefill += q_and_out
         decode = logits + batch * capacity * 8 + 16 * _MiB
         margin = 8 * _MiB + budget // 50  # allocator rounding and fragmentation
         working = max(prefill, decode) + margin
@@ -331,6 +396,7 @@ class RevivaManager:
             prompt_tokens=prompt_tokens,
             capacity=capacity,
             chunk_tokens=int(chunk),
+            whole_attention=whole_attention,
             layer_kv_bytes=layer_kv,
             working_set=working,
             margin=margin,

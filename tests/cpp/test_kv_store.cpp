@@ -49,11 +49,14 @@ struct Rig {
   void write_tokens(int layer, const std::vector<void*>& buffers, std::size_t count,
                     std::uint64_t seed) {
     const std::size_t first = store->length(layer);
+    // Pinned allocations before the gate: one may synchronize the device (a new slab).
+    std::vector<PinnedBlock> blocks;
+    for (int t = 0; t < kTensors; ++t) blocks.push_back(staging->allocate(count * kTokenBytes));
     StreamGate gate;
     gate.block(*compute);
     for (int t = 0; t < kTensors; ++t) {
       std::vector<std::uint8_t> bytes = random_bytes(count * kTokenBytes, seed * 7 + t);
-      PinnedBlock block = staging->allocate(bytes.size());
+      PinnedBlock& block = blocks[static_cast<std::size_t>(t)];
       std::memcpy(block.data(), bytes.data(), bytes.size());
       backend->copy_async(static_cast<char*>(buffers[t]) + first * kTokenBytes, block.data(),
                           bytes.size(), compute->handle());

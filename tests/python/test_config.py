@@ -46,3 +46,9 @@ def test_auto_prefetch_is_adaptive() -> None:
 def test_bad_values_are_named(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RevivaConfig(**kwargs)
+
+
+def test_prefill_attention_is_validated() -> None:
+    assert RevivaConfig(prefill_attention="chunked").prefill_attention == "chunked"
+    with pytest.raises(ValueError, match="prefill_attention must be .* got 'fast'"):
+        RevivaConfig(prefill_attention="fast")

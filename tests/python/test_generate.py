@@ -56,28 +56,46 @@ def tiny_model(family: str, seed: int = 0, device: str = "cpu") -> torch.nn.Modu
 
 
 def budget_for(
-    model: torch.nn.Module, batch: int, prompt: int, new: int, layers: int, chunk: int | None = None
+    model: torch.nn.Module,
+    batch: int,
+    prompt: int,
+    new: int,
+    layers: int,
+    chunk: int | None = None,
+    attention: str = "auto",
 ) -> int:
     """A budget holding the weights, the working set, and `layers` layers of K/V."""
-    p = RevivaManager(model, RevivaConfig(chunk_tokens=chunk)).plan(batch, prompt, new)
+    config = RevivaConfig(chunk_tokens=chunk, prefill_attention=attention)
+    p = RevivaManager(model, config).plan(batch, prompt, new)
     fixed = p.baseline + p.working_set - p.margin + 8 * 2**20 + layers * p.layer_kv_bytes
     return int(fixed / 0.98) + 4096
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
-# (layers of K/V the budget holds, chunk): all resident; 2 resident + 3 slots; no resident layer,
-# 3 slots; one slot (no prefetch); chunked prefill with streaming.
-RESIDENCY = [(99, None), (5, None), (3, None), (1, None), (4, 48)]
+# (layers of K/V the budget holds, chunk, prefill attention): all resident; 2 resident + 3 slots;
+# no resident layer, 3 slots; one slot (no prefetch); chunked prefill with streaming, with whole
+# and with chunked attention.
+RESIDENCY = [
+    (99, None, "auto"),
+    (5, None, "auto"),
+    (3, None, "auto"),
+    (1, None, "auto"),
+    (4, 48, "whole"),
+    (4, 48, "chunked"),
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layers,chunk", RESIDENCY)
-def test_greedy_tokens_identical(family: str, layers: int, chunk: int | None) -> None:
+@pytest.mark.parametrize("layers,chunk,attention", RESIDENCY)
+def test_greedy_tokens_identical(
+    family: str, layers: int, chunk: int | None, attention: str
+) -> None:
     model = tiny_model(family)
     ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(1))
     ref = model.generate(ids, max_new_tokens=64, do_sample=False)
-    budget = budget_for(model, 1, 150, 64, layers, chunk)
-    manager = RevivaManager(model, RevivaConfig(vram_budget=budget, chunk_tokens=chunk))
+    budget = budget_for(model, 1, 150, 64, layers, chunk, attention)
+    config = RevivaConfig(vram_budget=budget, chunk_tokens=chunk, prefill_attention=attention)
+    manager = RevivaManager(model, config)
     out = manager.generate(ids, max_new_tokens=64, do_sample=False)
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} tokens differ"
     st = manager.get_memory_stats()
@@ -107,9 +125,15 @@ def test_batch_with_left_padding_identical(family: str) -> None:
         ids[row, 90 - n :] = torch.randint(1, 211, (n,), generator=g)
         mask[row, 90 - n :] = 1
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
-    for layers, chunk in [(99, None), (3, None), (4, 32)]:
-        budget = budget_for(model, 3, 90, 64, layers, chunk)
-        manager = RevivaManager(model, RevivaConfig(vram_budget=budget, chunk_tokens=chunk))
+    for layers, chunk, attention in [
+        (99, None, "auto"),
+        (3, None, "auto"),
+        (4, 32, "whole"),
+        (4, 32, "chunked"),
+    ]:
+        budget = budget_for(model, 3, 90, 64, layers, chunk, attention)
+        config = RevivaConfig(vram_budget=budget, chunk_tokens=chunk, prefill_attention=attention)
+        manager = RevivaManager(model, config)
         out = manager.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
         if chunk is None:
             assert torch.equal(out, ref), f"layers={layers}: {(out != ref).sum().item()} differ"
