@@ -342,12 +342,16 @@ class RevivaManager:
             + lay.intermediate_size * e * 3
             + lay.hidden_size * e * 3
         )
+        # Without a fused attention kernel (fp32, or a CPU), attention materializes its scores:
+        # fp32, with softmax temporaries, for every (query, key) pair of a call.
+        fused = lay.device.type == "cuda" and lay.dtype in (torch.float16, torch.bfloat16)
+        score = 0 if fused else batch * lay.num_heads * 4 * 3
         free_for_work = max(budget - baseline, 0)
         if cfg.chunk_tokens is not None:
             chunk = cfg.chunk_tokens
         else:
             target = min(max(free_for_work // 10, 32 * _MiB), 4096 * _MiB)
-            chunk = max(256, target // per_token // 256 * 256)
+            chunk = max(256, target // (per_token + score * prompt_tokens) // 256 * 256)
         chunk = min(chunk, prompt_tokens) if prompt_tokens > 0 else chunk
         hidden = batch * prompt_tokens * lay.hidden_size * e
         rotary = batch * prompt_tokens * lay.head_dim * (2 * e + 8)
@@ -357,6 +361,7 @@ class RevivaManager:
         # chosen when they take at most a quarter of the room, since one attention call over the
         # prompt runs the fastest kernel (a chunk's queries need a bottom-right causal mask).
         q_and_out = 2 * batch * prompt_tokens * lay.num_heads * lay.head_dim * e
+        q_and_out += score * prompt_tokens * prompt_tokens
         if chunk >= prompt_tokens or cfg.prefill_attention == "whole":
             whole_attention = True
         elif cfg.prefill_attention == "chunked":
@@ -365,7 +370,11 @@ class RevivaManager:
             whole_attention = 4 * q_and_out <= free_for_work
         prefill = hidden + rotary + mask + chunk * per_token + logits
         if whole_attention and chunk < prompt_tokens:
-            prefill += q_and_out
+            prefill += q_and_out  # whole queries and output, and the scores
+        elif whole_attention:
+            prefill += score * prompt_tokens * prompt_tokens  # q and out are in per_token
+        else:
+            prefill += score * chunk * prompt_tokens
         decode = logits + batch * capacity * 8 + 16 * _MiB
         margin = 8 * _MiB + budget // 50  # allocator rounding and fragmentation
         working = max(prefill, decode) + margin

@@ -259,7 +259,7 @@ def test_unsupported_models_and_options_are_named() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_fp32_greedy_identical_1b_shape_4k(device: str) -> None:
+def test_gpu_fp32_greedy_identical_1b_shape_4k() -> None:
     """A 1B-shaped model (Llama-3.2-1B: hidden 2048, 16 layers, 32/8 heads, MLP 8192), fp32,
     4k prompt: the same greedy tokens as plain HF with half the layers streamed, and the budget
     (peak allocated during generate) respected."""
@@ -275,6 +275,7 @@ def test_gpu_fp32_greedy_identical_1b_shape_4k(device: str) -> None:
         pad_token_id=0,
         eos_token_id=None,
     )
+    device = "cuda"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -292,7 +293,7 @@ def test_gpu_fp32_greedy_identical_1b_shape_4k(device: str) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_logits_close_at_16k(device: str) -> None:
+def test_gpu_bf16_logits_close_at_16k() -> None:
     """bf16, 16k prompt, chunked prefill and streamed layers: the logits of the first new token
     within a relative error of 1e-2 of plain HF's."""
     torch.manual_seed(0)
@@ -307,6 +308,7 @@ def test_gpu_bf16_logits_close_at_16k(device: str) -> None:
         pad_token_id=0,
         eos_token_id=None,
     )
+    device = "cuda"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     ids = torch.randint(1, 32000, (1, 16384), device=device)
