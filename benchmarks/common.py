@@ -19,7 +19,10 @@ RESULTS = REPO / "benchmarks" / "results"
 
 
 def git_sha() -> str:
-    """The commit measured, with '-dirty' when the tree had uncommitted changes."""
+    """The commit measured, with '-dirty' when the tree had uncommitted changes. REVIVA_GIT_SHA
+    wins: the GPU machine's copy of the tree may carry a stale .git."""
+    if os.environ.get("REVIVA_GIT_SHA"):
+        return os.environ["REVIVA_GIT_SHA"]
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
