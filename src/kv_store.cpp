@@ -23,21 +23,23 @@ constexpr double kStallThresholdMs = 0.01;
 
 struct KVStore::Slot {
   std::vector<void*> buffers;
-  int layer = -1;                  // the layer whose prefix it holds (or is being filled with)
+  int layer = -1;  // the layer whose prefix it holds (or is being filled with)
   bool acquired = false;
-  Transfer fill;                   // last H2D into the slot
-  Transfer last_read;              // last D2H that read the slot
+  Transfer fill;                    // last H2D into the slot
+  Transfer previous_fill;           // a fill of an earlier layer that may still be landing
+  Transfer last_read;               // last D2H that read the slot
   std::shared_ptr<Event> released;  // on compute, where its last user released it
 };
 
 struct KVStore::Layer {
   bool resident = false;
   bool acquired = false;
-  std::vector<void*> buffers;  // resident layers
+  std::vector<void*> buffers;     // resident layers
   std::vector<PinnedBlock> host;  // streamed layers: the host copies, one per tensor
+  Transfer arrival;               // promoted layers: the H2D that brought their prefix in
   std::size_t length = 0;
-  int slot = -1;               // streamed layers: the slot holding it, if any
-  Transfer last_append;        // last D2H into its host copy
+  int slot = -1;         // streamed layers: the slot holding it, if any
+  Transfer last_append;  // last D2H into its host copy
 };
 
 struct KVStore::Stall {
@@ -76,8 +78,8 @@ std::size_t KVStore::buffer_bytes() const noexcept {
 }
 
 KVStore::Layer& KVStore::layer_at(int layer, const char* what) {
-  REVIVA_CHECK_ARG(layer >= 0 && layer < options_.num_layers, "KVStore::", what, ": layer ",
-                   layer, " out of range [0, ", options_.num_layers, ")");
+  REVIVA_CHECK_ARG(layer >= 0 && layer < options_.num_layers, "KVStore::", what, ": layer ", layer,
+                   " out of range [0, ", options_.num_layers, ")");
   return layers_[static_cast<std::size_t>(layer)];
 }
 const KVStore::Layer& KVStore::layer_at(int layer, const char* what) const {
@@ -98,6 +100,46 @@ void KVStore::make_resident(int layer, std::vector<void*> buffers) {
   streamed_.erase(std::remove(streamed_.begin(), streamed_.end(), layer), streamed_.end());
   ++stats_.resident_layers;
   --stats_.streamed_layers;
+}
+
+void KVStore::promote(int layer, std::vector<void*> buffers) {
+  Layer& l = layer_at(layer, "promote");
+  REVIVA_CHECK_ARG(buffers.size() == static_cast<std::size_t>(options_.tensors_per_layer),
+                   "KVStore::promote: ", buffers.size(), " buffers given, expected ",
+                   options_.tensors_per_layer);
+  REVIVA_CHECK_ARG(!l.resident, "KVStore::promote: layer ", layer, " is already resident");
+  REVIVA_CHECK_ARG(!l.acquired, "KVStore::promote: layer ", layer, " is acquired");
+  for (void* b : buffers) REVIVA_CHECK_ARG(b != nullptr, "KVStore::promote: null buffer");
+  if (l.slot >= 0) {  // it leaves its slot, which becomes free (if it was reserved, too)
+    const int s = l.slot;
+    slots_[static_cast<std::size_t>(s)].layer = -1;
+    l.slot = -1;
+    if (std::find(free_slots_.begin(), free_slots_.end(), s) == free_slots_.end()) {
+      free_slots_.push_back(s);
+    }
+  }
+  if (l.length > 0) {
+    const Stream& h2d = engine_->stream(Direction::HostToDevice);
+    if (l.last_append.valid()) l.last_append.enqueue_wait(h2d);  // rule 4: the host copy is whole
+    std::vector<CopyRequest> requests;
+    const std::size_t bytes = l.length * options_.token_bytes;
+    for (std::size_t t = 0; t < buffers.size(); ++t) {
+      requests.push_back({buffers[t], l.host[t].data(), bytes});
+      l.host[t].record_use(engine_->stream_ptr(Direction::HostToDevice));
+    }
+    l.arrival = engine_->copy_batch(Direction::HostToDevice, requests);
+    stats_.bytes_to_device += bytes * buffers.size();
+  }
+  // Rule 4: the pool reuses the host copies only after the copies that used them complete.
+  stats_.host_bytes -= l.host.size() * buffer_bytes();
+  l.host.clear();
+  l.last_append = Transfer{};
+  l.resident = true;
+  l.buffers = std::move(buffers);
+  streamed_.erase(std::remove(streamed_.begin(), streamed_.end(), layer), streamed_.end());
+  ++stats_.resident_layers;
+  --stats_.streamed_layers;
+  ++stats_.promotions;
 }
 
 void KVStore::add_slot(std::vector<void*> buffers) {
@@ -132,12 +174,15 @@ bool KVStore::fill(int layer, bool prefetch) {
   l.slot = s;
   if (l.length == 0) {
     // Nothing to copy: the slot is reserved, and compute, which will write into it, waits for
-    // the appends of its previous layer still reading it (rule 2).
+    // the appends of its previous layer still reading it (rule 2) and for a fill of a previous
+    // layer still writing it (a prefetch whose layer was promoted).
+    slot.previous_fill = slot.fill;
     slot.fill = slot.last_read;
     return true;
   }
+  slot.previous_fill = Transfer{};
   const Stream& h2d = engine_->stream(Direction::HostToDevice);
-  if (slot.released) h2d.wait(*slot.released);             // rule 2: compute is done with it
+  if (slot.released) h2d.wait(*slot.released);                   // rule 2: compute is done with it
   if (slot.last_read.valid()) slot.last_read.enqueue_wait(h2d);  // rule 2: appends read it
   if (l.last_append.valid()) l.last_append.enqueue_wait(h2d);    // rule 4: the host copy is whole
   std::vector<CopyRequest> requests;
@@ -191,6 +236,10 @@ std::vector<void*> KVStore::acquire(int layer, const Stream& compute) {
   if (!host_ready_) allocate_host_copies();
   REVIVA_CHECK_ARG(!l.acquired, "KVStore::acquire: layer ", layer, " is already acquired");
   if (l.resident) {
+    if (l.arrival.valid()) {  // a promoted layer's prefix: rule 3, once
+      l.arrival.enqueue_wait(compute);
+      l.arrival = Transfer{};
+    }
     l.acquired = true;
     prefetch_after(layer);
     return l.buffers;
@@ -204,6 +253,10 @@ std::vector<void*> KVStore::acquire(int layer, const Stream& compute) {
                      slots_.size(), " slots are acquired (release layers, or add slots)");
   }
   Slot& slot = slots_[static_cast<std::size_t>(l.slot)];
+  if (slot.previous_fill.valid()) {
+    slot.previous_fill.enqueue_wait(compute);
+    slot.previous_fill = Transfer{};
+  }
   if (slot.fill.valid()) {  // rule 3, with timing events around the wait
     Stall stall{std::make_shared<Event>(backend_, true), std::make_shared<Event>(backend_, true)};
     stall.before->record(compute);

@@ -34,24 +34,25 @@ namespace reviva {
 
 struct KVStoreOptions {
   int num_layers = 0;
-  int tensors_per_layer = 2;         // K and V
-  std::size_t token_bytes = 0;       // bytes of one token of one tensor of one layer
-  std::size_t capacity_tokens = 0;   // tokens each buffer and host copy holds
-  int prefetch_layers = 2;           // streamed layers kept in flight ahead of compute
+  int tensors_per_layer = 2;        // K and V
+  std::size_t token_bytes = 0;      // bytes of one token of one tensor of one layer
+  std::size_t capacity_tokens = 0;  // tokens each buffer and host copy holds
+  int prefetch_layers = 2;          // streamed layers kept in flight ahead of compute
 };
 
 struct KVStoreStats {
   int resident_layers = 0;
   int streamed_layers = 0;
   int slots = 0;
-  std::uint64_t fills = 0;                 // slot fills (H2D of a layer's valid prefix)
-  std::uint64_t prefetched_fills = 0;      // of those, started ahead of use
-  std::uint64_t slot_hits = 0;             // acquires that found the layer still in its slot
-  std::uint64_t bytes_to_device = 0;       // H2D bytes submitted
-  std::uint64_t bytes_to_host = 0;         // D2H bytes submitted (appends to host copies)
-  double compute_stall_ms = 0.0;           // compute waiting at acquire for a fill (measured)
-  std::uint64_t stalls = 0;                // acquires that waited longer than timer noise
-  std::size_t host_bytes = 0;              // pinned bytes of the host copies
+  std::uint64_t fills = 0;             // slot fills (H2D of a layer's valid prefix)
+  std::uint64_t prefetched_fills = 0;  // of those, started ahead of use
+  std::uint64_t slot_hits = 0;         // acquires that found the layer still in its slot
+  std::uint64_t promotions = 0;        // streamed layers made resident
+  std::uint64_t bytes_to_device = 0;   // H2D bytes submitted
+  std::uint64_t bytes_to_host = 0;     // D2H bytes submitted (appends to host copies)
+  double compute_stall_ms = 0.0;       // compute waiting at acquire for a fill (measured)
+  std::uint64_t stalls = 0;            // acquires that waited longer than timer noise
+  std::size_t host_bytes = 0;          // pinned bytes of the host copies
 };
 
 class REVIVA_API KVStore {
@@ -64,6 +65,10 @@ class REVIVA_API KVStore {
   // Layer `layer` lives in `buffers` (tensors_per_layer device pointers of buffer_bytes() each)
   // for good. Only before the first acquire (which allocates the streamed layers' host copies).
   void make_resident(int layer, std::vector<void*> buffers);
+  // Makes a streamed layer resident from now on, in `buffers` (as for make_resident): its valid
+  // prefix is copied in from the host copy (compute waits for it at the next acquire), and the
+  // host copy is given back. For memory that frees up after prefill. Not while acquired.
+  void promote(int layer, std::vector<void*> buffers);
   // A staging slot for streamed layers (tensors_per_layer device pointers of buffer_bytes()).
   void add_slot(std::vector<void*> buffers);
 

@@ -29,8 +29,8 @@ class PyKVStore {
     KVStoreOptions o;
     o.num_layers = num_layers;
     o.tensors_per_layer = 2;
-    o.token_bytes = static_cast<std::size_t>(batch * kv_heads * head_dim) *
-                    c10::elementSize(dtype_);
+    o.token_bytes =
+        static_cast<std::size_t>(batch * kv_heads * head_dim) * c10::elementSize(dtype_);
     o.capacity_tokens = static_cast<std::size_t>(capacity_tokens);
     o.prefetch_layers = prefetch_layers;
     store_ = std::make_unique<KVStore>(engine_of(engine), o);
@@ -43,6 +43,11 @@ class PyKVStore {
 
   void make_resident(int layer, const torch::Tensor& k, const torch::Tensor& v) {
     store_->make_resident(layer, {checked(k, "make_resident: k"), checked(v, "make_resident: v")});
+    keep(layer, k, v);
+  }
+
+  void promote(int layer, const torch::Tensor& k, const torch::Tensor& v) {
+    store_->promote(layer, {checked(k, "promote: k"), checked(v, "promote: v")});
     keep(layer, k, v);
   }
 
@@ -76,6 +81,7 @@ class PyKVStore {
     r["fills"] = st.fills;
     r["prefetched_fills"] = st.prefetched_fills;
     r["slot_hits"] = st.slot_hits;
+    r["promotions"] = st.promotions;
     r["bytes_to_device"] = st.bytes_to_device;
     r["bytes_to_host"] = st.bytes_to_host;
     r["compute_stall_ms"] = st.compute_stall_ms;
@@ -137,8 +143,8 @@ void bind_kv_store(py::module_& m) {
            py::arg("engine"), py::arg("num_layers"), py::arg("batch"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("dtype"), py::arg("capacity_tokens"),
            py::arg("prefetch_layers") = 2)
-      .def("make_resident", &PyKVStore::make_resident, py::arg("layer"), py::arg("k"),
-           py::arg("v"))
+      .def("make_resident", &PyKVStore::make_resident, py::arg("layer"), py::arg("k"), py::arg("v"))
+      .def("promote", &PyKVStore::promote, py::arg("layer"), py::arg("k"), py::arg("v"))
       .def("add_slot", &PyKVStore::add_slot, py::arg("k"), py::arg("v"))
       .def("acquire", &PyKVStore::acquire, py::arg("layer"))
       .def("wrote", &PyKVStore::wrote, py::arg("layer"), py::arg("first"), py::arg("count"))
@@ -157,8 +163,7 @@ void bind_kv_store(py::module_& m) {
              s.store().clear();
            })
       .def_property_readonly("buffer_shape", &PyKVStore::buffer_shape)
-      .def_property_readonly("buffer_bytes",
-                             [](PyKVStore& s) { return s.store().buffer_bytes(); });
+      .def_property_readonly("buffer_bytes", [](PyKVStore& s) { return s.store().buffer_bytes(); });
 }
 
 }  // namespace reviva::python

@@ -90,6 +90,7 @@ class RevivaCache(Cache):
             engine, num_layers, batch, kv_heads, head_dim, dtype, capacity, prefetch_layers
         )
         shape = (capacity, batch, kv_heads, head_dim)
+        self._shape, self._dtype, self._device = shape, dtype, device
         for layer in resident_layers:
             k = torch.empty(shape, dtype=dtype, device=device)
             v = torch.empty(shape, dtype=dtype, device=device)
@@ -99,6 +100,12 @@ class RevivaCache(Cache):
             v = torch.empty(shape, dtype=dtype, device=device)
             self.store.add_slot(k, v)
         self._acquired: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def promote(self, layer_idx: int) -> None:
+        """Makes a streamed layer resident (device memory freed up, e.g. after prefill)."""
+        k = torch.empty(self._shape, dtype=self._dtype, device=self._device)
+        v = torch.empty(self._shape, dtype=self._dtype, device=self._device)
+        self.store.promote(layer_idx, k, v)
 
     # --- used by the layer wrappers --------------------------------------------------------------
 

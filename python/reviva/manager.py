@@ -53,6 +53,7 @@ class Plan:
     whole_attention: bool
     layer_kv_bytes: int  # K and V of one layer at full capacity
     working_set: int  # estimated transient peak (prefill or decode), margin included
+    decode_working_set: int  # the same for decode alone (after prefill), margin included
     margin: int  # part of the working set kept for allocator rounding and fragmentation
     num_layers: int
     resident_layers: tuple[int, ...]
@@ -100,6 +101,12 @@ class RevivaManager:
         self._plan: Plan | None = None
         self._phase: dict[str, Any] = {}
         self._last_stats: dict[str, Any] = {}
+        # Decode with Reviva's own attention call where a fused kernel reads the cache's layout
+        # in place (CUDA, half precision); elsewhere HF's layers run unchanged (exact numbers).
+        self._own_decode = device.type == "cuda" and self.layout.dtype in (
+            torch.float16,
+            torch.bfloat16,
+        )
 
     # --- enabling and restoring ------------------------------------------------------------------
 
@@ -146,6 +153,8 @@ class RevivaManager:
                 return self._prefill_layer(i, layer, hidden_states, kwargs)
             if i == 0:
                 self._mark_decode_step()
+            if self._own_decode and kwargs.get("attention_mask") is None:
+                return self._decode_layer(i, layer, hidden_states, kwargs)
             cache.acquire(i)
             try:
                 return original(hidden_states, *args, **kwargs)
@@ -292,6 +301,42 @@ class RevivaManager:
             e = min(tokens, s + chunk)
             self._finish(layer, h, s, e, out[:, s:e])
 
+    def _decode_layer(
+        self, i: int, layer: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]
+    ) -> torch.Tensor:
+        """A decode step of one layer with Reviva's own attention call: the new tokens' queries
+        against the cache's token-major K/V, grouped heads read in place (no concatenation, no
+        expansion). Used on CUDA in half precision without a padding mask."""
+        cache = self._cache
+        past = cache.get_seq_length(i)
+        cos, sin = kwargs["position_embeddings"]
+        n = h.shape[1]
+        cache.acquire(i)
+        try:
+            q, k, v = self._qkv(layer, h, 0, n, cos, sin)
+            cache.write(i, past, k, v)
+            k_all, v_all = cache.view(i, past + n)
+            out = _chunk_attention(q, k_all, v_all, None, past, past + n, layer.self_attn.scaling)
+            self._finish(layer, h, 0, n, out.transpose(1, 2))
+        finally:
+            cache.release(i)
+        return h
+
+    def _promote_after_prefill(self) -> None:
+        """Prefill's working set is gone: streamed layers that now fit become resident."""
+        plan, cache = self._plan, self._cache
+        if plan is None or cache is None or plan.streamed_layers == 0:
+            return
+        held = (len(plan.resident_layers) + plan.slots) * plan.layer_kv_bytes
+        room = plan.budget - plan.baseline - plan.decode_working_set - held
+        count = min(max(room, 0) // plan.layer_kv_bytes, plan.streamed_layers)
+        if count <= 0:
+            return
+        streamed = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
+        for k in _spread(int(count), len(streamed)):
+            cache.promote(streamed[k])
+        log.info("reviva: %d streamed layers promoted to resident after prefill", count)
+
     # --- phases ----------------------------------------------------------------------------------
 
     def _event(self) -> Any:
@@ -304,6 +349,7 @@ class RevivaManager:
     def _mark_decode_step(self) -> None:
         if "prefill_end" not in self._phase:
             self._phase["prefill_end"] = self._event()
+            self._promote_after_prefill()
         self._phase["decode_steps"] = self._phase.get("decode_steps", 0) + 1
 
     def _elapsed_s(self, a: Any, b: Any) -> float:
@@ -375,7 +421,7 @@ class RevivaManager:
             prefill += score * prompt_tokens * prompt_tokens  # q and out are in per_token
         else:
             prefill += score * chunk * prompt_tokens
-        decode = logits + batch * capacity * 8 + 16 * _MiB
+        decode = logits + batch * capacity * 8 + per_token + 4 * _MiB
         margin = 8 * _MiB + budget // 50  # allocator rounding and fragmentation
         working = max(prefill, decode) + margin
         avail = budget - baseline - working
@@ -408,6 +454,7 @@ class RevivaManager:
             whole_attention=whole_attention,
             layer_kv_bytes=layer_kv,
             working_set=working,
+            decode_working_set=decode + margin,
             margin=margin,
             resident_layers=_spread(int(resident), n),
             slots=slots,
@@ -507,7 +554,7 @@ class RevivaManager:
         decode_s = self._elapsed_s(prefill_end, ph["end"])
         steps = ph.get("decode_steps", 0)
         layer_kv = plan.layer_kv_bytes
-        kv_on_device = (len(plan.resident_layers) + plan.slots) * layer_kv
+        kv_on_device = (st["resident_layers"] + plan.slots) * layer_kv
         kv_total = plan.num_layers * layer_kv
         copy_ms = eng["h2d"]["busy_ms"]
         stall_ms = st["compute_stall_ms"]
@@ -528,8 +575,10 @@ class RevivaManager:
             "copy_to_device_ms": copy_ms,
             "stall_ms": stall_ms,
             "overlap_ratio": 1.0 if copy_ms <= 0 else min(max(1.0 - stall_ms / copy_ms, 0.0), 1.0),
-            "resident_layers": len(plan.resident_layers),
-            "streamed_layers": plan.num_layers - len(plan.resident_layers),
+            "resident_layers": st["resident_layers"],
+            "streamed_layers": st["streamed_layers"],
+            "resident_layers_in_prefill": len(plan.resident_layers),
+            "promoted_layers": st["promotions"],
             "slots": plan.slots,
             "prefetch_window": plan.prefetch_layers,
             "chunk_tokens": plan.chunk_tokens,

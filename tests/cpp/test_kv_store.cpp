@@ -27,18 +27,19 @@ struct Rig {
     o.capacity_tokens = capacity;
     o.prefetch_layers = prefetch;
     store = std::make_unique<KVStore>(engine, o);
-    auto buffers = [&] {
-      std::vector<void*> v;
-      for (int t = 0; t < kTensors; ++t) {
-        device.push_back(std::make_unique<DeviceBuffer>(*backend, *compute, store->buffer_bytes()));
-        v.push_back(device.back()->data());
-      }
-      return v;
-    };
     for (int l : resident_layers) store->make_resident(l, buffers());
     for (int s = 0; s < slots; ++s) store->add_slot(buffers());
     expected.resize(static_cast<std::size_t>(layers * kTensors));
   }
+  std::vector<void*> buffers() {
+    std::vector<void*> v;
+    for (int t = 0; t < kTensors; ++t) {
+      device.push_back(std::make_unique<DeviceBuffer>(*backend, *compute, store->buffer_bytes()));
+      v.push_back(device.back()->data());
+    }
+    return v;
+  }
+
   ~Rig() {
     store.reset();
     compute->synchronize();
@@ -142,6 +143,29 @@ TEST_P(KVStoreTest, ExactWithEveryWindowAndSlotCount) {
   }
 }
 
+TEST_P(KVStoreTest, PromotedLayersKeepTheirContentsAndStopMoving) {
+  Rig rig(backend_, 6, 64, 2, 3, {0});
+  rig.step(30, 1, false);  // prefill: layers 1-5 streamed
+  rig.step(1, 2);
+  // Memory freed after prefill: two streamed layers become resident (one of them may sit in a
+  // slot, reserved by a prefetch).
+  std::vector<void*> b1 = rig.buffers(), b2 = rig.buffers();
+  rig.store->promote(1, b1);
+  rig.store->promote(4, b2);
+  EXPECT_TRUE(rig.store->resident(1));
+  const KVStoreStats before = rig.store->stats();
+  EXPECT_EQ(before.promotions, 2u);
+  EXPECT_EQ(before.resident_layers, 3);
+  EXPECT_EQ(before.host_bytes, 3u * kTensors * rig.store->buffer_bytes());
+  for (int s = 0; s < scaled(8); ++s) rig.step(1, 10 + s);
+  rig.step(0, 99);
+  rig.store->synchronize();
+  const KVStoreStats after = rig.store->stats();
+  // From here on only the 3 streamed layers append to the host.
+  EXPECT_EQ(after.bytes_to_host - before.bytes_to_host,
+            3u * kTensors * kTokenBytes * static_cast<std::size_t>(scaled(8)));
+}
+
 TEST_P(KVStoreTest, AllResidentMovesNothing) {
   Rig rig(backend_, 3, 32, 2, 0, {0, 1, 2});
   rig.step(10, 1, false);
@@ -192,11 +216,19 @@ TEST_P(KVStoreTest, MisuseIsRefusedNamingTheValues) {
   rig.store->release(1, *rig.compute);
   EXPECT_NE(message([&] { rig.store->release(1, *rig.compute); }).find("not acquired"),
             std::string::npos);
-  EXPECT_NE(message([&] { rig.store->make_resident(0, {b[0], b[1]}); }).find("already resident"),
+  EXPECT_NE(message([&] {
+              rig.store->make_resident(0, {b[0], b[1]});
+            }).find("already resident"),
             std::string::npos);
-  EXPECT_NE(message([&] { rig.store->make_resident(2, {b[0], b[1]}); }).find("residency is fixed"),
+  EXPECT_NE(message([&] {
+              rig.store->make_resident(2, {b[0], b[1]});
+            }).find("residency is fixed"),
             std::string::npos);
   EXPECT_NE(message([&] { rig.store->add_slot({b[0]}); }).find("expected 2"), std::string::npos);
+  EXPECT_NE(message([&] {
+              rig.store->promote(0, {b[0], b[1]});
+            }).find("already resident"),
+            std::string::npos);
   EXPECT_NE(message([&] {
               KVStoreOptions o;
               o.num_layers = 0;

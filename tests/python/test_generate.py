@@ -101,13 +101,17 @@ def test_greedy_tokens_identical(
     st = manager.get_memory_stats()
     assert st["decode_steps"] == 63
     expected_resident = 5 if layers >= 5 else max(layers - min(layers, 3), 0)
-    assert st["resident_layers"] == expected_resident
-    if st["streamed_layers"]:
-        assert st["bytes_to_host"] > 0 and st["bytes_to_device"] > 0
-        assert st["vram_saved_mb"] > 0
-        # Appends move only new tokens: the prompt once plus a token per decode step.
+    assert st["resident_layers_in_prefill"] == expected_resident
+    streamed_in_prefill = 5 - expected_resident
+    # After prefill its working set is free again: streamed layers that fit become resident.
+    assert st["resident_layers"] == expected_resident + st["promoted_layers"]
+    if streamed_in_prefill:
+        assert st["bytes_to_host"] > 0 and st["vram_saved_mb"] >= 0
+        # Appends move only new tokens: the prompt once per layer streamed in prefill, then a
+        # token per decode step per layer still streamed.
         kv_token = 2 * 2 * 16 * 4  # K and V, 2 kv heads, head_dim 16, fp32
-        assert st["bytes_to_host"] == st["streamed_layers"] * kv_token * (150 + 63)
+        expected = kv_token * (streamed_in_prefill * 150 + st["streamed_layers"] * 63)
+        assert st["bytes_to_host"] == expected
     else:
         assert st["bytes_to_host"] == 0 and st["bytes_to_device"] == 0
     if chunk is not None:
@@ -170,7 +174,7 @@ def test_sampling_with_seed_identical() -> None:
     torch.manual_seed(123)
     out = manager.generate(ids, **kwargs)
     assert torch.equal(out, ref)
-    assert manager.get_memory_stats()["streamed_layers"] == 5
+    assert manager.get_memory_stats()["resident_layers_in_prefill"] == 0
 
 
 def test_eos_stopping_criteria_and_streamer() -> None:
@@ -325,3 +329,29 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
     rel = ((a - b).norm() / a.norm()).item()
     assert rel <= 1e-2, rel
     assert st["peak_vram_mb"] * 2**20 <= budget
+
+
+def test_promotion_after_prefill_and_own_decode_attention() -> None:
+    """A budget that holds 3 layers' K/V beside a large prefill working set: everything streams
+    in prefill, then layers are promoted; Reviva's own decode attention call (used on CUDA in
+    half precision, forced here) agrees with HF's layers."""
+    model = tiny_model("llama", seed=11)
+    ids = torch.randint(1, 211, (1, 400), generator=torch.Generator().manual_seed(12))
+    kwargs = dict(
+        max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    ref = model.generate(ids, **kwargs)
+    budget = budget_for(model, 1, 400, 24, 3)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+    plan = manager.plan(1, 400, 24)
+    assert plan.resident_layers == () and plan.slots == 3
+    assert plan.decode_working_set < plan.working_set
+    manager._own_decode = True
+    out = manager.generate(ids, **kwargs)
+    st = manager.get_memory_stats()
+    room = plan.working_set - plan.decode_working_set
+    assert st["promoted_layers"] == min(room // plan.layer_kv_bytes, 5)
+    assert st["promoted_layers"] > 0
+    for a, b in zip(ref.logits, out.logits, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert torch.equal(out.sequences, ref.sequences)
