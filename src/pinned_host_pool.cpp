@@ -246,6 +246,13 @@ std::size_t PinnedHostPool::block_capacity(const PoolBlock* block) const noexcep
   return block->size;
 }
 
+void PinnedHostPool::reserve(std::size_t count, std::size_t block_bytes) {
+  REVIVA_CHECK_ARG(block_bytes > 0, "PinnedHostPool::reserve: block_bytes must be > 0");
+  std::vector<PinnedBlock> blocks;
+  blocks.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) blocks.push_back(allocate(block_bytes));
+}  // the blocks return to the free list here; their slabs stay cached
+
 PinnedBlock PinnedHostPool::allocate(std::size_t bytes) {
   REVIVA_CHECK_ARG(bytes > 0, "PinnedHostPool::allocate: bytes must be > 0");
   REVIVA_CHECK_ARG(bytes <= std::numeric_limits<std::size_t>::max() / 2,

@@ -102,6 +102,10 @@ class REVIVA_API PinnedHostPool : public std::enable_shared_from_this<PinnedHost
   // cap (or the system) cannot provide it even after waiting for pending frees and releasing
   // cached slabs.
   PinnedBlock allocate(std::size_t bytes);
+  // Pins `count` blocks of `block_bytes` now and returns them to the free list, so that later
+  // allocations of that size are cache hits. Pinning costs ~0.35 ms per MB (measured on the
+  // H200 host), and a pinned allocation can synchronize the device: reserve before compute runs.
+  void reserve(std::size_t count, std::size_t block_bytes);
 
   // Moves pending blocks whose events have completed to the free list. Called by allocate();
   // callers may call it to make stats current.

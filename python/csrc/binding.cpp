@@ -312,6 +312,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("runtime"), py::arg("capacity_bytes") = 0,
            py::arg("slab_bytes") = std::size_t{64} << 20)
       .def("stats", &pool_stats)
+      .def("reserve", &PinnedHostPool::reserve, py::arg("count"), py::arg("block_bytes"),
+           py::call_guard<py::gil_scoped_release>())
       .def("release_cached", &PinnedHostPool::release_cached,
            py::call_guard<py::gil_scoped_release>())
       .def("synchronize_pending", &PinnedHostPool::synchronize_pending,

@@ -462,6 +462,17 @@ class RevivaManager:
             num_layers=n,
         )
 
+    def prepare(
+        self, batch: int, prompt_tokens: int, new_tokens: int, padded: bool = False
+    ) -> Plan:
+        """Plans a generate call of this shape and pins the host memory its streamed layers
+        will need, now rather than inside the call (pinning costs ~0.35 ms per MB on the H200
+        host and can synchronize the device). The pool keeps it for later calls."""
+        plan = self.plan(batch, prompt_tokens, new_tokens, padded=padded)
+        if plan.streamed_layers:
+            self.pool.reserve(2 * plan.streamed_layers, plan.layer_kv_bytes // 2)
+        return plan
+
     # --- generate --------------------------------------------------------------------------------
 
     def generate(self, inputs: Any = None, **kwargs: Any) -> Any:

@@ -58,6 +58,24 @@ TEST_P(PoolTest, FreedBlockIsReusedFromCache) {
   pool->check_invariants();
 }
 
+TEST_P(PoolTest, ReservedBlocksAreLaterCacheHitsWithoutNewSlabs) {
+  auto pool = PinnedHostPool::create(backend_, small_slabs());
+  pool->reserve(4, 3 * kMiB);  // larger than a slab: each gets a slab of its own
+  const auto reserved = pool->stats();
+  EXPECT_EQ(reserved.bytes_in_use, 0u);
+  EXPECT_GE(reserved.bytes_reserved, 12 * kMiB);
+  std::vector<PinnedBlock> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(pool->allocate(3 * kMiB));
+  const auto st = pool->stats();
+  EXPECT_EQ(st.slabs_allocated, reserved.slabs_allocated) << "no slab after the reservation";
+  EXPECT_EQ(st.cache_hits, 4u);
+  pool->check_invariants();
+  blocks.clear();
+  auto capped = PinnedHostPool::create(backend_, small_slabs(kMiB, 4 * kMiB));
+  EXPECT_THROW(capped->reserve(3, 2 * kMiB), OutOfMemory);
+  EXPECT_THROW(capped->reserve(1, 0), InvalidArgument);
+}
+
 TEST_P(PoolTest, BestFitPicksTheSmallestSufficientBlock) {
   auto pool = PinnedHostPool::create(backend_, small_slabs(2 * kMiB));
   // Carve the slab into [A 256K][sep][B 64K][sep][C 128K][sep][rest], then free A, B, C.

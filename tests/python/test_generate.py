@@ -355,3 +355,17 @@ def test_promotion_after_prefill_and_own_decode_attention() -> None:
     for a, b in zip(ref.logits, out.logits, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_prepare_pins_the_host_copies_ahead() -> None:
+    model = tiny_model("llama", seed=13)
+    ids = torch.randint(1, 211, (1, 120), generator=torch.Generator().manual_seed(14))
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 1, 120, 8, 3)))
+    plan = manager.prepare(1, 120, 8)
+    assert plan.streamed_layers == 5
+    before = manager.pool.stats()
+    assert before["bytes_reserved"] >= 10 * plan.layer_kv_bytes // 2
+    out = manager.generate(ids, max_new_tokens=8, do_sample=False)
+    after = manager.pool.stats()
+    assert after["slabs_allocated"] == before["slabs_allocated"], "generate pinned new memory"
+    assert torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False))
