@@ -120,6 +120,33 @@ class PyTransferEngine {
   std::vector<torch::Tensor> restore_batch(const std::vector<OffloadedPtr>& handles,
                                            std::vector<std::optional<torch::Tensor>> outs,
                                            bool wait) {
+    auto [results, transfer] = submit_restore(handles, std::move(outs));
+    // Rule 3. The host runtime always waits: torch computes on the CPU synchronously.
+    if (wait || !rt_->current_stream()) wait_for(transfer);
+    return results;
+  }
+
+  // Starts bringing `h` back into a new device tensor; the caller orders its use with
+  // wait_for(transfer) (a prefetch: compute goes on meanwhile).
+  std::pair<torch::Tensor, Transfer> restore_async(const OffloadedPtr& h) {
+    auto [results, transfer] = submit_restore({h}, {});
+    return {results.front(), transfer};
+  }
+
+  // Later work on torch's current stream waits for `transfer` (rule 3); on the host runtime the
+  // calling thread waits, since torch computes on the CPU synchronously.
+  void wait_for(const Transfer& transfer) {
+    if (auto current = rt_->current_stream()) {
+      transfer.enqueue_wait(*current);
+    } else {
+      py::gil_scoped_release release;
+      transfer.wait();
+    }
+  }
+
+ private:
+  std::pair<std::vector<torch::Tensor>, Transfer> submit_restore(
+      const std::vector<OffloadedPtr>& handles, std::vector<std::optional<torch::Tensor>> outs) {
     REVIVA_CHECK_ARG(!handles.empty(), "restore_batch: no tensors given");
     REVIVA_CHECK_ARG(outs.empty() || outs.size() == handles.size(),
                      "restore_batch: ", handles.size(), " tensors but ", outs.size(), " outputs");
@@ -153,15 +180,10 @@ class PyTransferEngine {
     Transfer transfer =
         engine_->copy_batch(Direction::HostToDevice, requests, producer ? &*producer : nullptr);
     for (const torch::Tensor& dst : results) rt_->record_stream(dst, h2d);
-    if (auto current = rt_->current_stream()) {
-      if (wait) transfer.enqueue_wait(*current);  // rule 3: compute waits for the H2D
-    } else {
-      py::gil_scoped_release release;
-      transfer.wait();  // host runtime: torch computes synchronously
-    }
-    return results;
+    return {results, transfer};
   }
 
+ public:
   // Copies between a device tensor and a pinned CPU tensor of the same size (direction from
   // the devices). Returns the completion handle; the caller orders its own use of the result.
   Transfer copy_(const torch::Tensor& dst, const torch::Tensor& src) {
@@ -360,6 +382,11 @@ PYBIND11_MODULE(_C, m) {
       .def("offload_batch", &PyTransferEngine::offload_batch, py::arg("tensors"))
       .def("restore", &PyTransferEngine::restore, py::arg("offloaded"), py::arg("out") = py::none(),
            py::arg("wait") = true)
+      .def("restore_async", &PyTransferEngine::restore_async, py::arg("offloaded"),
+           "Starts the H2D into a new tensor; returns (tensor, Transfer). Order its use with "
+           "wait_for(transfer).")
+      .def("wait_for", &PyTransferEngine::wait_for, py::arg("transfer"),
+           "Torch's current stream waits for the transfer (the host runtime: the caller waits).")
       .def("restore_batch", &PyTransferEngine::restore_batch, py::arg("offloaded"),
            py::arg("outs") = std::vector<std::optional<torch::Tensor>>{}, py::arg("wait") = true)
       .def("copy_", &PyTransferEngine::copy_, py::arg("dst"), py::arg("src"))

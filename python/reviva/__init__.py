@@ -27,6 +27,7 @@ from reviva._C import (  # noqa: F401  (re-exported API)
 from reviva._C import version as _core_version
 from reviva.config import RevivaConfig
 from reviva.sizes import parse_bytes
+from reviva.training import ActivationOffload, offload_activations
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "ActivationOffload",
+    "offload_activations",
     "KVStore",
     "OffloadedTensor",
     "OffloadManager",

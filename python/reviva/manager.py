@@ -473,6 +473,16 @@ class RevivaManager:
             self.pool.reserve(2 * plan.streamed_layers, plan.layer_kv_bytes // 2)
         return plan
 
+    def offload_activations(self, budget: int | str | None = None, min_bytes: int = 1 << 20) -> Any:
+        """Activation offload for a training step of the wrapped model (reviva.training), on
+        this manager's engine and pinned pool, with its prefetch window."""
+        from reviva.training import ActivationOffload
+
+        prefetch = 2 if self.config.prefetch_layers == "auto" else int(self.config.prefetch_layers)
+        return ActivationOffload(
+            self.model, budget, prefetch, min_bytes, self.layout.layers, engine=self.engine
+        )
+
     # --- generate --------------------------------------------------------------------------------
 
     def generate(self, inputs: Any = None, **kwargs: Any) -> Any:

@@ -1,0 +1,177 @@
+"""A training step with activation offload (issue 5), on the GPU: time against peak memory.
+
+Model: Llama-shaped, hidden 2048, 16 layers, MLP 8192, 32 heads, 8 K/V heads, vocab 32000, bf16,
+sequence 8192, forward+backward with labels. Contenders in one run: plain;
+torch.autograd.graph.save_on_cpu(pin_memory=True); Reviva offload-all; Reviva with budgets
+6/8/10/12/16 GB (a time-vs-memory curve, also drawn as a PNG). The roofline of a step that offloads
+A bytes is max(forward, A / D2H bandwidth) + max(backward, A / H2D bandwidth), with forward and
+backward timed on the plain run and the bandwidths measured by the engine in the same run.
+
+    python benchmarks/bench_train.py [--steps 5] [--budgets 6GB,8GB,10GB,12GB,16GB] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, print_table, write_result  # noqa: E402
+
+SHAPE = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    max_position_embeddings=16384,
+)
+ANCHORS = {
+    "plain_step_s": 0.158,
+    "plain_peak_gb": 19.8,
+    "save_on_cpu_step_s": 1.07,
+    "save_on_cpu_peak_gb": 5.4,
+}
+
+
+def build_model() -> Any:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(**SHAPE, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.train()
+
+
+def timed_steps(model: Any, ids: torch.Tensor, steps: int, wrap: Any) -> dict:
+    times, fwd, bwd = [], [], []
+    for _ in range(steps + 1):  # the first is warm-up
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        with wrap():
+            e0.record()
+            loss = model(input_ids=ids, labels=ids).loss
+            e1.record()
+            loss.backward()
+            e2.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e2) / 1e3)
+        fwd.append(e0.elapsed_time(e1) / 1e3)
+        bwd.append(e1.elapsed_time(e2) / 1e3)
+    return {
+        "step_s": statistics.median(times[1:]),
+        "forward_s": statistics.median(fwd[1:]),
+        "backward_s": statistics.median(bwd[1:]),
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+    }
+
+
+def main() -> int:
+    import contextlib
+
+    import reviva
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--budgets", default="6GB,8GB,10GB,12GB,16GB")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model = build_model()
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, args.seq), device="cuda")
+    rows: list[dict] = []
+
+    plain = timed_steps(model, ids, args.steps, contextlib.nullcontext)
+    rows.append({"contender": "plain", **plain})
+    soc = timed_steps(
+        model, ids, args.steps, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
+    )
+    rows.append({"contender": "save_on_cpu", **soc})
+    for budget in [None, *args.budgets.split(",")]:
+        off = reviva.ActivationOffload(model, budget=budget, min_bytes=1 << 20)
+        before = off.engine.stats()
+        r = timed_steps(
+            model, ids, args.steps, lambda off=off: reviva.offload_activations(model, offload=off)
+        )
+        st = off.engine.stats()
+        offloaded = off.stats.bytes_offloaded / off.stats.steps  # per step
+        d2h = st["d2h"]["bandwidth_gbps"] or 55.0
+        h2d = st["h2d"]["bandwidth_gbps"] or 55.0
+        roof = max(plain["forward_s"], offloaded / (d2h * 1e9)) + max(
+            plain["backward_s"], offloaded / (h2d * 1e9)
+        )
+        rows.append(
+            {
+                "contender": "reviva_all" if budget is None else f"reviva_{budget}",
+                "budget": budget,
+                **r,
+                "bytes_offloaded_per_step": offloaded,
+                "d2h_gbps": d2h,
+                "h2d_gbps": h2d,
+                "roofline_s": roof,
+                "ratio_to_roofline": r["step_s"] / roof,
+                "offloaded_layers": off.stats.offloaded_layers,
+                "prefetched": off.stats.prefetched,
+                "demand_fetched": off.stats.demand_fetched,
+                "engine_before": before,
+            }
+        )
+    print_table(
+        ["contender", "step s", "peak GB", "offloaded GB", "roofline s", "ratio"],
+        [
+            [
+                r["contender"],
+                f"{r['step_s']:.3f}",
+                f"{r['peak_gb']:.2f}",
+                f"{r.get('bytes_offloaded_per_step', 0) / 1e9:.2f}",
+                f"{r['roofline_s']:.3f}" if "roofline_s" in r else "-",
+                f"{r['ratio_to_roofline']:.3f}" if "ratio_to_roofline" in r else "-",
+            ]
+            for r in rows
+        ],
+    )
+    out_dir = Path(args.out) if args.out else None
+    path = write_result(
+        "train",
+        {
+            "environment": environment(),
+            "model": SHAPE,
+            "seq": args.seq,
+            "anchors": ANCHORS,
+            "runs": rows,
+        },
+        out_dir,
+    )
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in rows:
+            ax.scatter(r["peak_gb"], r["step_s"])
+            ax.annotate(r["contender"], (r["peak_gb"], r["step_s"]), fontsize=7)
+        ax.set_xlabel("peak GB")
+        ax.set_ylabel("step s")
+        ax.set_title("training step: time against peak memory")
+        fig.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

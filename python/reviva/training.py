@@ -1,0 +1,304 @@
+"""Activation offload for the backward pass: `reviva.offload_activations(model, ...)`.
+
+Saved-tensor hooks move what autograd saves for backward into pinned host memory on the D2H
+copy stream during forward (each copy starts after an event on the compute stream, so compute
+never waits for it), and bring it back during backward in reverse layer order, `prefetch_layers`
+layers ahead of the layer whose gradient is being computed: when the gradient of layer i's output
+arrives (a tensor hook on that output), layers i-1 ... i-prefetch_layers start their H2D copies,
+and compute waits on a tensor's copy only when autograd unpacks it.
+
+What is offloaded: tensors saved inside the layers, on the model's device, of at least
+`min_bytes`, never parameters (nor views of them). Tensors saved outside the layers (embedding,
+head, loss) stay: backward needs them first. A storage saved several times (a tensor and its
+views, or the same tensor saved by two nodes) is copied once and every saved view is rebuilt on
+it with its own size, stride and offset, so the values autograd sees are bit-identical and
+gradients equal a run without Reviva.
+
+Budget mode: the first step offloads everything eligible and records the bytes each layer saves;
+later steps offload the layers whose activations are needed last in backward (the first layers)
+only until the rest fits the budget beside what the device held before forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from reviva._C import PinnedHostPool, Runtime, TransferEngine
+from reviva.sizes import parse_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ActivationStats:
+    """What offload_activations did, over all steps so far (peaks: of the last step)."""
+
+    steps: int = 0
+    saved_tensors: int = 0  # pack calls
+    offloaded_tensors: int = 0  # saved tensors whose storage went to the host
+    kept_tensors: int = 0  # parameters, small tensors, other devices, layers kept by the budget
+    bytes_offloaded: int = 0  # D2H bytes (each storage once)
+    bytes_restored: int = 0  # H2D bytes
+    prefetched: int = 0  # storages brought back ahead of their unpack
+    demand_fetched: int = 0  # storages fetched at unpack (no prefetch reached them)
+    offloaded_layers: list[int] = field(default_factory=list)  # last step (budget mode)
+    layer_saved_bytes: dict[int, int] = field(default_factory=dict)  # recorded on step 1
+    peak_device_bytes: int | None = None  # last step (CUDA)
+    step_s: float | None = None  # wall time of the last step (enter to exit)
+
+
+class _Stored:
+    """One offloaded storage: its pinned copy, and the device copy while it is back."""
+
+    __slots__ = ("handle", "nbytes", "layer", "restored", "transfer", "__weakref__")
+
+    def __init__(self, handle: Any, nbytes: int, layer: int) -> None:
+        self.handle = handle
+        self.nbytes = nbytes
+        self.layer = layer
+        self.restored: torch.Tensor | None = None  # uint8 view of the storage on the device
+        self.transfer: Any = None  # its H2D, until compute was ordered after it
+
+
+@dataclass(frozen=True)
+class _Packed:
+    stored: _Stored
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class ActivationOffload:
+    """The context manager behind `offload_activations`; one forward+backward per `with`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget: int | str | None = None,
+        prefetch_layers: int = 2,
+        min_bytes: int = 1 << 20,
+        layers: Sequence[nn.Module] | None = None,
+        engine: TransferEngine | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"offload_activations wraps an nn.Module, got {type(model).__name__}")
+        if (
+            isinstance(prefetch_layers, bool)
+            or not isinstance(prefetch_layers, int)
+            or (prefetch_layers < 0)
+        ):
+            raise ValueError(f"prefetch_layers must be an int >= 0, got {prefetch_layers!r}")
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        self.budget = None if budget is None else parse_bytes(budget)
+        if self.budget is not None and self.budget <= 0:
+            raise ValueError(f"budget must be > 0 bytes, got {budget!r}")
+        self.model = model
+        self.prefetch_layers = prefetch_layers
+        self.min_bytes = min_bytes
+        self.layers = list(layers) if layers is not None else _decoder_layers(model)
+        if not self.layers:
+            raise ValueError(
+                "offload_activations: no layer boundaries: the model has no decoder layers "
+                "(model.model.layers); pass layers=[...] (modules in forward order)"
+            )
+        param = next(model.parameters(), None)
+        self.device = param.device if param is not None else torch.device("cpu")
+        if engine is None:
+            runtime = Runtime(str(self.device) if self.device.type == "cuda" else "cpu")
+            engine = TransferEngine(runtime, PinnedHostPool(runtime, 0))
+        self.engine = engine
+        self.stats = ActivationStats()
+        self._cuda = self.device.type == "cuda"
+        self._param_ptrs: set[int] = set()
+        self._by_storage: dict[tuple[int, int], weakref.ReferenceType[_Stored]] = {}
+        self._by_layer: dict[int, list[weakref.ReferenceType[_Stored]]] = {}
+        self._layer = -1  # the layer whose forward runs now (-1: before the first)
+        self._offload_layers: set[int] | None = None  # None: all
+        self._handles: list[Any] = []
+        self._hooks_ctx: Any = None
+        self._baseline = 0
+        self._t0 = 0.0
+        self._recorded: set[tuple[int, int]] = set()  # storages counted on the first step
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def __enter__(self) -> ActivationOffload:
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._by_storage.clear()
+        self._by_layer.clear()
+        self._recorded.clear()
+        self._layer = -1
+        self._offload_layers = self._choose_layers()
+        self.stats.offloaded_layers = (
+            sorted(self._offload_layers)
+            if self._offload_layers is not None
+            else list(range(len(self.layers)))
+        )
+        if self._cuda:
+            self._baseline = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for i, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
+            self._handles.append(layer.register_forward_hook(self._make_post_hook(i)))
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks_ctx.__enter__()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks_ctx.__exit__(*exc)
+        self._hooks_ctx = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._cuda:
+            self.stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+        self.stats.step_s = time.perf_counter() - self._t0
+        self.stats.steps += 1
+
+    def _choose_layers(self) -> set[int] | None:
+        if self.budget is None or not self.stats.layer_saved_bytes:
+            return None  # offload all (budget mode: the first step measures)
+        held = torch.cuda.memory_allocated(self.device) if self._cuda else 0
+        room = self.budget - held
+        saved = self.stats.layer_saved_bytes
+        total = sum(saved.values())
+        chosen: set[int] = set()
+        # The first layers' activations are needed last in backward: their copies hide best.
+        for i in range(len(self.layers)):
+            if total <= room:
+                break
+            chosen.add(i)
+            total -= saved.get(i, 0)
+        return chosen
+
+    # --- layer boundaries ------------------------------------------------------------------------
+
+    def _make_pre_hook(self, i: int) -> Any:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            self._layer = i
+
+        return pre_hook
+
+    def _make_post_hook(self, i: int) -> Any:
+        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._layer = i + 1  # what follows belongs to the next layer, or to the head
+            out = output[0] if isinstance(output, tuple | list) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                # The gradient of layer i's output arrives when layer i's backward starts: bring
+                # it and the layers before it back now.
+                out.register_hook(lambda grad, i=i: self._prefetch_from(i))
+
+        return post_hook
+
+    def _prefetch_from(self, i: int) -> None:
+        for j in range(i, max(i - 1 - self.prefetch_layers, -1), -1):
+            for ref in self._by_layer.get(j, ()):
+                stored = ref()
+                if stored is not None and stored.restored is None:
+                    stored.restored, stored.transfer = self.engine.restore_async(stored.handle)
+                    self.stats.bytes_restored += stored.nbytes
+                    self.stats.prefetched += 1
+        return None
+
+    # --- pack / unpack ---------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        self.stats.saved_tensors += 1
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if (
+            t.device != self.device
+            or nbytes == 0
+            or nbytes < self.min_bytes
+            or storage.data_ptr() in self._param_ptrs
+            or isinstance(t, nn.Parameter)
+            or not 0 <= self._layer < len(self.layers)
+            or (self._offload_layers is not None and self._layer not in self._offload_layers)
+        ):
+            if self.stats.steps == 0 and t.device == self.device:
+                self._record(nbytes, storage.data_ptr())
+            self.stats.kept_tensors += 1
+            return t
+        key = (storage.data_ptr(), nbytes)
+        ref = self._by_storage.get(key)
+        stored = ref() if ref is not None else None
+        if stored is None:
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            stored = _Stored(self.engine.offload(whole), nbytes, self._layer)
+            self._by_storage[key] = weakref.ref(stored)
+            self._by_layer.setdefault(self._layer, []).append(weakref.ref(stored))
+            self.stats.bytes_offloaded += nbytes
+            if self.stats.steps == 0:
+                self._record(nbytes, storage.data_ptr())
+        self.stats.offloaded_tensors += 1
+        return _Packed(stored, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def _record(self, nbytes: int, ptr: int) -> None:
+        # Step 1 records each layer's saved bytes (each storage once) for the budget plan.
+        if self._layer < 0 or ptr in self._param_ptrs or nbytes < self.min_bytes:
+            return
+        if (ptr, nbytes) in self._recorded:
+            return
+        self._recorded.add((ptr, nbytes))
+        saved = self.stats.layer_saved_bytes
+        saved[self._layer] = saved.get(self._layer, 0) + nbytes
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed
+        stored = packed.stored
+        if stored.restored is None:
+            stored.restored, stored.transfer = self.engine.restore_async(stored.handle)
+            self.stats.bytes_restored += stored.nbytes
+            self.stats.demand_fetched += 1
+        if stored.transfer is not None:
+            self.engine.wait_for(stored.transfer)  # rule 3: compute after the H2D
+            stored.transfer = None
+        out = torch.empty(0, dtype=packed.dtype, device=self.device)
+        out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
+        return out
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+        return list(layers)
+    return []
+
+
+@contextlib.contextmanager
+def offload_activations(
+    model: nn.Module,
+    budget: int | str | None = None,
+    prefetch_layers: int = 2,
+    min_bytes: int = 1 << 20,
+    layers: Sequence[nn.Module] | None = None,
+    offload: ActivationOffload | None = None,
+) -> Iterator[ActivationOffload]:
+    """Offloads the activations autograd saves inside the block (one forward and its backward).
+
+        offload = reviva.ActivationOffload(model, budget="8GB")   # reuse across steps
+        for batch in data:
+            with reviva.offload_activations(model, offload=offload):
+                loss = model(**batch).loss
+                loss.backward()
+
+    Without `offload`, a new ActivationOffload is made (budget mode then measures every step).
+    """
+    if offload is None:
+        offload = ActivationOffload(model, budget, prefetch_layers, min_bytes, layers)
+    with offload:
+        yield offload
