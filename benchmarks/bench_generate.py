@@ -258,6 +258,33 @@ def analyse(rows: list[dict], layers: int) -> dict[str, Any]:
     return out
 
 
+def merge(args: argparse.Namespace) -> int:
+    parts = [json.loads(Path(p).read_text()) for p in args.analyse]
+    rows = [r for part in parts for r in part["runs"]]
+    analysis = analyse(rows, args.layers)
+    print(json.dumps(analysis, indent=1))
+    payload = {
+        **parts[0],
+        "environment": {
+            **parts[0]["environment"],
+            "merged_from": [
+                {
+                    "file": Path(p).name,
+                    "git_sha": part["environment"]["git_sha"],
+                    "command": part["environment"]["command"],
+                }
+                for p, part in zip(args.analyse, parts, strict=True)
+            ],
+        },
+        "runs": rows,
+        **analysis,
+    }
+    payload.pop("worker_log_tails", None)
+    path = write_result(args.name, payload, Path(args.out) if args.out else None)
+    print(f"wrote {path}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -275,11 +302,21 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     parser.add_argument("--name", default="generate")
+    parser.add_argument(
+        "--analyse",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="merge the runs of earlier result files (e.g. one per budget, from "
+        "separate device calls), recompute rooflines and checks, write the merge",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--budget", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.analyse:
+        return merge(args)
 
     env = environment()
     rows: list[dict] = []

@@ -190,3 +190,14 @@ def test_gpu_gradients_identical_and_peak_lower() -> None:
     assert_identical(ref, got)
     assert off.stats.bytes_offloaded > 0
     assert peak < peak_ref, (peak, peak_ref)
+
+
+def test_bf16_autocast_identical() -> None:
+    model = tiny_llama(seed=15)
+    ids = torch.randint(0, 211, (1, 64), generator=torch.Generator().manual_seed(16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = grads_of(model, ids, None)
+        off = ActivationOffload(model, min_bytes=0)
+        got = grads_of(model, ids, off)
+    assert_identical(ref, got)
+    assert off.stats.bytes_offloaded > 0
