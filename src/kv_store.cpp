@@ -86,15 +86,19 @@ const KVStore::Layer& KVStore::layer_at(int layer, const char* what) const {
   return const_cast<KVStore*>(this)->layer_at(layer, what);
 }
 
+void KVStore::check_buffers(const std::vector<void*>& buffers, const char* what) const {
+  REVIVA_CHECK_ARG(buffers.size() == static_cast<std::size_t>(options_.tensors_per_layer),
+                   "KVStore::", what, ": ", buffers.size(), " buffers given, expected ",
+                   options_.tensors_per_layer);
+  for (void* b : buffers) REVIVA_CHECK_ARG(b != nullptr, "KVStore::", what, ": null buffer");
+}
+
 void KVStore::make_resident(int layer, std::vector<void*> buffers) {
   Layer& l = layer_at(layer, "make_resident");
-  REVIVA_CHECK_ARG(buffers.size() == static_cast<std::size_t>(options_.tensors_per_layer),
-                   "KVStore::make_resident: ", buffers.size(), " buffers given, expected ",
-                   options_.tensors_per_layer);
+  check_buffers(buffers, "make_resident");
   REVIVA_CHECK_ARG(!l.resident, "KVStore::make_resident: layer ", layer, " is already resident");
   REVIVA_CHECK_ARG(!host_ready_, "KVStore::make_resident: layer ", layer,
                    ": residency is fixed once a layer was acquired");
-  for (void* b : buffers) REVIVA_CHECK_ARG(b != nullptr, "KVStore::make_resident: null buffer");
   l.resident = true;
   l.buffers = std::move(buffers);
   streamed_.erase(std::remove(streamed_.begin(), streamed_.end(), layer), streamed_.end());
@@ -104,12 +108,9 @@ void KVStore::make_resident(int layer, std::vector<void*> buffers) {
 
 void KVStore::promote(int layer, std::vector<void*> buffers) {
   Layer& l = layer_at(layer, "promote");
-  REVIVA_CHECK_ARG(buffers.size() == static_cast<std::size_t>(options_.tensors_per_layer),
-                   "KVStore::promote: ", buffers.size(), " buffers given, expected ",
-                   options_.tensors_per_layer);
+  check_buffers(buffers, "promote");
   REVIVA_CHECK_ARG(!l.resident, "KVStore::promote: layer ", layer, " is already resident");
   REVIVA_CHECK_ARG(!l.acquired, "KVStore::promote: layer ", layer, " is acquired");
-  for (void* b : buffers) REVIVA_CHECK_ARG(b != nullptr, "KVStore::promote: null buffer");
   if (l.slot >= 0) {  // it leaves its slot, which becomes free (if it was reserved, too)
     const int s = l.slot;
     slots_[static_cast<std::size_t>(s)].layer = -1;
@@ -143,10 +144,7 @@ void KVStore::promote(int layer, std::vector<void*> buffers) {
 }
 
 void KVStore::add_slot(std::vector<void*> buffers) {
-  REVIVA_CHECK_ARG(buffers.size() == static_cast<std::size_t>(options_.tensors_per_layer),
-                   "KVStore::add_slot: ", buffers.size(), " buffers given, expected ",
-                   options_.tensors_per_layer);
-  for (void* b : buffers) REVIVA_CHECK_ARG(b != nullptr, "KVStore::add_slot: null buffer");
+  check_buffers(buffers, "add_slot");
   Slot s;
   s.buffers = std::move(buffers);
   slots_.push_back(std::move(s));

@@ -103,6 +103,7 @@ class REVIVA_API KVStore {
   int take_free_slot();
   void fold_stalls(bool wait);
   void allocate_host_copies();
+  void check_buffers(const std::vector<void*>& buffers, const char* what) const;
 
   std::shared_ptr<TransferEngine> engine_;
   std::shared_ptr<Backend> backend_;
