@@ -153,7 +153,11 @@ class RevivaManager:
                 return self._prefill_layer(i, layer, hidden_states, kwargs)
             if i == 0:
                 self._mark_decode_step()
-            if self._own_decode and kwargs.get("attention_mask") is None:
+            if (
+                self._own_decode
+                and kwargs.get("attention_mask") is None
+                and "position_embeddings" in kwargs
+            ):
                 return self._decode_layer(i, layer, hidden_states, kwargs)
             cache.acquire(i)
             try:
