@@ -52,6 +52,8 @@ class ActivationStats:
     demand_fetched: int = 0  # storages fetched at unpack (no prefetch reached them)
     offloaded_layers: list[int] = field(default_factory=list)  # last step (budget mode)
     layer_saved_bytes: dict[int, int] = field(default_factory=dict)  # recorded on step 1
+    stall_ms: float = 0.0  # compute waiting at unpack for an H2D (CUDA: events; CPU: wall)
+    overlap_ratio: float = 1.0  # 1 - stall / copy time of both directions, over all steps
     peak_device_bytes: int | None = None  # last step (CUDA)
     step_s: float | None = None  # wall time of the last step (enter to exit)
 
@@ -130,6 +132,7 @@ class ActivationOffload:
         self._baseline = 0
         self._t0 = 0.0
         self._recorded: set[tuple[int, int]] = set()  # storages counted on the first step
+        self._waits: list[tuple[Any, Any]] = []  # CUDA events around waits at unpack
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -164,6 +167,13 @@ class ActivationOffload:
         self._handles.clear()
         if self._cuda:
             self.stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.synchronize(self.device)
+            self.stats.stall_ms += sum(a.elapsed_time(b) for a, b in self._waits)
+            self._waits.clear()
+        eng = self.engine.stats()
+        copy_ms = eng["d2h"]["busy_ms"] + eng["h2d"]["busy_ms"]
+        if copy_ms > 0:
+            self.stats.overlap_ratio = min(max(1.0 - self.stats.stall_ms / copy_ms, 0.0), 1.0)
         self.stats.step_s = time.perf_counter() - self._t0
         self.stats.steps += 1
 
@@ -264,7 +274,17 @@ class ActivationOffload:
             self.stats.bytes_restored += stored.nbytes
             self.stats.demand_fetched += 1
         if stored.transfer is not None:
-            self.engine.wait_for(stored.transfer)  # rule 3: compute after the H2D
+            if self._cuda:
+                before = torch.cuda.Event(enable_timing=True)
+                after = torch.cuda.Event(enable_timing=True)
+                before.record()
+                self.engine.wait_for(stored.transfer)  # rule 3: compute after the H2D
+                after.record()
+                self._waits.append((before, after))
+            else:
+                t = time.perf_counter()
+                self.engine.wait_for(stored.transfer)
+                self.stats.stall_ms += (time.perf_counter() - t) * 1e3
             stored.transfer = None
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
         out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)

@@ -56,6 +56,7 @@ def test_offload_all_gradients_bit_identical() -> None:
     assert st.bytes_restored == st.bytes_offloaded  # everything came back exactly once
     assert st.prefetched > 0, "backward should find most layers already on their way"
     assert st.kept_tensors > 0  # parameters and what the head saved
+    assert st.stall_ms >= 0.0 and 0.0 <= st.overlap_ratio <= 1.0
 
 
 def test_views_and_tensors_saved_twice_are_copied_once() -> None:
