@@ -392,9 +392,12 @@ class RevivaManager:
             + lay.intermediate_size * e * 3
             + lay.hidden_size * e * 3
         )
-        # Without a fused attention kernel (fp32, or a CPU), attention materializes its scores:
-        # fp32, with softmax temporaries, for every (query, key) pair of a call.
-        fused = lay.device.type == "cuda" and lay.dtype in (torch.float16, torch.bfloat16)
+        # Without a fused attention kernel, attention materializes its scores: fp32, with softmax
+        # temporaries, for every (query, key) pair of a call. Fused: CUDA in half precision
+        # (flash, cuDNN), and the CPU's flash kernel, unless a padding mask forces the math path.
+        fused = (lay.device.type == "cuda" and lay.dtype in (torch.float16, torch.bfloat16)) or (
+            lay.device.type == "cpu" and not padded
+        )
         score = 0 if fused else batch * lay.num_heads * 4 * 3
         free_for_work = max(budget - baseline, 0)
         if cfg.chunk_tokens is not None:
