@@ -328,14 +328,14 @@ def test_promotion_after_prefill_and_own_decode_attention() -> None:
     in prefill, then layers are promoted; Reviva's own decode attention call (used on CUDA in
     half precision, forced here) agrees with HF's layers."""
     model = tiny_model("llama", seed=11)
-    ids = torch.randint(1, 211, (1, 400), generator=torch.Generator().manual_seed(12))
+    ids = torch.randint(1, 211, (1, 1000), generator=torch.Generator().manual_seed(12))
     kwargs = dict(
         max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True
     )
     ref = model.generate(ids, **kwargs)
-    budget = budget_for(model, 1, 400, 24, 3)
+    budget = budget_for(model, 1, 1000, 24, 3)
     manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
-    plan = manager.plan(1, 400, 24)
+    plan = manager.plan(1, 1000, 24)
     assert plan.resident_layers == () and plan.slots == 3
     assert plan.decode_working_set < plan.working_set
     manager._own_decode = True
@@ -343,7 +343,8 @@ def test_promotion_after_prefill_and_own_decode_attention() -> None:
     st = manager.get_memory_stats()
     room = plan.working_set - plan.decode_working_set
     assert st["promoted_layers"] == min(room // plan.layer_kv_bytes, 5)
-    assert st["promoted_layers"] > 0
+    assert 0 < st["promoted_layers"] < 5  # some promoted, some still streamed in decode
+    assert st["streamed_layers"] == 5 - st["promoted_layers"]
     for a, b in zip(ref.logits, out.logits, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     assert torch.equal(out.sequences, ref.sequences)
