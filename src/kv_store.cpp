@@ -25,10 +25,12 @@ struct KVStore::Slot {
   std::vector<void*> buffers;
   int layer = -1;  // the layer whose prefix it holds (or is being filled with)
   bool acquired = false;
-  Transfer fill;                    // last H2D into the slot
-  Transfer previous_fill;           // a fill of an earlier layer that may still be landing
-  Transfer last_read;               // last D2H that read the slot
-  std::shared_ptr<Event> released;  // on compute, where its last user released it
+  Transfer fill;           // last H2D into the slot
+  Transfer previous_fill;  // a fill of an earlier layer that may still be landing
+  Transfer last_read;      // last D2H that read the slot
+  // On compute, where its last user released it. Re-recorded at each release: a wait captures
+  // the record current when the wait is enqueued (CUDA's semantics, and the host backend's).
+  std::unique_ptr<Event> released;
 };
 
 struct KVStore::Layer {
@@ -51,6 +53,7 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, KVStoreOptions options)
     : engine_(std::move(engine)), options_(options) {
   REVIVA_CHECK_ARG(engine_ != nullptr, "KVStore: engine is null");
   backend_ = engine_->stream(Direction::HostToDevice).backend_ptr();
+  append_producer_ = std::make_unique<Event>(backend_);
   REVIVA_CHECK_ARG(options_.num_layers > 0, "KVStore: num_layers must be > 0, got ",
                    options_.num_layers);
   REVIVA_CHECK_ARG(options_.tensors_per_layer > 0, "KVStore: tensors_per_layer must be > 0, got ",
@@ -99,11 +102,37 @@ void KVStore::make_resident(int layer, std::vector<void*> buffers) {
   REVIVA_CHECK_ARG(!l.resident, "KVStore::make_resident: layer ", layer, " is already resident");
   REVIVA_CHECK_ARG(!host_ready_, "KVStore::make_resident: layer ", layer,
                    ": residency is fixed once a layer was acquired");
+  become_resident(layer, std::move(buffers));
+}
+
+void KVStore::become_resident(int layer, std::vector<void*> buffers) {
+  Layer& l = layers_[static_cast<std::size_t>(layer)];
   l.resident = true;
   l.buffers = std::move(buffers);
   streamed_.erase(std::remove(streamed_.begin(), streamed_.end(), layer), streamed_.end());
   ++stats_.resident_layers;
   --stats_.streamed_layers;
+}
+
+// Removes slot `s` from the free list if it is parked there (released, still holding a layer).
+void KVStore::unpark(int s) {
+  auto parked = std::find(free_slots_.begin(), free_slots_.end(), s);
+  if (parked != free_slots_.end()) free_slots_.erase(parked);
+}
+
+// H2D of `l`'s valid prefix from its host copies into `dst`, after the last append to them
+// (rule 4: the host copy is whole). Invalid when the layer holds no tokens.
+Transfer KVStore::copy_prefix_in(Layer& l, const std::vector<void*>& dst) {
+  if (l.length == 0) return {};
+  if (l.last_append.valid()) l.last_append.enqueue_wait(engine_->stream(Direction::HostToDevice));
+  std::vector<CopyRequest> requests;
+  const std::size_t bytes = l.length * options_.token_bytes;
+  for (std::size_t t = 0; t < dst.size(); ++t) {
+    requests.push_back({dst[t], l.host[t].data(), bytes});
+    l.host[t].record_use(engine_->stream_ptr(Direction::HostToDevice));
+  }
+  stats_.bytes_to_device += bytes * dst.size();
+  return engine_->copy_batch(Direction::HostToDevice, requests);
 }
 
 void KVStore::promote(int layer, std::vector<void*> buffers) {
@@ -115,31 +144,15 @@ void KVStore::promote(int layer, std::vector<void*> buffers) {
     const int s = l.slot;
     slots_[static_cast<std::size_t>(s)].layer = -1;
     l.slot = -1;
-    if (std::find(free_slots_.begin(), free_slots_.end(), s) == free_slots_.end()) {
-      free_slots_.push_back(s);
-    }
+    unpark(s);
+    free_slots_.push_back(s);
   }
-  if (l.length > 0) {
-    const Stream& h2d = engine_->stream(Direction::HostToDevice);
-    if (l.last_append.valid()) l.last_append.enqueue_wait(h2d);  // rule 4: the host copy is whole
-    std::vector<CopyRequest> requests;
-    const std::size_t bytes = l.length * options_.token_bytes;
-    for (std::size_t t = 0; t < buffers.size(); ++t) {
-      requests.push_back({buffers[t], l.host[t].data(), bytes});
-      l.host[t].record_use(engine_->stream_ptr(Direction::HostToDevice));
-    }
-    l.arrival = engine_->copy_batch(Direction::HostToDevice, requests);
-    stats_.bytes_to_device += bytes * buffers.size();
-  }
+  l.arrival = copy_prefix_in(l, buffers);
   // Rule 4: the pool reuses the host copies only after the copies that used them complete.
   stats_.host_bytes -= l.host.size() * buffer_bytes();
   l.host.clear();
   l.last_append = Transfer{};
-  l.resident = true;
-  l.buffers = std::move(buffers);
-  streamed_.erase(std::remove(streamed_.begin(), streamed_.end(), layer), streamed_.end());
-  ++stats_.resident_layers;
-  --stats_.streamed_layers;
+  become_resident(layer, std::move(buffers));
   ++stats_.promotions;
 }
 
@@ -147,6 +160,7 @@ void KVStore::add_slot(std::vector<void*> buffers) {
   check_buffers(buffers, "add_slot");
   Slot s;
   s.buffers = std::move(buffers);
+  s.released = std::make_unique<Event>(backend_);
   slots_.push_back(std::move(s));
   free_slots_.push_back(static_cast<int>(slots_.size()) - 1);
   ++stats_.slots;
@@ -180,19 +194,11 @@ bool KVStore::fill(int layer, bool prefetch) {
   }
   slot.previous_fill = Transfer{};
   const Stream& h2d = engine_->stream(Direction::HostToDevice);
-  if (slot.released) h2d.wait(*slot.released);                   // rule 2: compute is done with it
+  h2d.wait(*slot.released);  // rule 2: compute is done with it (no-op if never released)
   if (slot.last_read.valid()) slot.last_read.enqueue_wait(h2d);  // rule 2: appends read it
-  if (l.last_append.valid()) l.last_append.enqueue_wait(h2d);    // rule 4: the host copy is whole
-  std::vector<CopyRequest> requests;
-  const std::size_t bytes = l.length * options_.token_bytes;
-  for (std::size_t t = 0; t < slot.buffers.size(); ++t) {
-    requests.push_back({slot.buffers[t], l.host[t].data(), bytes});
-    l.host[t].record_use(engine_->stream_ptr(Direction::HostToDevice));
-  }
-  slot.fill = engine_->copy_batch(Direction::HostToDevice, requests);
+  slot.fill = copy_prefix_in(l, slot.buffers);
   ++stats_.fills;
   if (prefetch) ++stats_.prefetched_fills;
-  stats_.bytes_to_device += bytes * slot.buffers.size();
   return true;
 }
 
@@ -207,8 +213,7 @@ void KVStore::prefetch_after(int layer) {
     if (next == layer) return;  // went round the whole cycle
     Layer& l = layers_[static_cast<std::size_t>(next)];
     if (l.slot >= 0) {
-      auto parked = std::find(free_slots_.begin(), free_slots_.end(), l.slot);
-      if (parked != free_slots_.end()) free_slots_.erase(parked);
+      unpark(l.slot);
       continue;
     }
     if (!fill(next, /*prefetch=*/true)) return;
@@ -244,8 +249,7 @@ std::vector<void*> KVStore::acquire(int layer, const Stream& compute) {
   }
   if (l.slot >= 0) {
     ++stats_.slot_hits;
-    auto parked = std::find(free_slots_.begin(), free_slots_.end(), l.slot);
-    if (parked != free_slots_.end()) free_slots_.erase(parked);
+    unpark(l.slot);
   } else if (!fill(layer, /*prefetch=*/false)) {
     REVIVA_CHECK_ARG(false, "KVStore::acquire: layer ", layer, " needs a slot, but all ",
                      slots_.size(), " slots are acquired (release layers, or add slots)");
@@ -280,8 +284,7 @@ void KVStore::wrote(int layer, std::size_t first, std::size_t count, const Strea
   l.length = std::max(l.length, first + count);
   if (l.resident || count == 0) return;
   Slot& slot = slots_[static_cast<std::size_t>(l.slot)];
-  Event producer(backend_);
-  producer.record(compute);  // rule 1
+  append_producer_->record(compute);  // rule 1 (the copy's wait captures this record)
   std::vector<CopyRequest> requests;
   const std::size_t offset = first * options_.token_bytes;
   const std::size_t bytes = count * options_.token_bytes;
@@ -290,7 +293,7 @@ void KVStore::wrote(int layer, std::size_t first, std::size_t count, const Strea
                         static_cast<const char*>(slot.buffers[t]) + offset, bytes});
     l.host[t].record_use(engine_->stream_ptr(Direction::DeviceToHost));
   }
-  Transfer t = engine_->copy_batch(Direction::DeviceToHost, requests, &producer);
+  Transfer t = engine_->copy_batch(Direction::DeviceToHost, requests, append_producer_.get());
   l.last_append = t;
   slot.last_read = t;
   stats_.bytes_to_host += bytes * slot.buffers.size();
@@ -302,7 +305,6 @@ void KVStore::release(int layer, const Stream& compute) {
   l.acquired = false;
   if (l.resident) return;
   Slot& slot = slots_[static_cast<std::size_t>(l.slot)];
-  slot.released = std::make_shared<Event>(backend_);
   slot.released->record(compute);
   slot.acquired = false;
   free_slots_.push_back(l.slot);

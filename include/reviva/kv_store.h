@@ -103,10 +103,14 @@ class REVIVA_API KVStore {
   int take_free_slot();
   void fold_stalls(bool wait);
   void allocate_host_copies();
+  void become_resident(int layer, std::vector<void*> buffers);
+  void unpark(int slot);
+  Transfer copy_prefix_in(Layer& layer, const std::vector<void*>& dst);
   void check_buffers(const std::vector<void*>& buffers, const char* what) const;
 
   std::shared_ptr<TransferEngine> engine_;
   std::shared_ptr<Backend> backend_;
+  std::unique_ptr<Event> append_producer_;  // re-recorded on compute at each append
   KVStoreOptions options_;
   std::vector<Layer> layers_;
   std::vector<Slot> slots_;

@@ -7,6 +7,7 @@
 // fill before returning, since torch computes on the CPU synchronously.
 #include "runtime.h"
 
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -43,17 +44,17 @@ class PyKVStore {
 
   void make_resident(int layer, const torch::Tensor& k, const torch::Tensor& v) {
     store_->make_resident(layer, {checked(k, "make_resident: k"), checked(v, "make_resident: v")});
-    keep(layer, k, v);
+    keep(k, v);
   }
 
   void promote(int layer, const torch::Tensor& k, const torch::Tensor& v) {
     store_->promote(layer, {checked(k, "promote: k"), checked(v, "promote: v")});
-    keep(layer, k, v);
+    keep(k, v);
   }
 
   void add_slot(const torch::Tensor& k, const torch::Tensor& v) {
     store_->add_slot({checked(k, "add_slot: k"), checked(v, "add_slot: v")});
-    slots_.push_back({k, v});
+    keep(k, v);
   }
 
   std::pair<torch::Tensor, torch::Tensor> acquire(int layer) {
@@ -103,34 +104,23 @@ class PyKVStore {
     return t.data_ptr();
   }
 
-  void keep(int layer, const torch::Tensor& k, const torch::Tensor& v) {
-    resident_.push_back({layer, k, v});
+  void keep(const torch::Tensor& k, const torch::Tensor& v) {
+    buffers_[k.data_ptr()] = k;
+    buffers_[v.data_ptr()] = v;
   }
 
   // The kept tensor whose memory starts at `p` (every buffer the core returns is one of them).
   torch::Tensor tensor_at(void* p) const {
-    for (const auto& r : resident_) {
-      if (r.k.data_ptr() == p) return r.k;
-      if (r.v.data_ptr() == p) return r.v;
-    }
-    for (const auto& s : slots_) {
-      if (s.first.data_ptr() == p) return s.first;
-      if (s.second.data_ptr() == p) return s.second;
-    }
-    REVIVA_ASSERT(false, "KVStore returned a buffer the binding does not hold");
-    return {};
+    auto it = buffers_.find(p);
+    REVIVA_ASSERT(it != buffers_.end(), "KVStore returned a buffer the binding does not hold");
+    return it->second;
   }
 
-  struct Resident {
-    int layer;
-    torch::Tensor k, v;
-  };
   std::shared_ptr<Runtime> rt_;
   torch::ScalarType dtype_;
   std::vector<int64_t> shape_;
-  std::vector<Resident> resident_;
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> slots_;
-  std::unique_ptr<KVStore> store_;  // last: destroyed first, before the buffers
+  std::unordered_map<void*, torch::Tensor> buffers_;  // resident layers' and slots' buffers
+  std::unique_ptr<KVStore> store_;                    // last: destroyed first, before the buffers
 };
 
 }  // namespace

@@ -270,19 +270,27 @@ class RevivaManager:
         """Chunk by chunk: a chunk's queries attend to the keys of all tokens up to its end, which
         this and earlier chunks have written, so one pass suffices and a chunk's input rows are
         dead once its output is written."""
-        cache = self._cache
         tokens, chunk = h.shape[1], self._plan.chunk_tokens
         for s in range(0, tokens, chunk):
             e = min(tokens, s + chunk)
-            q, k, v = self._qkv(layer, h, s, e, cos, sin)
-            cache.write(i, s, k, v)
-            k_all, v_all = cache.view(i, e)
-            if s == 0 and e == tokens:
-                out = self._attend_hf(layer.self_attn, q, k_all, v_all, mask, interface)
-            else:
-                out = _chunk_attention(q, k_all, v_all, mask, s, e, layer.self_attn.scaling)
-                out = out.transpose(1, 2)
-            self._finish(layer, h, s, e, out)
+            whole = s == 0 and e == tokens
+            self._rows(i, layer, h, s, e, s, cos, sin, mask, interface if whole else None)
+
+    def _rows(self, i, layer, h, s, e, first, cos, sin, mask, interface) -> None:  # noqa: ANN001
+        """Rows [s, e) of h are tokens [first, first + e - s): their projections, their K/V into
+        the cache, their attention to every token up to the last of them, o_proj and the MLP, in
+        place. With `interface`, attention is HF's own call (the whole prompt at once: the same
+        numbers as HF); else Reviva's bottom-right causal call on the cache's layout."""
+        q, k, v = self._qkv(layer, h, s, e, cos, sin)
+        last = first + e - s
+        self._cache.write(i, first, k, v)
+        k_all, v_all = self._cache.view(i, last)
+        if interface is not None:
+            out = self._attend_hf(layer.self_attn, q, k_all, v_all, mask, interface)
+        else:
+            out = _chunk_attention(q, k_all, v_all, mask, first, last, layer.self_attn.scaling)
+            out = out.transpose(1, 2)
+        self._finish(layer, h, s, e, out)
 
     def _prefill_whole_attention(self, i, layer, h, cos, sin, mask, interface) -> None:  # noqa: ANN001
         """Projections by chunks into whole-prompt queries and the cache, one attention call
@@ -314,14 +322,9 @@ class RevivaManager:
         cache = self._cache
         past = cache.get_seq_length(i)
         cos, sin = kwargs["position_embeddings"]
-        n = h.shape[1]
         cache.acquire(i)
         try:
-            q, k, v = self._qkv(layer, h, 0, n, cos, sin)
-            cache.write(i, past, k, v)
-            k_all, v_all = cache.view(i, past + n)
-            out = _chunk_attention(q, k_all, v_all, None, past, past + n, layer.self_attn.scaling)
-            self._finish(layer, h, 0, n, out.transpose(1, 2))
+            self._rows(i, layer, h, 0, h.shape[1], past, cos, sin, None, None)
         finally:
             cache.release(i)
         return h

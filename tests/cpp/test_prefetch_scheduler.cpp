@@ -17,23 +17,6 @@ constexpr std::size_t kKiB = 1024;
 constexpr std::size_t kMiB = 1024 * 1024;
 using Group = std::vector<BlockId>;
 
-void fill_random(void* dst, std::size_t n, std::uint64_t seed) {
-  auto* p = static_cast<std::uint8_t*>(dst);
-  std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-  auto next = [&x] {
-    std::uint64_t z = (x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  };
-  std::size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const std::uint64_t r = next();
-    std::memcpy(p + i, &r, 8);
-  }
-  for (; i < n; ++i) p[i] = static_cast<std::uint8_t>(next());
-}
-
 // Compute work that takes `ms` on the stream (what a layer's kernels would).
 void compute_for(const Stream& stream, double ms) {
   stream.launch_host_func([ms] {

@@ -54,6 +54,24 @@ inline std::vector<std::uint8_t> random_bytes(std::size_t n, std::uint64_t seed)
   return v;
 }
 
+// Fresh pseudo-random contents at memory speed (splitmix64), for blocks of megabytes.
+inline void fill_random(void* dst, std::size_t n, std::uint64_t seed) {
+  auto* p = static_cast<std::uint8_t*>(dst);
+  std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  auto next = [&x] {
+    std::uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const std::uint64_t r = next();
+    std::memcpy(p + i, &r, 8);
+  }
+  for (; i < n; ++i) p[i] = static_cast<std::uint8_t>(next());
+}
+
 // Device memory owned by the test, released through the backend (stream-ordered on `stream`).
 class DeviceBuffer {
  public:
