@@ -89,23 +89,22 @@ class RevivaCache(Cache):
         self.store = KVStore(
             engine, num_layers, batch, kv_heads, head_dim, dtype, capacity, prefetch_layers
         )
-        shape = (capacity, batch, kv_heads, head_dim)
-        self._shape, self._dtype, self._device = shape, dtype, device
+        self._shape = (capacity, batch, kv_heads, head_dim)
+        self._dtype, self._device = dtype, device
         for layer in resident_layers:
-            k = torch.empty(shape, dtype=dtype, device=device)
-            v = torch.empty(shape, dtype=dtype, device=device)
-            self.store.make_resident(layer, k, v)
+            self.store.make_resident(layer, *self._new_buffers())
         for _ in range(slots):
-            k = torch.empty(shape, dtype=dtype, device=device)
-            v = torch.empty(shape, dtype=dtype, device=device)
-            self.store.add_slot(k, v)
+            self.store.add_slot(*self._new_buffers())
         self._acquired: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def promote(self, layer_idx: int) -> None:
         """Makes a streamed layer resident (device memory freed up, e.g. after prefill)."""
+        self.store.promote(layer_idx, *self._new_buffers())
+
+    def _new_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V buffers of one layer, token-major, on the device."""
         k = torch.empty(self._shape, dtype=self._dtype, device=self._device)
-        v = torch.empty(self._shape, dtype=self._dtype, device=self._device)
-        self.store.promote(layer_idx, k, v)
+        return k, torch.empty_like(k)
 
     # --- used by the layer wrappers --------------------------------------------------------------
 

@@ -61,12 +61,11 @@ class ActivationStats:
 class _Stored:
     """One offloaded storage: its pinned copy, and the device copy while it is back."""
 
-    __slots__ = ("handle", "nbytes", "layer", "restored", "transfer", "__weakref__")
+    __slots__ = ("handle", "nbytes", "restored", "transfer", "__weakref__")
 
-    def __init__(self, handle: Any, nbytes: int, layer: int) -> None:
+    def __init__(self, handle: Any, nbytes: int) -> None:
         self.handle = handle
         self.nbytes = nbytes
-        self.layer = layer
         self.restored: torch.Tensor | None = None  # uint8 view of the storage on the device
         self.transfer: Any = None  # its H2D, until compute was ordered after it
 
@@ -94,14 +93,9 @@ class ActivationOffload:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations wraps an nn.Module, got {type(model).__name__}")
-        if (
-            isinstance(prefetch_layers, bool)
-            or not isinstance(prefetch_layers, int)
-            or (prefetch_layers < 0)
-        ):
-            raise ValueError(f"prefetch_layers must be an int >= 0, got {prefetch_layers!r}")
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        for name, value in (("prefetch_layers", prefetch_layers), ("min_bytes", min_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.budget = None if budget is None else parse_bytes(budget)
         if self.budget is not None and self.budget <= 0:
             raise ValueError(f"budget must be > 0 bytes, got {budget!r}")
@@ -129,7 +123,6 @@ class ActivationOffload:
         self._offload_layers: set[int] | None = None  # None: all
         self._handles: list[Any] = []
         self._hooks_ctx: Any = None
-        self._baseline = 0
         self._t0 = 0.0
         self._recorded: set[tuple[int, int]] = set()  # storages counted on the first step
         self._waits: list[tuple[Any, Any]] = []  # CUDA events around waits at unpack
@@ -149,7 +142,6 @@ class ActivationOffload:
             else list(range(len(self.layers)))
         )
         if self._cuda:
-            self._baseline = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
@@ -217,10 +209,14 @@ class ActivationOffload:
             for ref in self._by_layer.get(j, ()):
                 stored = ref()
                 if stored is not None and stored.restored is None:
-                    stored.restored, stored.transfer = self.engine.restore_async(stored.handle)
-                    self.stats.bytes_restored += stored.nbytes
+                    self._bring_back(stored)
                     self.stats.prefetched += 1
         return None
+
+    def _bring_back(self, stored: _Stored) -> None:
+        """Starts the H2D of a storage; compute is ordered after it when it is unpacked."""
+        stored.restored, stored.transfer = self.engine.restore_async(stored.handle)
+        self.stats.bytes_restored += stored.nbytes
 
     # --- pack / unpack ---------------------------------------------------------------------------
 
@@ -246,7 +242,7 @@ class ActivationOffload:
         stored = ref() if ref is not None else None
         if stored is None:
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            stored = _Stored(self.engine.offload(whole), nbytes, self._layer)
+            stored = _Stored(self.engine.offload(whole), nbytes)
             self._by_storage[key] = weakref.ref(stored)
             self._by_layer.setdefault(self._layer, []).append(weakref.ref(stored))
             self.stats.bytes_offloaded += nbytes
@@ -270,8 +266,7 @@ class ActivationOffload:
             return packed
         stored = packed.stored
         if stored.restored is None:
-            stored.restored, stored.transfer = self.engine.restore_async(stored.handle)
-            self.stats.bytes_restored += stored.nbytes
+            self._bring_back(stored)
             self.stats.demand_fetched += 1
         if stored.transfer is not None:
             if self._cuda:
