@@ -512,6 +512,17 @@ struct OffloadManager::Impl {
     return engine->restore(*host, *ptr, bytes);
   }
 
+  // Undoes a fetch or allocation that failed part way: gives back the device memory (if any was
+  // allocated, stream-ordered on `stream`), the reservation against the budget (if made), and
+  // the block's busy mark. Takes the mutex.
+  void abandon(BlockId id, void* ptr, std::size_t bytes, bool reserved, StreamHandle stream) {
+    if (ptr) allocator->deallocate(ptr, bytes, stream);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (reserved) held -= bytes;
+    find(id).busy = false;
+    changed.notify_all();
+  }
+
   // Rule 3: `compute` waits for `copy`, with two timing events around the wait measuring how
   // long it actually stalled. Unlocked.
   void wait_for_copy(BlockId id, const Transfer& copy, const Stream& compute, bool prefetched) {
@@ -724,11 +735,7 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
         ptr = m.allocator->allocate(bytes, compute.handle());
       }
     } catch (...) {
-      if (ptr) m.allocator->deallocate(ptr, bytes, fetch ? m.h2d().handle() : compute.handle());
-      std::lock_guard<std::mutex> lock(m.mutex);
-      if (reserved) m.held -= bytes;
-      m.find(id).busy = false;
-      m.changed.notify_all();
+      m.abandon(id, ptr, bytes, reserved, fetch ? m.h2d().handle() : compute.handle());
       throw;
     }
     {
@@ -820,17 +827,10 @@ bool OffloadManager::prefetch(BlockId id) {
       copy = m.fetch(id, bytes, &ptr);
     }
   } catch (const OutOfMemory&) {
-    if (ptr) m.allocator->deallocate(ptr, bytes, m.h2d().handle());
-    std::lock_guard<std::mutex> lock(m.mutex);
-    if (reserved) m.held -= bytes;
-    m.find(id).busy = false;
-    m.changed.notify_all();
+    m.abandon(id, ptr, bytes, reserved, m.h2d().handle());
     return false;  // no room after all: the access will fetch it on demand
   } catch (...) {
-    std::lock_guard<std::mutex> lock(m.mutex);
-    if (reserved) m.held -= bytes;
-    m.find(id).busy = false;
-    m.changed.notify_all();
+    m.abandon(id, ptr, bytes, reserved, m.h2d().handle());
     throw;
   }
   std::lock_guard<std::mutex> lock(m.mutex);
