@@ -172,26 +172,16 @@ def worker(args: argparse.Namespace) -> int:
 # --- driver: one worker per budget, then the table and the acceptance figures --------------------
 
 
-def kv_bytes_per_token(layers: int) -> int:
-    return layers * 2 * SHAPE["num_key_value_heads"] * 128 * 2
-
-
-def analyse(rows: list[dict], layers: int) -> dict[str, Any]:
+def analyse(rows: list[dict]) -> dict[str, Any]:
     """Rooflines and the issue's acceptance figures, from rows of the same run."""
     by = {(r["contender"], r["context"], r["budget"]): r for r in rows}
     out: dict[str, Any] = {"rooflines": [], "checks": {}}
     for r in rows:
-        if (
-            r["contender"] != "reviva"
-            or r["budget"] == "none"
-            or r.get("oom")
-            or "reviva" in r
-            and r["reviva"]["streamed_layers"] == 0
-        ):
+        st = r.get("reviva")
+        if r["budget"] == "none" or not st or not r.get("decode_tok_s"):
             continue
-        if "reviva" not in r or not r.get("decode_tok_s"):
+        if st["streamed_layers"] == 0:  # everything resident in decode: no transfer roofline
             continue
-        st = r["reviva"]
         free = by.get(("reviva", r["context"], "none"))
         compute_s = 1 / free["decode_tok_s"] if free and free.get("decode_tok_s") else None
         mean_len = r["context"] + r["new_tokens"] / 2
@@ -261,7 +251,7 @@ def analyse(rows: list[dict], layers: int) -> dict[str, Any]:
 def merge(args: argparse.Namespace) -> int:
     parts = [json.loads(Path(p).read_text()) for p in args.analyse]
     rows = [r for part in parts for r in part["runs"]]
-    analysis = analyse(rows, args.layers)
+    analysis = analyse(rows)
     print(json.dumps(analysis, indent=1))
     payload = {
         **parts[0],
@@ -364,7 +354,7 @@ def main() -> int:
         if proc.returncode != 0:
             print(f"# worker for budget {budget} exited with {proc.returncode}", flush=True)
 
-    analysis = analyse(rows, args.layers)
+    analysis = analyse(rows)
     table = []
     for r in rows:
 

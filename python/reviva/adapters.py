@@ -38,13 +38,6 @@ class DecoderLayout:
     dtype: torch.dtype
     device: torch.device
 
-    @property
-    def kv_bytes_per_token_per_layer(self) -> int:
-        """K and V of one token in one layer, for batch 1."""
-        return (
-            2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-        )
-
 
 def _need(obj: object, name: str, where: str) -> object:
     if not hasattr(obj, name):
