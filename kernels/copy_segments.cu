@@ -43,4 +43,9 @@ cudaError_t launch_copy_segments(const CopySegment* segments, std::size_t count,
   return cudaGetLastError();
 }
 
+cudaError_t preload_copy_segments() {
+  cudaFuncAttributes attributes{};
+  return cudaFuncGetAttributes(&attributes, copy_segments_kernel);  // forces the module load
+}
+
 }  // namespace reviva::kernels

@@ -24,4 +24,9 @@ struct CopySegment {
 cudaError_t launch_copy_segments(const CopySegment* segments,  // [count]
                                  std::size_t count, cudaStream_t stream);
 
+// Loads the segment-copy kernel now. Under CUDA's lazy module loading (the default since CUDA
+// 12) a kernel's first launch loads its module, which can wait for work in flight on the device;
+// called once when a backend is made, so that no copy pays that mid-stream.
+cudaError_t preload_copy_segments();
+
 }  // namespace reviva::kernels
