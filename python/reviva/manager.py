@@ -322,6 +322,8 @@ class RevivaManager:
         cache = self._cache
         past = cache.get_seq_length(i)
         cos, sin = kwargs["position_embeddings"]
+        if i == 0:
+            self._phase["own_decode_steps"] = self._phase.get("own_decode_steps", 0) + 1
         cache.acquire(i)
         try:
             self._rows(i, layer, h, 0, h.shape[1], past, cos, sin, None, None)
@@ -619,6 +621,7 @@ class RevivaManager:
             "chunk_tokens": plan.chunk_tokens,
             "prompt_tokens": plan.prompt_tokens,
             "decode_steps": steps,
+            "own_decode_attention": ph.get("own_decode_steps", 0) == steps > 0,
             "prefill_s": prefill_s,
             "decode_s": decode_s,
             "decode_tok_s": steps / decode_s if steps and decode_s > 0 else None,
