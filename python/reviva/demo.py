@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -96,6 +97,8 @@ def run_demo(args: argparse.Namespace) -> int:
     )
 
     timer = GenerationTimer(device)
+    with torch.no_grad():  # warm-up (kernels, library handles) so that neither row pays for it
+        model.generate(ids[:, :256], max_new_tokens=2, do_sample=False)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
     timer.begin()
@@ -122,13 +125,24 @@ def run_demo(args: argparse.Namespace) -> int:
     timer.begin()
     out = manager.generate(ids, streamer=timer, **kwargs)
     st = manager.get_memory_stats()
-    same = torch.equal(out.sequences, plain.sequences)
-    agree = (out.sequences == plain.sequences).float().mean().item()
-    a, b = plain.logits[0].float(), out.logits[0].float()
-    rel = ((a - b).norm() / a.norm()).item()
-    # fp32 must give the same tokens; bf16 kernels may round differently (near-uniform logits of
-    # random weights then flip a greedy choice), so bf16 is held to the first logits' error.
-    ok = same if shape.dtype == torch.float32 else rel <= 1e-2
+    new_plain, new_out = plain.sequences[:, shape.prompt :], out.sequences[:, shape.prompt :]
+    same = torch.equal(new_out, new_plain)
+    agree = (new_out == new_plain).float().mean().item()
+    if shape.dtype == torch.float32:
+        # fp32: Reviva's prefill makes the same calls as HF's on each row; the same tokens.
+        ok, accuracy = same, ""
+    else:
+        # bf16: Reviva's chunked prefill runs other attention kernels than HF's whole-prompt
+        # call, which round differently; both are held to an fp32 run of the same weights, and
+        # Reviva must be about as close to it as plain HF is.
+        exact = _fp32_first_logits(model, ids)
+        err_hf = _rel(plain.logits[0], exact)
+        err_rv = _rel(out.logits[0], exact)
+        ok = err_rv <= 1.5 * err_hf
+        accuracy = (
+            f"; first-token logits relative error vs an fp32 run: plain HF {err_hf:.1e}, "
+            f"Reviva {err_rv:.1e} (Reviva vs HF {_rel(out.logits[0], plain.logits[0]):.1e})"
+        )
 
     def gb(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f} GB"
@@ -172,8 +186,27 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{st['bytes_to_host'] / 1e9:.2f} GB to the host; compute stalled {st['stall_ms']:.1f} ms"
     )
     print(
-        f"same tokens as plain HF: {'yes' if same else 'no'} ({agree:.0%} agree); first-token "
-        f"logits relative error {rel:.1e} -> {'OK' if ok else 'FAILED'}"
+        f"same new tokens as plain HF: {'yes' if same else 'no'} ({agree:.1%} agree){accuracy} "
+        f"-> {'OK' if ok else 'FAILED'}"
     )
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0 if ok else 1
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.float(), ref.float()
+    return ((a - ref).norm() / ref.norm()).item()
+
+
+def _fp32_first_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The last prompt position's logits of `model` with its weights in fp32 (each weight is
+    given back its own bf16 storage afterwards: the model is left exactly as it was)."""
+    saved = [(p, p.data) for p in model.parameters()]
+    try:
+        for p, data in saved:
+            p.data = data.float()
+        with torch.no_grad():
+            return model(ids, logits_to_keep=1).logits[:, -1].float()
+    finally:
+        for p, data in saved:
+            p.data = data
