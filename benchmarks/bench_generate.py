@@ -282,6 +282,12 @@ def main() -> int:
     parser.add_argument("--contexts", default="16k,64k,128k,256k")
     parser.add_argument("--budgets", default="none,24GB")
     parser.add_argument("--contenders", default="hf,hf_offload,reviva")
+    parser.add_argument(
+        "--none-contenders",
+        default=None,
+        help="contenders for budget none (default: --contenders); e.g. reviva alone, for the "
+        "compute term of the 128k/256k rooflines",
+    )
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument(
         "--slow-new-tokens",
@@ -322,7 +328,7 @@ def main() -> int:
             "--contexts",
             args.contexts,
             "--contenders",
-            args.contenders,
+            args.none_contenders if budget == "none" and args.none_contenders else args.contenders,
             "--new-tokens",
             str(args.new_tokens),
             "--slow-new-tokens",

@@ -5,7 +5,8 @@ sequence 8192, forward+backward with labels. Contenders in one run: plain;
 torch.autograd.graph.save_on_cpu(pin_memory=True); Reviva offload-all; Reviva with budgets
 6/8/10/12/16 GB (a time-vs-memory curve, also drawn as a PNG). The roofline of a step that offloads
 A bytes is max(forward, A / D2H bandwidth) + max(backward, A / H2D bandwidth), with forward and
-backward timed on the plain run and the bandwidths measured by the engine in the same run.
+backward timed on the plain run and the bandwidths of plain 1 GiB pinned copies measured in the
+same run. The JSON's `checks` holds the issue's acceptance figures.
 
     python benchmarks/bench_train.py [--steps 5] [--budgets 6GB,8GB,10GB,12GB,16GB] [--out DIR]
 """
@@ -13,6 +14,7 @@ backward timed on the plain run and the bandwidths measured by the engine in the
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -50,9 +52,31 @@ def build_model() -> Any:
     return model.train()
 
 
-def timed_steps(model: Any, ids: torch.Tensor, steps: int, wrap: Any) -> dict:
-    times, fwd, bwd = [], [], []
+def copy_bandwidths(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """Plain pinned copies of `nbytes` each way (GB/s, best of `repeats`): the roofline's
+    bandwidths, measured in the same run as the steps."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        best = float("inf")
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            torch.cuda.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        out[name] = nbytes / best / 1e9
+    return out
+
+
+def timed_steps(model: Any, ids: torch.Tensor, steps: int, wrap: Any, probe: Any = None) -> dict:
+    """Median step, forward and backward times after one warm-up step, and the last peak;
+    `probe()` (a counter) is read around each step and its median increase reported."""
+    times, fwd, bwd, deltas = [], [], [], []
     for _ in range(steps + 1):  # the first is warm-up
+        p0 = probe() if probe else 0
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -67,12 +91,46 @@ def timed_steps(model: Any, ids: torch.Tensor, steps: int, wrap: Any) -> dict:
         times.append(e0.elapsed_time(e2) / 1e3)
         fwd.append(e0.elapsed_time(e1) / 1e3)
         bwd.append(e1.elapsed_time(e2) / 1e3)
+        deltas.append((probe() if probe else 0) - p0)
     return {
+        "probe_delta": statistics.median(deltas[1:]),
         "step_s": statistics.median(times[1:]),
         "forward_s": statistics.median(fwd[1:]),
         "backward_s": statistics.median(bwd[1:]),
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
     }
+
+
+def acceptance(rows: list[dict]) -> dict:
+    by = {r["contender"]: r for r in rows}
+    soc, everything = by["save_on_cpu"], by["reviva_all"]
+    out: dict[str, Any] = {
+        "offload_all": {
+            "ratio_to_roofline": everything["ratio_to_roofline"],
+            "within_15pct_of_roofline": everything["ratio_to_roofline"] <= 1.15,
+            "vs_save_on_cpu_time": everything["step_s"] / soc["step_s"],
+            "at_most_half_of_save_on_cpu": everything["step_s"] <= 0.5 * soc["step_s"],
+            "peak_gb": everything["peak_gb"],
+            "save_on_cpu_peak_gb": soc["peak_gb"],
+            "peak_not_above_save_on_cpu": everything["peak_gb"] <= soc["peak_gb"],
+        }
+    }
+    for r in rows:
+        if r.get("budget"):
+            limit = reviva_bytes(r["budget"]) / 1e9
+            out[r["contender"]] = {
+                "peak_gb": r["peak_gb"],
+                "peak_le_budget": r["peak_gb"] <= limit,
+                "ratio_to_roofline": r["ratio_to_roofline"],
+                "within_10pct_of_roofline": r["ratio_to_roofline"] <= 1.1,
+            }
+    return out
+
+
+def reviva_bytes(text: str) -> int:
+    import reviva
+
+    return reviva.parse_bytes(text)
 
 
 def main() -> int:
@@ -91,25 +149,31 @@ def main() -> int:
     model = build_model()
     ids = torch.randint(0, SHAPE["vocab_size"], (1, args.seq), device="cuda")
     rows: list[dict] = []
+    bw = copy_bandwidths()
+    print(f"pinned copies: D2H {bw['d2h']:.1f} GB/s, H2D {bw['h2d']:.1f} GB/s", flush=True)
 
     plain = timed_steps(model, ids, args.steps, contextlib.nullcontext)
+    plain.pop("probe_delta")
     rows.append({"contender": "plain", **plain})
     soc = timed_steps(
         model, ids, args.steps, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
     )
+    soc.pop("probe_delta")
     rows.append({"contender": "save_on_cpu", **soc})
     for budget in [None, *args.budgets.split(",")]:
         off = reviva.ActivationOffload(model, budget=budget, min_bytes=1 << 20)
         before = off.engine.stats()
         r = timed_steps(
-            model, ids, args.steps, lambda off=off: reviva.offload_activations(model, offload=off)
+            model,
+            ids,
+            args.steps,
+            lambda off=off: reviva.offload_activations(model, offload=off),
+            probe=lambda off=off: off.stats.bytes_offloaded,
         )
         st = off.engine.stats()
-        offloaded = off.stats.bytes_offloaded / off.stats.steps  # per step
-        d2h = st["d2h"]["bandwidth_gbps"] or 55.0
-        h2d = st["h2d"]["bandwidth_gbps"] or 55.0
-        roof = max(plain["forward_s"], offloaded / (d2h * 1e9)) + max(
-            plain["backward_s"], offloaded / (h2d * 1e9)
+        offloaded = r.pop("probe_delta")  # bytes per step (median, after the warm-up step)
+        roof = max(plain["forward_s"], offloaded / (bw["d2h"] * 1e9)) + max(
+            plain["backward_s"], offloaded / (bw["h2d"] * 1e9)
         )
         rows.append(
             {
@@ -117,8 +181,10 @@ def main() -> int:
                 "budget": budget,
                 **r,
                 "bytes_offloaded_per_step": offloaded,
-                "d2h_gbps": d2h,
-                "h2d_gbps": h2d,
+                "engine_d2h_gbps": st["d2h"]["bandwidth_gbps"],
+                "engine_h2d_gbps": st["h2d"]["bandwidth_gbps"],
+                "stall_ms_total": off.stats.stall_ms,
+                "overlap_ratio": off.stats.overlap_ratio,
                 "roofline_s": roof,
                 "ratio_to_roofline": r["step_s"] / roof,
                 "offloaded_layers": off.stats.offloaded_layers,
@@ -141,6 +207,8 @@ def main() -> int:
             for r in rows
         ],
     )
+    checks = acceptance(rows)
+    print(json.dumps(checks, indent=1))
     out_dir = Path(args.out) if args.out else None
     path = write_result(
         "train",
@@ -149,7 +217,9 @@ def main() -> int:
             "model": SHAPE,
             "seq": args.seq,
             "anchors": ANCHORS,
+            "pinned_copy_gbps": bw,
             "runs": rows,
+            "checks": checks,
         },
         out_dir,
     )

@@ -135,7 +135,7 @@ def run_demo(args: argparse.Namespace) -> int:
         # bf16: Reviva's chunked prefill runs other attention kernels than HF's whole-prompt
         # call, which round differently; both are held to an fp32 run of the same weights, and
         # Reviva must be about as close to it as plain HF is.
-        exact = _fp32_first_logits(model, ids)
+        exact = fp32_reference_logits(model, ids)[:, -1]
         err_hf = _rel(plain.logits[0], exact)
         err_rv = _rel(out.logits[0], exact)
         ok = err_rv <= 1.5 * err_hf
@@ -198,15 +198,29 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - ref).norm() / ref.norm()).item()
 
 
-def _fp32_first_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """The last prompt position's logits of `model` with its weights in fp32 (each weight is
-    given back its own bf16 storage afterwards: the model is left exactly as it was)."""
+def fp32_reference_logits(model: Any, ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
+    """The logits of the last `keep` positions of `ids` with the model's weights in fp32, [B,
+    keep, vocab]: the reference that bf16 runs (HF's and Reviva's) are both held to. Each weight
+    gets its own bf16 storage back afterwards, so the model is left exactly as it was.
+
+    Attention runs a fused kernel (CUDA: memory-efficient; fp32, no score matrix) on K/V heads
+    expanded by HF's repeat_kv: with grouped heads left to SDPA, fp32 falls to the math kernel,
+    whose [heads, n, n] scores are 128 GiB at 32k tokens."""
+    from unittest import mock
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations import sdpa_attention
+
     saved = [(p, p.data) for p in model.parameters()]
     try:
         for p, data in saved:
             p.data = data.float()
-        with torch.no_grad():
-            return model(ids, logits_to_keep=1).logits[:, -1].float()
+        with (
+            torch.no_grad(),
+            mock.patch.object(sdpa_attention, "use_gqa_in_sdpa", lambda *a, **k: False),
+            sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]),
+        ):
+            return model(ids, logits_to_keep=keep).logits.float()
     finally:
         for p, data in saved:
             p.data = data

@@ -14,9 +14,10 @@ views, or the same tensor saved by two nodes) is copied once and every saved vie
 it with its own size, stride and offset, so the values autograd sees are bit-identical and
 gradients equal a run without Reviva.
 
-Budget mode: the first step offloads everything eligible and records the bytes each layer saves;
-later steps offload the layers whose activations are needed last in backward (the first layers)
-only until the rest fits the budget beside what the device held before forward.
+Budget mode: the first step offloads everything eligible and records the bytes each layer saves
+and (CUDA) the step's peak; later steps keep the last layers' activations on the device (needed
+first in backward) while that peak plus what they saved fits the budget, and offload the first
+layers (needed last, so their copies hide under the most backward compute).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from reviva._C import PinnedHostPool, Runtime, TransferEngine
 from reviva.sizes import parse_bytes
@@ -117,15 +119,20 @@ class ActivationOffload:
         self.stats = ActivationStats()
         self._cuda = self.device.type == "cuda"
         self._param_ptrs: set[int] = set()
-        self._by_storage: dict[tuple[int, int], weakref.ReferenceType[_Stored]] = {}
+        # A storage saved again (a view, or saved by a second node) maps to its first copy. The
+        # key is (data pointer, bytes); the storage's weak reference tells a live storage from a
+        # new one that the caching allocator placed at the address of a freed one.
+        self._by_storage: dict[tuple[int, int], tuple[StorageWeakRef, weakref.ReferenceType]] = {}
         self._by_layer: dict[int, list[weakref.ReferenceType[_Stored]]] = {}
         self._layer = -1  # the layer whose forward runs now (-1: before the first)
         self._offload_layers: set[int] | None = None  # None: all
         self._handles: list[Any] = []
         self._hooks_ctx: Any = None
         self._t0 = 0.0
-        self._recorded: set[tuple[int, int]] = set()  # storages counted on the first step
+        self._recorded: dict[tuple[int, int], StorageWeakRef] = {}  # counted on the first step
         self._waits: list[tuple[Any, Any]] = []  # CUDA events around waits at unpack
+        self._held = 0  # device bytes allocated when the step began (CUDA)
+        self._extra_all: int | None = None  # CUDA: the offload-all step's peak above _held
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -135,6 +142,7 @@ class ActivationOffload:
         self._by_layer.clear()
         self._recorded.clear()
         self._layer = -1
+        self._held = torch.cuda.memory_allocated(self.device) if self._cuda else 0
         self._offload_layers = self._choose_layers()
         self.stats.offloaded_layers = (
             sorted(self._offload_layers)
@@ -159,6 +167,8 @@ class ActivationOffload:
         self._handles.clear()
         if self._cuda:
             self.stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+            if self._offload_layers is None:  # everything offloaded: the floor of budget mode
+                self._extra_all = self.stats.peak_device_bytes - self._held
             torch.cuda.synchronize(self.device)
             self.stats.stall_ms += sum(a.elapsed_time(b) for a, b in self._waits)
             self._waits.clear()
@@ -170,19 +180,38 @@ class ActivationOffload:
         self.stats.steps += 1
 
     def _choose_layers(self) -> set[int] | None:
+        """Budget mode: the layers to offload this step (None: all).
+
+        The first step offloads all and measures what each layer saves and (CUDA) the step's
+        peak above what the device held before it. A layer kept on the device adds what it saved
+        to that floor, so layers are kept from the last one down (their activations are needed
+        first in backward, where a copy could not hide) while the sum fits the budget; the first
+        layers, needed last, are offloaded. On the CPU there is no peak to measure: the floor is
+        what was saved outside the layers."""
         if self.budget is None or not self.stats.layer_saved_bytes:
-            return None  # offload all (budget mode: the first step measures)
-        held = torch.cuda.memory_allocated(self.device) if self._cuda else 0
-        room = self.budget - held
+            return None
         saved = self.stats.layer_saved_bytes
-        total = sum(saved.values())
+        n = len(self.layers)
+        kept = sum(b for i, b in saved.items() if i < n)
+        floor = self._extra_all
+        if floor is None:
+            floor = sum(b for i, b in saved.items() if i >= n)
+        room = self.budget - self._held - floor
+        if room < 0:
+            log.warning(
+                "reviva: activation budget %s cannot be met: with every activation offloaded "
+                "the step peaked at %s (%s held before it); offloading all",
+                _fmt(self.budget),
+                _fmt(self._held + floor),
+                _fmt(self._held),
+            )
+            return None
         chosen: set[int] = set()
-        # The first layers' activations are needed last in backward: their copies hide best.
-        for i in range(len(self.layers)):
-            if total <= room:
+        for i in range(n):
+            if kept <= room:
                 break
             chosen.add(i)
-            total -= saved.get(i, 0)
+            kept -= saved.get(i, 0)
         return chosen
 
     # --- layer boundaries ------------------------------------------------------------------------
@@ -234,30 +263,32 @@ class ActivationOffload:
             or (self._offload_layers is not None and self._layer not in self._offload_layers)
         ):
             if self.stats.steps == 0 and t.device == self.device:
-                self._record(nbytes, storage.data_ptr())
+                self._record(storage)
             self.stats.kept_tensors += 1
             return t
         key = (storage.data_ptr(), nbytes)
-        ref = self._by_storage.get(key)
-        stored = ref() if ref is not None else None
+        entry = self._by_storage.get(key)
+        stored = entry[1]() if entry is not None and not entry[0].expired() else None
         if stored is None:
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             stored = _Stored(self.engine.offload(whole), nbytes)
-            self._by_storage[key] = weakref.ref(stored)
+            self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
             self._by_layer.setdefault(self._layer, []).append(weakref.ref(stored))
             self.stats.bytes_offloaded += nbytes
             if self.stats.steps == 0:
-                self._record(nbytes, storage.data_ptr())
+                self._record(storage)
         self.stats.offloaded_tensors += 1
         return _Packed(stored, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
-    def _record(self, nbytes: int, ptr: int) -> None:
+    def _record(self, storage: torch.UntypedStorage) -> None:
         # Step 1 records each layer's saved bytes (each storage once) for the budget plan.
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if self._layer < 0 or ptr in self._param_ptrs or nbytes < self.min_bytes:
             return
-        if (ptr, nbytes) in self._recorded:
+        seen = self._recorded.get((ptr, nbytes))
+        if seen is not None and not seen.expired():
             return
-        self._recorded.add((ptr, nbytes))
+        self._recorded[(ptr, nbytes)] = StorageWeakRef(storage)
         saved = self.stats.layer_saved_bytes
         saved[self._layer] = saved.get(self._layer, 0) + nbytes
 
@@ -284,6 +315,10 @@ class ActivationOffload:
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
         out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         return out
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -127,7 +127,7 @@ def test_no_growth_over_50_steps() -> None:
         off.engine.synchronize()
     assert off.stats.steps == 50
     assert off.stats.bytes_restored == off.stats.bytes_offloaded
-    assert not off._by_storage or all(r() is None for r in off._by_storage.values())
+    assert all(stored() is None for _, stored in off._by_storage.values())
 
 
 def test_pool_memory_returns_after_each_step() -> None:
@@ -202,3 +202,30 @@ def test_bf16_autocast_identical() -> None:
         got = grads_of(model, ids, off)
     assert_identical(ref, got)
     assert off.stats.bytes_offloaded > 0
+
+
+@pytest.mark.gpu
+def test_gpu_budget_mode_keeps_peak_under_budget() -> None:
+    """CUDA, bf16 autocast: a budget halfway between the offload-all peak and the plain peak is
+    kept from step 2 on (the last layers stay, the first are offloaded); gradients identical."""
+    model = tiny_llama(seed=17, device="cuda")
+    ids = torch.randint(0, 211, (4, 2048), device="cuda")
+
+    def step(offload: ActivationOffload | None) -> tuple[dict, int]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            grads = grads_of(model, ids, offload)
+        torch.cuda.synchronize()
+        return grads, torch.cuda.max_memory_allocated()
+
+    ref, peak_plain = step(None)
+    _, peak_all = step(ActivationOffload(model, min_bytes=1 << 16))
+    budget = (peak_all + peak_plain) // 2
+    off = ActivationOffload(model, budget=budget, min_bytes=1 << 16)
+    step(off)  # step 1: offload all, measure
+    for _ in range(2):
+        got, peak = step(off)
+        assert_identical(ref, got)
+        assert peak <= budget, (peak, budget, peak_all, peak_plain)
+        assert 0 < len(off.stats.offloaded_layers) < 4, off.stats.offloaded_layers
