@@ -92,12 +92,24 @@ def timed_steps(model: Any, ids: torch.Tensor, steps: int, wrap: Any, probe: Any
         fwd.append(e0.elapsed_time(e1) / 1e3)
         bwd.append(e1.elapsed_time(e2) / 1e3)
         deltas.append((probe() if probe else 0) - p0)
+    peak_allocated = torch.cuda.max_memory_allocated()
+    # One more, untimed step from an emptied cache: the memory torch reserved for it, which
+    # also counts blocks freed but waiting for a copy stream (record_stream), unlike allocated.
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with wrap():
+        model(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    peak_reserved = torch.cuda.max_memory_reserved()
     return {
+        "peak_reserved_gb": peak_reserved / 1e9,
         "probe_delta": statistics.median(deltas[1:]),
         "step_s": statistics.median(times[1:]),
         "forward_s": statistics.median(fwd[1:]),
         "backward_s": statistics.median(bwd[1:]),
-        "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_gb": peak_allocated / 1e9,
     }
 
 
@@ -113,6 +125,10 @@ def acceptance(rows: list[dict]) -> dict:
             "peak_gb": everything["peak_gb"],
             "save_on_cpu_peak_gb": soc["peak_gb"],
             "peak_not_above_save_on_cpu": everything["peak_gb"] <= soc["peak_gb"],
+            "peak_reserved_gb": everything["peak_reserved_gb"],
+            "save_on_cpu_peak_reserved_gb": soc["peak_reserved_gb"],
+            "peak_reserved_not_above_save_on_cpu": everything["peak_reserved_gb"]
+            <= soc["peak_reserved_gb"],
         }
     }
     for r in rows:
@@ -121,6 +137,8 @@ def acceptance(rows: list[dict]) -> dict:
             out[r["contender"]] = {
                 "peak_gb": r["peak_gb"],
                 "peak_le_budget": r["peak_gb"] <= limit,
+                "peak_reserved_gb": r["peak_reserved_gb"],
+                "peak_reserved_le_budget": r["peak_reserved_gb"] <= limit,
                 "ratio_to_roofline": r["ratio_to_roofline"],
                 "within_10pct_of_roofline": r["ratio_to_roofline"] <= 1.1,
             }
@@ -188,18 +206,20 @@ def main() -> int:
                 "roofline_s": roof,
                 "ratio_to_roofline": r["step_s"] / roof,
                 "offloaded_layers": off.stats.offloaded_layers,
+                "forward_wait_ms_total": off.stats.forward_wait_ms,
                 "prefetched": off.stats.prefetched,
                 "demand_fetched": off.stats.demand_fetched,
                 "engine_before": before,
             }
         )
     print_table(
-        ["contender", "step s", "peak GB", "offloaded GB", "roofline s", "ratio"],
+        ["contender", "step s", "peak GB", "reserved GB", "offloaded GB", "roofline s", "ratio"],
         [
             [
                 r["contender"],
                 f"{r['step_s']:.3f}",
                 f"{r['peak_gb']:.2f}",
+                f"{r['peak_reserved_gb']:.2f}",
                 f"{r.get('bytes_offloaded_per_step', 0) / 1e9:.2f}",
                 f"{r['roofline_s']:.3f}" if "roofline_s" in r else "-",
                 f"{r['ratio_to_roofline']:.3f}" if "ratio_to_roofline" in r else "-",

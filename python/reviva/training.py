@@ -2,10 +2,18 @@
 
 Saved-tensor hooks move what autograd saves for backward into pinned host memory on the D2H
 copy stream during forward (each copy starts after an event on the compute stream, so compute
-never waits for it), and bring it back during backward in reverse layer order, `prefetch_layers`
-layers ahead of the layer whose gradient is being computed: when the gradient of layer i's output
-arrives (a tensor hook on that output), layers i-1 ... i-prefetch_layers start their H2D copies,
-and compute waits on a tensor's copy only when autograd unpacks it.
+never waits for it), and bring it back during backward in reverse order of saving, ahead of the
+autograd node that needs it; compute waits on a tensor's copy only when autograd unpacks it.
+
+Device memory is bounded in both directions by `window_bytes`:
+- forward: a saved tensor's device memory returns to torch's allocator only when its D2H has read
+  it, and D2H (~55 GB/s) is slower than forward compute; when more than `window_bytes` wait for
+  their D2H, the Python thread waits for the oldest (the device still has queued work), so the
+  activations do not pile up on the device behind the copy;
+- backward: at most `window_bytes` are brought back ahead of their use, and no further ahead than
+  `prefetch_layers` layers before the layer whose gradient is being computed (the gradient of
+  layer i's output arriving, a tensor hook, starts layer i's backward). The window is topped up
+  at every unpack, so the H2D stream stays busy.
 
 What is offloaded: tensors saved inside the layers, on the model's device, of at least
 `min_bytes`, never parameters (nor views of them). Tensors saved outside the layers (embedding,
@@ -22,6 +30,7 @@ layers (needed last, so their copies hide under the most backward compute).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -55,6 +64,7 @@ class ActivationStats:
     offloaded_layers: list[int] = field(default_factory=list)  # last step (budget mode)
     layer_saved_bytes: dict[int, int] = field(default_factory=dict)  # recorded on step 1
     stall_ms: float = 0.0  # compute waiting at unpack for an H2D (CUDA: events; CPU: wall)
+    forward_wait_ms: float = 0.0  # the Python thread waiting for D2H copies (window full)
     overlap_ratio: float = 1.0  # 1 - stall / copy time of both directions, over all steps
     peak_device_bytes: int | None = None  # last step (CUDA)
     step_s: float | None = None  # wall time of the last step (enter to exit)
@@ -63,13 +73,15 @@ class ActivationStats:
 class _Stored:
     """One offloaded storage: its pinned copy, and the device copy while it is back."""
 
-    __slots__ = ("handle", "nbytes", "restored", "transfer", "__weakref__")
+    __slots__ = ("handle", "nbytes", "layer", "restored", "transfer", "ahead", "__weakref__")
 
-    def __init__(self, handle: Any, nbytes: int) -> None:
+    def __init__(self, handle: Any, nbytes: int, layer: int) -> None:
         self.handle = handle
         self.nbytes = nbytes
+        self.layer = layer
         self.restored: torch.Tensor | None = None  # uint8 view of the storage on the device
         self.transfer: Any = None  # its H2D, until compute was ordered after it
+        self.ahead = False  # brought back by prefetch and not unpacked yet
 
 
 @dataclass(frozen=True)
@@ -92,9 +104,13 @@ class ActivationOffload:
         min_bytes: int = 1 << 20,
         layers: Sequence[nn.Module] | None = None,
         engine: TransferEngine | None = None,
+        window_bytes: int | str = 512 << 20,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations wraps an nn.Module, got {type(model).__name__}")
+        self.window_bytes = parse_bytes(window_bytes)
+        if self.window_bytes <= 0:
+            raise ValueError(f"window_bytes must be > 0 bytes, got {window_bytes!r}")
         for name, value in (("prefetch_layers", prefetch_layers), ("min_bytes", min_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -123,7 +139,12 @@ class ActivationOffload:
         # key is (data pointer, bytes); the storage's weak reference tells a live storage from a
         # new one that the caching allocator placed at the address of a freed one.
         self._by_storage: dict[tuple[int, int], tuple[StorageWeakRef, weakref.ReferenceType]] = {}
-        self._by_layer: dict[int, list[weakref.ReferenceType[_Stored]]] = {}
+        self._order: list[weakref.ReferenceType[_Stored]] = []  # offloaded, in saving order
+        self._cursor = -1  # backward: the next entry of _order to bring back (downwards)
+        self._grad_layer = 0  # backward: the layer whose gradient is being computed
+        self._ahead = 0  # bytes brought back ahead and not unpacked yet
+        self._pending: collections.deque[_Stored] = collections.deque()  # D2H not known done
+        self._pending_bytes = 0
         self._layer = -1  # the layer whose forward runs now (-1: before the first)
         self._offload_layers: set[int] | None = None  # None: all
         self._handles: list[Any] = []
@@ -139,7 +160,12 @@ class ActivationOffload:
     def __enter__(self) -> ActivationOffload:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self._by_storage.clear()
-        self._by_layer.clear()
+        self._order.clear()
+        self._cursor = -1
+        self._grad_layer = len(self.layers)
+        self._ahead = 0
+        self._pending.clear()
+        self._pending_bytes = 0
         self._recorded.clear()
         self._layer = -1
         self._held = torch.cuda.memory_allocated(self.device) if self._cuda else 0
@@ -165,6 +191,8 @@ class ActivationOffload:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._pending.clear()
+        self._pending_bytes = 0
         if self._cuda:
             self.stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
             if self._offload_layers is None:  # everything offloaded: the floor of budget mode
@@ -227,20 +255,31 @@ class ActivationOffload:
             self._layer = i + 1  # what follows belongs to the next layer, or to the head
             out = output[0] if isinstance(output, tuple | list) else output
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                # The gradient of layer i's output arrives when layer i's backward starts: bring
-                # it and the layers before it back now.
-                out.register_hook(lambda grad, i=i: self._prefetch_from(i))
+                # The gradient of layer i's output arrives when layer i's backward starts.
+                out.register_hook(lambda grad, i=i: self._backward_reached(i))
 
         return post_hook
 
-    def _prefetch_from(self, i: int) -> None:
-        for j in range(i, max(i - 1 - self.prefetch_layers, -1), -1):
-            for ref in self._by_layer.get(j, ()):
-                stored = ref()
-                if stored is not None and stored.restored is None:
-                    self._bring_back(stored)
-                    self.stats.prefetched += 1
-        return None
+    def _backward_reached(self, i: int) -> None:
+        self._grad_layer = min(self._grad_layer, i)
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        """Brings storages back in reverse saving order while the window has room and they
+        belong to layers at most `prefetch_layers` before the one in backward."""
+        if self._cursor < 0:
+            self._cursor = len(self._order) - 1
+        lowest = self._grad_layer - self.prefetch_layers
+        while self._cursor >= 0 and self._ahead < self.window_bytes:
+            stored = self._order[self._cursor]()
+            if stored is not None and stored.restored is None:
+                if stored.layer < lowest:
+                    break
+                self._bring_back(stored)
+                stored.ahead = True
+                self._ahead += stored.nbytes
+                self.stats.prefetched += 1
+            self._cursor -= 1
 
     def _bring_back(self, stored: _Stored) -> None:
         """Starts the H2D of a storage; compute is ordered after it when it is unpacked."""
@@ -271,14 +310,29 @@ class ActivationOffload:
         stored = entry[1]() if entry is not None and not entry[0].expired() else None
         if stored is None:
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            stored = _Stored(self.engine.offload(whole), nbytes)
+            stored = _Stored(self.engine.offload(whole), nbytes, self._layer)
             self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
-            self._by_layer.setdefault(self._layer, []).append(weakref.ref(stored))
+            self._order.append(weakref.ref(stored))
             self.stats.bytes_offloaded += nbytes
+            self._throttle(stored)
             if self.stats.steps == 0:
                 self._record(storage)
         self.stats.offloaded_tensors += 1
         return _Packed(stored, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def _throttle(self, stored: _Stored) -> None:
+        """Forward: at most `window_bytes` of device memory waiting for D2H copies."""
+        self._pending.append(stored)
+        self._pending_bytes += stored.nbytes
+        while self._pending and (
+            self._pending_bytes > self.window_bytes or self._pending[0].handle.ready()
+        ):
+            oldest = self._pending.popleft()
+            if not oldest.handle.ready():
+                t = time.perf_counter()
+                oldest.handle.wait()
+                self.stats.forward_wait_ms += (time.perf_counter() - t) * 1e3
+            self._pending_bytes -= oldest.nbytes
 
     def _record(self, storage: torch.UntypedStorage) -> None:
         # Step 1 records each layer's saved bytes (each storage once) for the budget plan.
@@ -299,6 +353,10 @@ class ActivationOffload:
         if stored.restored is None:
             self._bring_back(stored)
             self.stats.demand_fetched += 1
+        elif stored.ahead:
+            stored.ahead = False
+            self._ahead -= stored.nbytes
+        self._prefetch()  # the window has room again: keep the H2D stream busy
         if stored.transfer is not None:
             if self._cuda:
                 before = torch.cuda.Event(enable_timing=True)
@@ -337,6 +395,7 @@ def offload_activations(
     min_bytes: int = 1 << 20,
     layers: Sequence[nn.Module] | None = None,
     offload: ActivationOffload | None = None,
+    window_bytes: int | str = 512 << 20,
 ) -> Iterator[ActivationOffload]:
     """Offloads the activations autograd saves inside the block (one forward and its backward).
 
@@ -349,6 +408,8 @@ def offload_activations(
     Without `offload`, a new ActivationOffload is made (budget mode then measures every step).
     """
     if offload is None:
-        offload = ActivationOffload(model, budget, prefetch_layers, min_bytes, layers)
+        offload = ActivationOffload(
+            model, budget, prefetch_layers, min_bytes, layers, window_bytes=window_bytes
+        )
     with offload:
         yield offload

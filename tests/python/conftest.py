@@ -7,11 +7,16 @@ GPU those tests are reported as skipped with the reason, never collected away or
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Iterator
 
-import pytest
-import torch
+# Deterministic cuBLAS for the tests that require it (torch.use_deterministic_algorithms refuses
+# cuBLAS calls without it); read by cuBLAS when its first handle is made, so set before any test.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import reviva
 

@@ -324,8 +324,10 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
         max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
     )
     ref = model.generate(ids, **kwargs)
-    common = dict(chunk_tokens=4096, prefill_attention="chunked")
-    budget = budget_for(model, 1, prompt, new, 5, chunk=4096, attention="chunked")
+    # Short chunks: a small prefill working set, so that few layers are promoted after prefill
+    # and decode streams too.
+    common = dict(chunk_tokens=1024, prefill_attention="chunked")
+    budget = budget_for(model, 1, prompt, new, 3, chunk=1024, attention="chunked")
     manager = RevivaManager(model, RevivaConfig(vram_budget=budget, **common))
     out = manager.generate(ids, **kwargs)
     st = manager.get_memory_stats()

@@ -4,6 +4,8 @@ prefetch ahead of use, and errors naming the bad values. CPU (host backend) in C
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ import reviva
 from reviva import ActivationOffload, offload_activations
 
 
-def tiny_llama(seed: int = 0, device: str = "cpu") -> nn.Module:
+def tiny_llama(seed: int = 0, device: str = "cpu", attention: str = "sdpa") -> nn.Module:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         hidden_size=64,
@@ -23,7 +25,7 @@ def tiny_llama(seed: int = 0, device: str = "cpu") -> nn.Module:
         num_key_value_heads=2,
         vocab_size=211,
         max_position_embeddings=512,
-        attn_implementation="sdpa",
+        attn_implementation=attention,
     )
     return AutoModelForCausalLM.from_config(cfg).to(device)
 
@@ -170,27 +172,56 @@ def test_manager_exposes_activation_offload() -> None:
     assert_identical(ref, grads_of(model, ids, off))
 
 
+@pytest.fixture
+def deterministic() -> Iterator[None]:
+    """CUDA kernels that give the same bits on every run (embedding backward and fused attention
+    backward accumulate with atomics otherwise): bit-identity then means what it says."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def cuda_step(model: nn.Module, ids: torch.Tensor, offload: ActivationOffload | None) -> tuple:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        grads = grads_of(model, ids, offload)
+    torch.cuda.synchronize()
+    return grads, torch.cuda.max_memory_allocated()
+
+
 @pytest.mark.gpu
-def test_gpu_gradients_identical_and_peak_lower() -> None:
-    """CUDA, bf16 autocast: gradients bit-identical with offload-all; the peak is lower."""
-    model = tiny_llama(seed=14, device="cuda")
-    model.config.hidden_size  # noqa: B018
+def test_gpu_gradients_identical_and_peak_lower(deterministic: None) -> None:
+    """CUDA, bf16 autocast: gradients bit-identical with offload-all, also with a window of one
+    storage (the forward waits for every D2H, backward brings one storage back at a time); the
+    peak is lower."""
+    model = tiny_llama(seed=14, device="cuda", attention="eager")
     ids = torch.randint(0, 211, (4, 2048), device="cuda")
+    ref, peak_ref = cuda_step(model, ids, None)
+    again, _ = cuda_step(model, ids, None)
+    assert all(torch.equal(ref[n], again[n]) for n in ref), "plain runs differ: nondeterminism"
+    for window in (512 << 20, 1):
+        off = ActivationOffload(model, min_bytes=1 << 16, window_bytes=window)
+        got, peak = cuda_step(model, ids, off)
+        assert_identical(ref, got)
+        assert off.stats.bytes_offloaded > 0 and off.stats.prefetched > 0
+        assert peak < peak_ref, (peak, peak_ref)
 
-    def step(offload: ActivationOffload | None) -> tuple[dict, int]:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            grads = grads_of(model, ids, offload)
-        torch.cuda.synchronize()
-        return grads, torch.cuda.max_memory_allocated()
 
-    ref, peak_ref = step(None)
-    off = ActivationOffload(model, min_bytes=1 << 16)
-    got, peak = step(off)
-    assert_identical(ref, got)
-    assert off.stats.bytes_offloaded > 0
-    assert peak < peak_ref, (peak, peak_ref)
+def test_window_of_one_storage_still_identical() -> None:
+    """window_bytes=1: the forward waits for each D2H before the next storage is offloaded, and
+    backward keeps one storage brought back ahead at a time; the same gradients."""
+    model = tiny_llama(seed=18)
+    ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(19))
+    ref = grads_of(model, ids, None)
+    off = ActivationOffload(model, min_bytes=0, window_bytes=1)
+    assert_identical(ref, grads_of(model, ids, off))
+    assert off.stats.prefetched > 0 and off._ahead == 0 and not off._pending
+    with pytest.raises(ValueError, match="window_bytes must be > 0 bytes, got 0"):
+        ActivationOffload(model, window_bytes=0)
 
 
 def test_bf16_autocast_identical() -> None:
@@ -205,27 +236,18 @@ def test_bf16_autocast_identical() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_budget_mode_keeps_peak_under_budget() -> None:
+def test_gpu_budget_mode_keeps_peak_under_budget(deterministic: None) -> None:
     """CUDA, bf16 autocast: a budget halfway between the offload-all peak and the plain peak is
     kept from step 2 on (the last layers stay, the first are offloaded); gradients identical."""
-    model = tiny_llama(seed=17, device="cuda")
+    model = tiny_llama(seed=17, device="cuda", attention="eager")
     ids = torch.randint(0, 211, (4, 2048), device="cuda")
-
-    def step(offload: ActivationOffload | None) -> tuple[dict, int]:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            grads = grads_of(model, ids, offload)
-        torch.cuda.synchronize()
-        return grads, torch.cuda.max_memory_allocated()
-
-    ref, peak_plain = step(None)
-    _, peak_all = step(ActivationOffload(model, min_bytes=1 << 16))
+    ref, peak_plain = cuda_step(model, ids, None)
+    _, peak_all = cuda_step(model, ids, ActivationOffload(model, min_bytes=1 << 16))
     budget = (peak_all + peak_plain) // 2
     off = ActivationOffload(model, budget=budget, min_bytes=1 << 16)
-    step(off)  # step 1: offload all, measure
+    cuda_step(model, ids, off)  # step 1: offload all, measure
     for _ in range(2):
-        got, peak = step(off)
+        got, peak = cuda_step(model, ids, off)
         assert_identical(ref, got)
         assert peak <= budget, (peak, budget, peak_all, peak_plain)
         assert 0 < len(off.stats.offloaded_layers) < 4, off.stats.offloaded_layers
