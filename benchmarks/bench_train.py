@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
+# Every contender runs on torch's allocator with expandable segments (as bench_generate does):
+# without them, freed blocks of other sizes are not reused and the reserved peak measures
+# fragmentation. Set before CUDA starts.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, print_table, write_result  # noqa: E402
@@ -238,6 +244,7 @@ def main() -> int:
             "seq": args.seq,
             "anchors": ANCHORS,
             "pinned_copy_gbps": bw,
+            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "runs": rows,
             "checks": checks,
         },

@@ -30,6 +30,7 @@ layers (needed last, so their copies hide under the most backward compute).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import logging
@@ -140,6 +141,7 @@ class ActivationOffload:
         # new one that the caching allocator placed at the address of a freed one.
         self._by_storage: dict[tuple[int, int], tuple[StorageWeakRef, weakref.ReferenceType]] = {}
         self._order: list[weakref.ReferenceType[_Stored]] = []  # offloaded, in saving order
+        self._order_layers: list[int] = []  # the layers with offloaded storages, ascending
         self._cursor = -1  # backward: the next entry of _order to bring back (downwards)
         self._grad_layer = 0  # backward: the layer whose gradient is being computed
         self._ahead = 0  # bytes brought back ahead and not unpacked yet
@@ -161,6 +163,7 @@ class ActivationOffload:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self._by_storage.clear()
         self._order.clear()
+        self._order_layers.clear()
         self._cursor = -1
         self._grad_layer = len(self.layers)
         self._ahead = 0
@@ -266,10 +269,16 @@ class ActivationOffload:
 
     def _prefetch(self) -> None:
         """Brings storages back in reverse saving order while the window has room and they
-        belong to layers at most `prefetch_layers` before the one in backward."""
+        belong to the next `prefetch_layers` + 1 layers with offloaded storages, counted from the
+        one in backward down (in budget mode the last layers keep theirs: the first offloaded
+        layer's copies start while their backward runs)."""
         if self._cursor < 0:
             self._cursor = len(self._order) - 1
-        lowest = self._grad_layer - self.prefetch_layers
+        layers = self._order_layers
+        k = bisect.bisect_right(layers, self._grad_layer) - 1
+        if k < 0:
+            return
+        lowest = layers[max(k - self.prefetch_layers, 0)]
         while self._cursor >= 0 and self._ahead < self.window_bytes:
             stored = self._order[self._cursor]()
             if stored is not None and stored.restored is None:
@@ -313,6 +322,8 @@ class ActivationOffload:
             stored = _Stored(self.engine.offload(whole), nbytes, self._layer)
             self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
             self._order.append(weakref.ref(stored))
+            if self._layer not in self._order_layers:
+                bisect.insort(self._order_layers, self._layer)
             self.stats.bytes_offloaded += nbytes
             self._throttle(stored)
             if self.stats.steps == 0:

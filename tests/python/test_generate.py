@@ -303,15 +303,16 @@ def test_gpu_fp32_greedy_identical_1b_shape_4k() -> None:
 
 @pytest.mark.gpu
 def test_gpu_bf16_logits_close_at_16k() -> None:
-    """bf16, 16k prompt, chunked prefill with streamed layers, then decode with Reviva's own
-    attention call.
+    """bf16, 16k prompt, streamed layers, decode with Reviva's own attention call.
 
-    - Streaming is lossless: the same logits, bit for bit, as Reviva with every layer resident
-      (the same chunks and kernels, only the K/V's path differs).
-    - The first token's logits within a relative error of 1e-2 of plain HF's.
-    - Decode steps run other attention kernels than HF's (flash on the token-major cache instead
-      of SDPA on a concatenated one): each step's logits are held to an fp32 run of the same
-      weights on the same tokens, and must be about as close to it as plain HF's (<= 1.5x)."""
+    - Prefill with whole-prompt attention (HF's own call, projections and MLP by chunks): the
+      first token's logits within a relative error of 1e-2 of plain HF's.
+    - Prefill with attention by query chunks, streaming in prefill and decode: lossless (the same
+      logits, bit for bit, as the same configuration with every layer resident), and held to an
+      fp32 run of the same weights on the same tokens: every step about as close to it as plain
+      HF's (<= 1.5x). Chunked attention and the decode call run other kernels than HF's, which
+      round differently (measured on the H200: 1.9e-2 from HF's first-token logits at 1k chunks,
+      while HF's and Reviva's errors from fp32 were 2.7e-2 and 2.6e-2 in the demo)."""
     from reviva.demo import fp32_reference_logits
 
     model = gpu_llama(8, 32768, torch.bfloat16)
@@ -324,35 +325,42 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
         max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
     )
     ref = model.generate(ids, **kwargs)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    whole = dict(chunk_tokens=4096, prefill_attention="whole")
+    budget = budget_for(model, 1, prompt, new, 5, chunk=4096, attention="whole")
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget, **whole))
+    out = manager.generate(ids, **kwargs)
+    st = manager.get_memory_stats()
+    assert st["resident_layers_in_prefill"] < 8
+    assert st["peak_vram_mb"] * 2**20 <= budget
+    assert rel(out.logits[0], ref.logits[0]) <= 1e-2, rel(out.logits[0], ref.logits[0])
+
     # Short chunks: a small prefill working set, so that few layers are promoted after prefill
     # and decode streams too.
-    common = dict(chunk_tokens=1024, prefill_attention="chunked")
+    chunked = dict(chunk_tokens=1024, prefill_attention="chunked")
     budget = budget_for(model, 1, prompt, new, 3, chunk=1024, attention="chunked")
-    manager = RevivaManager(model, RevivaConfig(vram_budget=budget, **common))
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget, **chunked))
     out = manager.generate(ids, **kwargs)
     st = manager.get_memory_stats()
     assert st["resident_layers_in_prefill"] < 8 and st["streamed_layers"] > 0
     assert st["decode_steps"] == new - 1 and st["own_decode_attention"]
     assert st["peak_vram_mb"] * 2**20 <= budget
-
-    resident = RevivaManager(model, RevivaConfig(**common)).generate(ids, **kwargs)
+    resident = RevivaManager(model, RevivaConfig(**chunked)).generate(ids, **kwargs)
     assert torch.equal(resident.sequences, out.sequences)
     for t in range(new):
         assert torch.equal(resident.logits[t], out.logits[t]), f"step {t}: streaming changed it"
 
-    first = ((ref.logits[0].float() - out.logits[0].float()).norm() / ref.logits[0].norm()).item()
-    assert first <= 1e-2, first
-
-    # Decode steps, while both runs chose the same tokens (teacher-forced fp32 on those tokens).
+    # Every step while both runs chose the same tokens (teacher-forced fp32 on those tokens).
     same = int((ref.sequences[0, prompt:] == out.sequences[0, prompt:]).cumprod(0).sum())
     steps = min(same, new - 1)
-    assert steps >= 1, "the first greedy token already differs: no decode step to compare"
     exact = fp32_reference_logits(model, ref.sequences[:, : prompt + steps], keep=steps + 1)
-    for t in range(1, steps + 1):
-        e = exact[:, t]
-        err_hf = ((ref.logits[t].float() - e).norm() / e.norm()).item()
-        err_rv = ((out.logits[t].float() - e).norm() / e.norm()).item()
+    for t in range(steps + 1):
+        err_hf, err_rv = rel(ref.logits[t], exact[:, t]), rel(out.logits[t], exact[:, t])
         assert err_rv <= 1.5 * err_hf, (t, err_rv, err_hf)
+    assert steps >= 1, "the first greedy token already differs: no decode step was compared"
 
 
 def test_promotion_after_prefill_and_own_decode_attention() -> None:

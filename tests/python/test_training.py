@@ -238,7 +238,7 @@ def test_bf16_autocast_identical() -> None:
 @pytest.mark.gpu
 def test_gpu_budget_mode_keeps_peak_under_budget(deterministic: None) -> None:
     """CUDA, bf16 autocast: a budget halfway between the offload-all peak and the plain peak is
-    kept from step 2 on (the last layers stay, the first are offloaded); gradients identical."""
+    kept from step 2 on (the first layers are the ones offloaded); gradients identical."""
     model = tiny_llama(seed=17, device="cuda", attention="eager")
     ids = torch.randint(0, 211, (4, 2048), device="cuda")
     ref, peak_plain = cuda_step(model, ids, None)
@@ -250,4 +250,5 @@ def test_gpu_budget_mode_keeps_peak_under_budget(deterministic: None) -> None:
         got, peak = cuda_step(model, ids, off)
         assert_identical(ref, got)
         assert peak <= budget, (peak, budget, peak_all, peak_plain)
-        assert 0 < len(off.stats.offloaded_layers) < 4, off.stats.offloaded_layers
+        chosen = off.stats.offloaded_layers
+        assert chosen and chosen == list(range(len(chosen))), chosen
