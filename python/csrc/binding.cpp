@@ -83,9 +83,15 @@ class PyTransferEngine {
                      "TransferEngine: the pool belongs to another runtime");
   }
 
-  OffloadedPtr offload(const torch::Tensor& t) { return offload_batch({t}).front(); }
+  OffloadedPtr offload(const torch::Tensor& t, bool record_stream) {
+    return offload_batch({t}, record_stream).front();
+  }
 
-  std::vector<OffloadedPtr> offload_batch(const std::vector<torch::Tensor>& tensors) {
+  // record_stream: torch's allocator may reuse a source's memory only after the D2H stream has
+  // passed this point (events recorded when the tensor is freed). Without it the caller keeps
+  // each source alive until its offload is ready(); freeing it then needs no event.
+  std::vector<OffloadedPtr> offload_batch(const std::vector<torch::Tensor>& tensors,
+                                          bool record_stream) {
     REVIVA_CHECK_ARG(!tensors.empty(), "offload_batch: no tensors given");
     std::vector<OffloadedPtr> out;
     std::vector<CopyRequest> requests;
@@ -107,7 +113,7 @@ class PyTransferEngine {
         engine_->copy_batch(Direction::DeviceToHost, requests, producer ? &*producer : nullptr);
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       out[i]->d2h = transfer;
-      rt_->record_stream(tensors[i], engine_->stream(Direction::DeviceToHost));
+      if (record_stream) rt_->record_stream(tensors[i], engine_->stream(Direction::DeviceToHost));
     }
     return out;
   }
@@ -378,8 +384,13 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("runtime"), py::arg("pool"), py::arg("chunk_bytes") = std::size_t{64} << 20,
            py::arg("coalesce_below") = std::size_t{256} << 10)
-      .def("offload", &PyTransferEngine::offload, py::arg("tensor"))
-      .def("offload_batch", &PyTransferEngine::offload_batch, py::arg("tensors"))
+      .def("offload", &PyTransferEngine::offload, py::arg("tensor"), py::kw_only(),
+           py::arg("record_stream") = true,
+           "Copies a device tensor into a pinned block (D2H stream, after the current stream's "
+           "work). record_stream=False: the caller keeps the tensor alive until the result is "
+           "ready(); its memory then returns to torch's allocator without events.")
+      .def("offload_batch", &PyTransferEngine::offload_batch, py::arg("tensors"), py::kw_only(),
+           py::arg("record_stream") = true)
       .def("restore", &PyTransferEngine::restore, py::arg("offloaded"), py::arg("out") = py::none(),
            py::arg("wait") = true)
       .def("restore_async", &PyTransferEngine::restore_async, py::arg("offloaded"),

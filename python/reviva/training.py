@@ -14,6 +14,9 @@ Device memory is bounded in both directions by `window_bytes`:
   `prefetch_layers` layers before the layer whose gradient is being computed (the gradient of
   layer i's output arriving, a tensor hook, starts layer i's backward). The window is topped up
   at every unpack, so the H2D stream stays busy.
+On the H200 (train-2026-11-29-5a66cd4.json) offload-all peaked at 6.0 GB allocated but 14.2 GB
+reserved by torch's allocator, not yet explained; `hold_until_copied=True` (keep each storage
+until its D2H is known done instead of record_stream) is the alternative to measure against it.
 
 What is offloaded: tensors saved inside the layers, on the model's device, of at least
 `min_bytes`, never parameters (nor views of them). Tensors saved outside the layers (embedding,
@@ -74,10 +77,20 @@ class ActivationStats:
 class _Stored:
     """One offloaded storage: its pinned copy, and the device copy while it is back."""
 
-    __slots__ = ("handle", "nbytes", "layer", "restored", "transfer", "ahead", "__weakref__")
+    __slots__ = (
+        "handle",
+        "nbytes",
+        "layer",
+        "source",
+        "restored",
+        "transfer",
+        "ahead",
+        "__weakref__",
+    )
 
-    def __init__(self, handle: Any, nbytes: int, layer: int) -> None:
+    def __init__(self, handle: Any, nbytes: int, layer: int, source: Any = None) -> None:
         self.handle = handle
+        self.source = source  # hold_until_copied: the device storage, until its D2H is done
         self.nbytes = nbytes
         self.layer = layer
         self.restored: torch.Tensor | None = None  # uint8 view of the storage on the device
@@ -106,10 +119,17 @@ class ActivationOffload:
         layers: Sequence[nn.Module] | None = None,
         engine: TransferEngine | None = None,
         window_bytes: int | str = 512 << 20,
+        hold_until_copied: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations wraps an nn.Module, got {type(model).__name__}")
         self.window_bytes = parse_bytes(window_bytes)
+        if not isinstance(hold_until_copied, bool):
+            raise ValueError(f"hold_until_copied must be True or False, got {hold_until_copied!r}")
+        # False: a saved storage goes back to torch's allocator when autograd drops it, marked
+        # with record_stream (reused once the D2H stream passes an event recorded at the free).
+        # True: it is held here until its D2H is known done, then dropped (no events).
+        self.hold_until_copied = hold_until_copied
         if self.window_bytes <= 0:
             raise ValueError(f"window_bytes must be > 0 bytes, got {window_bytes!r}")
         for name, value in (("prefetch_layers", prefetch_layers), ("min_bytes", min_bytes)):
@@ -194,6 +214,10 @@ class ActivationOffload:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for stored in self._pending:
+            if stored.source is not None:
+                stored.handle.wait()  # the D2H may still read it
+                stored.source = None
         self._pending.clear()
         self._pending_bytes = 0
         if self._cuda:
@@ -216,8 +240,8 @@ class ActivationOffload:
         The first step offloads all and measures what each layer saves and (CUDA) the step's
         peak above what the device held before it. A layer kept on the device adds what it saved
         to that floor, so layers are kept from the last one down (their activations are needed
-        first in backward, where a copy could not hide) while the sum fits the budget; the first
-        layers, needed last, are offloaded. On the CPU there is no peak to measure: the floor is
+        first in backward, where a copy could not hide) while the sum, plus a prefetch window,
+        fits the budget; the first layers, needed last, are offloaded. On the CPU there is no peak to measure: the floor is
         what was saved outside the layers."""
         if self.budget is None or not self.stats.layer_saved_bytes:
             return None
@@ -237,9 +261,13 @@ class ActivationOffload:
                 _fmt(self._held),
             )
             return None
+        # While kept layers run backward, the first offloaded layers' storages already come back
+        # (up to window_bytes) beside the kept activations: room for that window too, or keep
+        # nothing (measured on the H200: without it a halfway budget was exceeded by 65 MB).
+        room_beside_window = room - min(self.window_bytes, sum(saved.values()))
         chosen: set[int] = set()
         for i in range(n):
-            if kept <= room:
+            if kept <= room_beside_window:
                 break
             chosen.add(i)
             kept -= saved.get(i, 0)
@@ -272,6 +300,10 @@ class ActivationOffload:
         belong to the next `prefetch_layers` + 1 layers with offloaded storages, counted from the
         one in backward down (in budget mode the last layers keep theirs: the first offloaded
         layer's copies start while their backward runs)."""
+        while self._pending and self._pending[0].handle.ready():  # forward's last copies
+            done = self._pending.popleft()
+            done.source = None
+            self._pending_bytes -= done.nbytes
         if self._cursor < 0:
             self._cursor = len(self._order) - 1
         layers = self._order_layers
@@ -319,7 +351,8 @@ class ActivationOffload:
         stored = entry[1]() if entry is not None and not entry[0].expired() else None
         if stored is None:
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            stored = _Stored(self.engine.offload(whole), nbytes, self._layer)
+            handle = self.engine.offload(whole, record_stream=not self.hold_until_copied)
+            stored = _Stored(handle, nbytes, self._layer, whole if self.hold_until_copied else None)
             self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
             self._order.append(weakref.ref(stored))
             if self._layer not in self._order_layers:
@@ -343,6 +376,7 @@ class ActivationOffload:
                 t = time.perf_counter()
                 oldest.handle.wait()
                 self.stats.forward_wait_ms += (time.perf_counter() - t) * 1e3
+            oldest.source = None
             self._pending_bytes -= oldest.nbytes
 
     def _record(self, storage: torch.UntypedStorage) -> None:
@@ -407,6 +441,7 @@ def offload_activations(
     layers: Sequence[nn.Module] | None = None,
     offload: ActivationOffload | None = None,
     window_bytes: int | str = 512 << 20,
+    hold_until_copied: bool = False,
 ) -> Iterator[ActivationOffload]:
     """Offloads the activations autograd saves inside the block (one forward and its backward).
 
@@ -420,7 +455,13 @@ def offload_activations(
     """
     if offload is None:
         offload = ActivationOffload(
-            model, budget, prefetch_layers, min_bytes, layers, window_bytes=window_bytes
+            model,
+            budget,
+            prefetch_layers,
+            min_bytes,
+            layers,
+            window_bytes=window_bytes,
+            hold_until_copied=hold_until_copied,
         )
     with offload:
         yield offload

@@ -105,6 +105,21 @@ def test_offload_restore_round_trip_is_bit_exact(
     assert_bitwise_equal(src, expected)  # offloading leaves the source as it was
 
 
+def test_offload_without_record_stream_round_trips(
+    engine: reviva.TransferEngine, device: str, gen: torch.Generator
+) -> None:
+    """record_stream=False: the caller holds the source until the offload is ready."""
+    src = random_tensor((64, 33), torch.float32, gen, device)
+    expected = src.cpu()
+    h = engine.offload(src, record_stream=False)
+    h.wait()
+    del src  # now safe: the D2H has read it
+    assert_bitwise_equal(engine.restore(h), expected)
+    batch = engine.offload_batch([expected.to(device)], record_stream=False)
+    batch[0].wait()
+    assert_bitwise_equal(engine.restore(batch[0]), expected)
+
+
 def test_offload_of_a_view_with_storage_offset(
     engine: reviva.TransferEngine, device: str, gen: torch.Generator
 ) -> None:

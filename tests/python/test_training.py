@@ -104,7 +104,9 @@ def test_budget_mode_offloads_first_layers_and_stays_identical() -> None:
     saved = off.stats.layer_saved_bytes
     # Layers 0-3, and what the head saved (index 4: counted in the budget, never offloaded).
     assert sorted(saved) == [0, 1, 2, 3, 4] and all(b > 0 for b in saved.values())
-    off.budget = sum(saved.values()) // 2
+    # Half the activations plus room for a prefetch window of an eighth of them.
+    off.window_bytes = sum(saved.values()) // 8
+    off.budget = sum(saved.values()) // 2 + off.window_bytes
     assert_identical(ref, grads_of(model, ids, off))
     chosen = off.stats.offloaded_layers
     assert chosen and chosen == list(range(len(chosen))) and len(chosen) < 4, chosen
@@ -196,15 +198,17 @@ def cuda_step(model: nn.Module, ids: torch.Tensor, offload: ActivationOffload | 
 @pytest.mark.gpu
 def test_gpu_gradients_identical_and_peak_lower(deterministic: None) -> None:
     """CUDA, bf16 autocast: gradients bit-identical with offload-all, also with a window of one
-    storage (the forward waits for every D2H, backward brings one storage back at a time); the
-    peak is lower."""
+    storage (the forward waits for every D2H, backward brings one storage back at a time) and
+    with sources held until copied; the peak is lower."""
     model = tiny_llama(seed=14, device="cuda", attention="eager")
     ids = torch.randint(0, 211, (4, 2048), device="cuda")
     ref, peak_ref = cuda_step(model, ids, None)
     again, _ = cuda_step(model, ids, None)
     assert all(torch.equal(ref[n], again[n]) for n in ref), "plain runs differ: nondeterminism"
-    for window in (512 << 20, 1):
-        off = ActivationOffload(model, min_bytes=1 << 16, window_bytes=window)
+    for window, hold in ((512 << 20, False), (1, False), (512 << 20, True)):
+        off = ActivationOffload(
+            model, min_bytes=1 << 16, window_bytes=window, hold_until_copied=hold
+        )
         got, peak = cuda_step(model, ids, off)
         assert_identical(ref, got)
         assert off.stats.bytes_offloaded > 0 and off.stats.prefetched > 0
@@ -222,6 +226,20 @@ def test_window_of_one_storage_still_identical() -> None:
     assert off.stats.prefetched > 0 and off._ahead == 0 and not off._pending
     with pytest.raises(ValueError, match="window_bytes must be > 0 bytes, got 0"):
         ActivationOffload(model, window_bytes=0)
+
+
+def test_hold_until_copied_identical() -> None:
+    """hold_until_copied: storages are held until their D2H is done instead of record_stream;
+    the same gradients, nothing held after the step, a window of one storage included."""
+    model = tiny_llama(seed=20)
+    ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(21))
+    ref = grads_of(model, ids, None)
+    for window in (512 << 20, 1):
+        off = ActivationOffload(model, min_bytes=0, hold_until_copied=True, window_bytes=window)
+        assert_identical(ref, grads_of(model, ids, off))
+        assert off.stats.bytes_offloaded > 0 and not off._pending
+    with pytest.raises(ValueError, match="hold_until_copied must be True or False, got 1"):
+        ActivationOffload(model, hold_until_copied=1)
 
 
 def test_bf16_autocast_identical() -> None:
