@@ -241,8 +241,8 @@ class ActivationOffload:
         peak above what the device held before it. A layer kept on the device adds what it saved
         to that floor, so layers are kept from the last one down (their activations are needed
         first in backward, where a copy could not hide) while the sum, plus a prefetch window,
-        fits the budget; the first layers, needed last, are offloaded. On the CPU there is no peak to measure: the floor is
-        what was saved outside the layers."""
+        fits the budget; the first layers, needed last, are offloaded. On the CPU there is no
+        peak to measure: the floor is what was saved outside the layers."""
         if self.budget is None or not self.stats.layer_saved_bytes:
             return None
         saved = self.stats.layer_saved_bytes
