@@ -31,6 +31,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
+import reviva  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, print_table, write_result  # noqa: E402
 
@@ -176,7 +178,7 @@ def acceptance(rows: list[dict]) -> dict:
         }
     for r in rows:
         if r.get("budget"):
-            limit = reviva_bytes(r["budget"]) / 1e9
+            limit = reviva.parse_bytes(r["budget"]) / 1e9
             out[r["contender"]] = {
                 "peak_gb": r["peak_gb"],
                 "peak_le_budget": r["peak_gb"] <= limit,
@@ -188,16 +190,8 @@ def acceptance(rows: list[dict]) -> dict:
     return out
 
 
-def reviva_bytes(text: str) -> int:
-    import reviva
-
-    return reviva.parse_bytes(text)
-
-
 def main() -> int:
     import contextlib
-
-    import reviva
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -124,14 +124,14 @@ class ActivationOffload:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations wraps an nn.Module, got {type(model).__name__}")
         self.window_bytes = parse_bytes(window_bytes)
+        if self.window_bytes <= 0:
+            raise ValueError(f"window_bytes must be > 0 bytes, got {window_bytes!r}")
         if not isinstance(hold_until_copied, bool):
             raise ValueError(f"hold_until_copied must be True or False, got {hold_until_copied!r}")
         # False: a saved storage goes back to torch's allocator when autograd drops it, marked
         # with record_stream (reused once the D2H stream passes an event recorded at the free).
         # True: it is held here until its D2H is known done, then dropped (no events).
         self.hold_until_copied = hold_until_copied
-        if self.window_bytes <= 0:
-            raise ValueError(f"window_bytes must be > 0 bytes, got {window_bytes!r}")
         for name, value in (("prefetch_layers", prefetch_layers), ("min_bytes", min_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -300,10 +300,7 @@ class ActivationOffload:
         belong to the next `prefetch_layers` + 1 layers with offloaded storages, counted from the
         one in backward down (in budget mode the last layers keep theirs: the first offloaded
         layer's copies start while their backward runs)."""
-        while self._pending and self._pending[0].handle.ready():  # forward's last copies
-            done = self._pending.popleft()
-            done.source = None
-            self._pending_bytes -= done.nbytes
+        self._retire_copied(limit=None)  # forward's last copies
         if self._cursor < 0:
             self._cursor = len(self._order) - 1
         layers = self._order_layers
@@ -368,8 +365,13 @@ class ActivationOffload:
         """Forward: at most `window_bytes` of device memory waiting for D2H copies."""
         self._pending.append(stored)
         self._pending_bytes += stored.nbytes
+        self._retire_copied(limit=self.window_bytes)
+
+    def _retire_copied(self, limit: int | None) -> None:
+        """Drops pending storages whose D2H is done, oldest first, and (with `limit`) waits for
+        the oldest while more than `limit` bytes are pending."""
         while self._pending and (
-            self._pending_bytes > self.window_bytes or self._pending[0].handle.ready()
+            (limit is not None and self._pending_bytes > limit) or self._pending[0].handle.ready()
         ):
             oldest = self._pending.popleft()
             if not oldest.handle.ready():

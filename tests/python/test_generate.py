@@ -314,6 +314,7 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
       round differently (measured on the H200: 1.9e-2 from HF's first-token logits at 1k chunks,
       while HF's and Reviva's errors from fp32 were 2.7e-2 and 2.6e-2 in the demo)."""
     from reviva.demo import fp32_reference_logits
+    from reviva.demo import relative_error as rel
 
     model = gpu_llama(8, 32768, torch.bfloat16)
     device = "cuda"
@@ -325,9 +326,6 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
         max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
     )
     ref = model.generate(ids, **kwargs)
-
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
     whole = dict(chunk_tokens=4096, prefill_attention="whole")
     budget = budget_for(model, 1, prompt, new, 5, chunk=4096, attention="whole")
