@@ -105,21 +105,32 @@ def timed_steps(model: Any, ids: torch.Tensor, steps: int, wrap: Any, probe: Any
         deltas.append((probe() if probe else 0) - p0)
     peak_allocated = torch.cuda.max_memory_allocated()
     # One more, untimed step from an emptied cache: the memory torch reserved for it, which
-    # also counts blocks freed but waiting for a copy stream (record_stream), unlike allocated.
+    # also counts blocks freed but waiting for a copy stream (record_stream), unlike allocated;
+    # and where in the step memory peaks and time goes (MemoryTrace).
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    trace: list[tuple[str, float, float]] = []  # (where, allocated GB, reserved GB), host order
-    handles = trace_memory(model, trace)
+    tracer = MemoryTrace(model)
     try:
         with wrap():
-            model(input_ids=ids, labels=ids).loss.backward()
+            out = model(input_ids=ids, labels=ids)
+            tracer.note("loss")
+            out.loss.backward()
+            tracer.note("end")
+            del out
     finally:
-        for h in handles:
-            h.remove()
+        tracer.remove()
     torch.cuda.synchronize()
-    peak_reserved = torch.cuda.max_memory_reserved()
+    trace = tracer.rows()
+    peak_reserved = max(row["segment_peak_reserved_gb"] for row in trace)
+    top = max(trace, key=lambda row: row["segment_peak_allocated_gb"])
+    print(
+        f"  traced step: allocated peaked at {top['segment_peak_allocated_gb']:.3f} GB in the "
+        f"segment ending at {top['at']}; reserved peak {peak_reserved:.3f} GB; device "
+        f"{trace[-1]['device_ms']:.1f} ms",
+        flush=True,
+    )
     return {
         "peak_reserved_gb": peak_reserved / 1e9,
         "memory_trace": trace,
@@ -131,35 +142,73 @@ def timed_steps(model: Any, ids: torch.Tensor, steps: int, wrap: Any, probe: Any
     }
 
 
-def trace_memory(model: Any, trace: list) -> list:
-    """Hooks that note torch's allocated and reserved bytes as the host reaches each decoder
-    layer's forward and each layer's backward (the gradient of its output): where in the step
-    memory grows. The host runs ahead of the device, so this is the allocator's view, which is
-    what decides reuse."""
+class MemoryTrace:
+    """Notes torch's allocated and reserved bytes, and their peaks since the previous note, as
+    the host reaches each decoder layer's forward (fwd{i}), the head (head), the loss, each
+    layer's backward (bwd{i}: the gradient of its output) and the end; plus the device time of
+    each point (an event on the current stream). The host runs ahead of the device, so the
+    memory is the allocator's view, which is what decides reuse; a segment's peak is what the
+    allocator held between two points in host order."""
 
-    def note(where: str) -> None:
-        trace.append(
-            (where, torch.cuda.memory_allocated() / 1e9, torch.cuda.memory_reserved() / 1e9)
+    def __init__(self, model: Any) -> None:
+        self._rows: list[tuple[str, int, int, int, int, Any]] = []
+        self._handles = []
+        for i, layer in enumerate(model.model.layers):
+            self._handles.append(
+                layer.register_forward_pre_hook(lambda m, a, i=i: self.note(f"fwd{i}"))
+            )
+
+            def post(m: Any, a: Any, out: Any, i: int = i) -> None:
+                t = out[0] if isinstance(out, tuple | list) else out
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g: self.note(f"bwd{i}"))
+
+            self._handles.append(layer.register_forward_hook(post))
+        head = model.get_output_embeddings()
+        self._handles.append(head.register_forward_pre_hook(lambda m, a: self.note("head")))
+        self.note("start")
+
+    def note(self, where: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._rows.append(
+            (
+                where,
+                torch.cuda.memory_allocated(),
+                torch.cuda.memory_reserved(),
+                torch.cuda.max_memory_allocated(),
+                torch.cuda.max_memory_reserved(),
+                event,
+            )
         )
+        torch.cuda.reset_peak_memory_stats()
 
-    handles = []
-    for i, layer in enumerate(model.model.layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: note(f"fwd{i}")))
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
 
-        def post(m: Any, a: Any, out: Any, i: int = i) -> None:
-            t = out[0] if isinstance(out, tuple | list) else out
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g: note(f"bwd{i}"))
-
-        handles.append(layer.register_forward_hook(post))
-    return handles
+    def rows(self) -> list[dict]:
+        """After a synchronize: one dict per point; segment peaks are of the segment that
+        ends at the point; device_ms from the first point."""
+        t0 = self._rows[0][5]
+        return [
+            {
+                "at": where,
+                "allocated_gb": alloc / 1e9,
+                "reserved_gb": res / 1e9,
+                "segment_peak_allocated_gb": peak_alloc / 1e9,
+                "segment_peak_reserved_gb": peak_res / 1e9,
+                "device_ms": t0.elapsed_time(event),
+            }
+            for where, alloc, res, peak_alloc, peak_res, event in self._rows
+        ]
 
 
 def acceptance(rows: list[dict]) -> dict:
     by = {r["contender"]: r for r in rows}
     soc = by["save_on_cpu"]
     out: dict[str, Any] = {}
-    for name in ("reviva_all", "reviva_all_hold"):
+    for name in ("reviva_all", "reviva_all_at_loss"):
         everything = by.get(name)
         if everything is None:
             continue
@@ -215,16 +264,14 @@ def main() -> int:
     )
     soc.pop("probe_delta")
     rows.append({"contender": "save_on_cpu", **soc})
-    # (budget, hold_until_copied, window_bytes): offload-all as it is, with sources held until
-    # copied, with a quarter of the window (peak against time), then the budget curve.
-    default_window = 512 << 20
-    variants = [(None, False, default_window), (None, True, default_window)]
-    variants += [(None, False, default_window // 4)]
-    variants += [(b, False, default_window) for b in args.budgets.split(",")]
-    for budget, hold, window in variants:
-        off = reviva.ActivationOffload(
-            model, budget=budget, min_bytes=1 << 20, hold_until_copied=hold, window_bytes=window
-        )
+    # (budget, start_at_loss): offload-all, offload-all with the prefetch started at the
+    # loss's gradient (before the head's backward), then the budget curve.
+    variants = [(None, False), (None, True)]
+    variants += [(b, False) for b in args.budgets.split(",")]
+    for budget, at_loss in variants:
+        off = reviva.ActivationOffload(model, budget=budget, min_bytes=1 << 20)
+        off._start_at_loss = at_loss
+        print(f"reviva: budget {budget}, prefetch from the loss: {at_loss}", flush=True)
         before = off.engine.stats()
         r = timed_steps(
             model,
@@ -240,10 +287,9 @@ def main() -> int:
         )
         rows.append(
             {
-                "contender": f"reviva_{budget or 'all'}{'_hold' if hold else ''}"
-                + ("" if window == default_window else f"_w{window >> 20}M"),
-                "hold_until_copied": hold,
-                "window_bytes": window,
+                "contender": f"reviva_{budget or 'all'}{'_at_loss' if at_loss else ''}",
+                "start_at_loss": at_loss,
+                "window_bytes": off.window_bytes,
                 "budget": budget,
                 **r,
                 "bytes_offloaded_per_step": offloaded,

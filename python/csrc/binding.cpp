@@ -126,16 +126,19 @@ class PyTransferEngine {
   std::vector<torch::Tensor> restore_batch(const std::vector<OffloadedPtr>& handles,
                                            std::vector<std::optional<torch::Tensor>> outs,
                                            bool wait) {
-    auto [results, transfer] = submit_restore(handles, std::move(outs));
+    auto [results, transfer] = submit_restore(handles, std::move(outs), true);
     // Rule 3. The host runtime always waits: torch computes on the CPU synchronously.
     if (wait || !rt_->current_stream()) wait_for(transfer);
     return results;
   }
 
   // Starts bringing `h` back into a new device tensor; the caller orders its use with
-  // wait_for(transfer) (a prefetch: compute goes on meanwhile).
-  std::pair<torch::Tensor, Transfer> restore_async(const OffloadedPtr& h) {
-    auto [results, transfer] = submit_restore({h}, {});
+  // wait_for(transfer) (a prefetch: compute goes on meanwhile). The tensor is allocated on the
+  // current stream. record_stream=false: the caller promises that the current stream waits
+  // for the transfer (wait_for) before the tensor is freed, so its memory returns to torch's
+  // allocator in stream order, without an event that holds it until the H2D stream passes.
+  std::pair<torch::Tensor, Transfer> restore_async(const OffloadedPtr& h, bool record_stream) {
+    auto [results, transfer] = submit_restore({h}, {}, record_stream);
     return {results.front(), transfer};
   }
 
@@ -152,7 +155,8 @@ class PyTransferEngine {
 
  private:
   std::pair<std::vector<torch::Tensor>, Transfer> submit_restore(
-      const std::vector<OffloadedPtr>& handles, std::vector<std::optional<torch::Tensor>> outs) {
+      const std::vector<OffloadedPtr>& handles, std::vector<std::optional<torch::Tensor>> outs,
+      bool record_stream) {
     REVIVA_CHECK_ARG(!handles.empty(), "restore_batch: no tensors given");
     REVIVA_CHECK_ARG(outs.empty() || outs.size() == handles.size(),
                      "restore_batch: ", handles.size(), " tensors but ", outs.size(), " outputs");
@@ -185,7 +189,9 @@ class PyTransferEngine {
     std::optional<Event> producer = rt_->producer_event();
     Transfer transfer =
         engine_->copy_batch(Direction::HostToDevice, requests, producer ? &*producer : nullptr);
-    for (const torch::Tensor& dst : results) rt_->record_stream(dst, h2d);
+    if (record_stream) {
+      for (const torch::Tensor& dst : results) rt_->record_stream(dst, h2d);
+    }
     return {results, transfer};
   }
 
@@ -393,9 +399,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("record_stream") = true)
       .def("restore", &PyTransferEngine::restore, py::arg("offloaded"), py::arg("out") = py::none(),
            py::arg("wait") = true)
-      .def("restore_async", &PyTransferEngine::restore_async, py::arg("offloaded"),
-           "Starts the H2D into a new tensor; returns (tensor, Transfer). Order its use with "
-           "wait_for(transfer).")
+      .def("restore_async", &PyTransferEngine::restore_async, py::arg("offloaded"), py::kw_only(),
+           py::arg("record_stream") = true,
+           "Starts the H2D into a new tensor (allocated on the current stream); returns "
+           "(tensor, Transfer). Order its use with wait_for(transfer). record_stream=False: the "
+           "current stream waits for the transfer before the tensor is freed (the caller's "
+           "promise); its memory is then reused in stream order, with no event.")
       .def("wait_for", &PyTransferEngine::wait_for, py::arg("transfer"),
            "Torch's current stream waits for the transfer (the host runtime: the caller waits).")
       .def("restore_batch", &PyTransferEngine::restore_batch, py::arg("offloaded"),

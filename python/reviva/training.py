@@ -14,9 +14,13 @@ Device memory is bounded in both directions by `window_bytes`:
   `prefetch_layers` layers before the layer whose gradient is being computed (the gradient of
   layer i's output arriving, a tensor hook, starts layer i's backward). The window is topped up
   at every unpack, so the H2D stream stays busy.
-On the H200 (train-2026-11-29-5a66cd4.json) offload-all peaked at 6.0 GB allocated but 14.2 GB
-reserved by torch's allocator, not yet explained; `hold_until_copied=True` (keep each storage
-until its D2H is known done instead of record_stream) is the alternative to measure against it.
+A storage brought back is allocated on the compute stream without record_stream: compute waits
+for its H2D at unpack, so the allocator may reuse its memory in stream order when autograd drops
+it. With record_stream (train-2026-11-29-6f8d6c0.json) torch's reserved memory grew through
+backward to 13.7 GB beside 5.6 GB allocated: a freed block waited for an event on the H2D stream,
+recorded when the host (far ahead of the device) freed it, so it was not reused for as long as
+the device lagged.
+Budget mode widens both windows into what the budget leaves beside the kept layers (`_window`).
 
 What is offloaded: tensors saved inside the layers, on the model's device, of at least
 `min_bytes`, never parameters (nor views of them). Tensors saved outside the layers (embedding,
@@ -81,21 +85,27 @@ class _Stored:
         "handle",
         "nbytes",
         "layer",
-        "source",
         "restored",
         "transfer",
         "ahead",
         "__weakref__",
     )
 
-    def __init__(self, handle: Any, nbytes: int, layer: int, source: Any = None) -> None:
+    def __init__(self, handle: Any, nbytes: int, layer: int) -> None:
         self.handle = handle
-        self.source = source  # hold_until_copied: the device storage, until its D2H is done
         self.nbytes = nbytes
         self.layer = layer
         self.restored: torch.Tensor | None = None  # uint8 view of the storage on the device
         self.transfer: Any = None  # its H2D, until compute was ordered after it
         self.ahead = False  # brought back by prefetch and not unpacked yet
+
+    def __del__(self) -> None:
+        # The device copy was allocated on the compute stream without record_stream: its memory
+        # is reused in that stream's order, which is safe once compute waited for the H2D (at
+        # unpack). Brought back but never unpacked (a node backward did not run): the H2D may
+        # still write it, so wait before the memory goes back to torch's allocator.
+        if self.transfer is not None and self.restored is not None:
+            self.transfer.wait()
 
 
 @dataclass(frozen=True)
@@ -119,19 +129,12 @@ class ActivationOffload:
         layers: Sequence[nn.Module] | None = None,
         engine: TransferEngine | None = None,
         window_bytes: int | str = 512 << 20,
-        hold_until_copied: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations wraps an nn.Module, got {type(model).__name__}")
         self.window_bytes = parse_bytes(window_bytes)
         if self.window_bytes <= 0:
             raise ValueError(f"window_bytes must be > 0 bytes, got {window_bytes!r}")
-        if not isinstance(hold_until_copied, bool):
-            raise ValueError(f"hold_until_copied must be True or False, got {hold_until_copied!r}")
-        # False: a saved storage goes back to torch's allocator when autograd drops it, marked
-        # with record_stream (reused once the D2H stream passes an event recorded at the free).
-        # True: it is held here until its D2H is known done, then dropped (no events).
-        self.hold_until_copied = hold_until_copied
         for name, value in (("prefetch_layers", prefetch_layers), ("min_bytes", min_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -176,6 +179,13 @@ class ActivationOffload:
         self._waits: list[tuple[Any, Any]] = []  # CUDA events around waits at unpack
         self._held = 0  # device bytes allocated when the step began (CUDA)
         self._extra_all: int | None = None  # CUDA: the offload-all step's peak above _held
+        # Budget mode: the bytes the budget leaves above the offload-all floor, and what the
+        # kept layers 0..i save (prefix sums); both windows grow into what kept layers leave.
+        self._room: int | None = None
+        self._kept_upto: list[int] = []
+        # Start bringing the last layer's storages back when backward starts (a hook on the
+        # model's loss or logits) rather than when the last layer's gradient arrives.
+        self._start_at_loss = False
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -203,6 +213,8 @@ class ActivationOffload:
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
             self._handles.append(layer.register_forward_hook(self._make_post_hook(i)))
+        if self._start_at_loss:
+            self._handles.append(self.model.register_forward_hook(self._model_post_hook))
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         self._t0 = time.perf_counter()
@@ -214,10 +226,6 @@ class ActivationOffload:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for stored in self._pending:
-            if stored.source is not None:
-                stored.handle.wait()  # the D2H may still read it
-                stored.source = None
         self._pending.clear()
         self._pending_bytes = 0
         if self._cuda:
@@ -243,6 +251,8 @@ class ActivationOffload:
         first in backward, where a copy could not hide) while the sum, plus a prefetch window,
         fits the budget; the first layers, needed last, are offloaded. On the CPU there is no
         peak to measure: the floor is what was saved outside the layers."""
+        self._room = None
+        self._kept_upto = []
         if self.budget is None or not self.stats.layer_saved_bytes:
             return None
         saved = self.stats.layer_saved_bytes
@@ -271,7 +281,24 @@ class ActivationOffload:
                 break
             chosen.add(i)
             kept -= saved.get(i, 0)
+        self._room = room
+        upto = 0
+        for i in range(n):
+            upto += 0 if i in chosen else saved.get(i, 0)
+            self._kept_upto.append(upto)
         return chosen
+
+    def _window(self, layer: int) -> int:
+        """The device bytes that may wait for their D2H (forward) or be brought back ahead
+        (backward) while `layer` runs: `window_bytes`, or in budget mode, if more, what the
+        budget leaves beside the kept layers' activations on the device then (those of layers
+        up to `layer`). The offloaded layers come first, so their copies may lag far behind
+        forward compute before the kept layers fill the room, and in backward the first
+        offloaded layers come back while the kept layers' activations are freed."""
+        if self._room is None or not self._kept_upto:
+            return self.window_bytes
+        kept = self._kept_upto[min(max(layer, 0), len(self._kept_upto) - 1)]
+        return max(self.window_bytes, self._room - kept)
 
     # --- layer boundaries ------------------------------------------------------------------------
 
@@ -291,6 +318,16 @@ class ActivationOffload:
 
         return post_hook
 
+    def _model_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        for t in (
+            getattr(output, "loss", None),
+            getattr(output, "logits", None),
+            output if isinstance(output, torch.Tensor) else None,
+        ):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad: self._backward_reached(len(self.layers)))
+                return
+
     def _backward_reached(self, i: int) -> None:
         self._grad_layer = min(self._grad_layer, i)
         self._prefetch()
@@ -308,7 +345,8 @@ class ActivationOffload:
         if k < 0:
             return
         lowest = layers[max(k - self.prefetch_layers, 0)]
-        while self._cursor >= 0 and self._ahead < self.window_bytes:
+        window = self._window(self._grad_layer)
+        while self._cursor >= 0 and self._ahead < window:
             stored = self._order[self._cursor]()
             if stored is not None and stored.restored is None:
                 if stored.layer < lowest:
@@ -321,7 +359,9 @@ class ActivationOffload:
 
     def _bring_back(self, stored: _Stored) -> None:
         """Starts the H2D of a storage; compute is ordered after it when it is unpacked."""
-        stored.restored, stored.transfer = self.engine.restore_async(stored.handle)
+        stored.restored, stored.transfer = self.engine.restore_async(
+            stored.handle, record_stream=False
+        )
         self.stats.bytes_restored += stored.nbytes
 
     # --- pack / unpack ---------------------------------------------------------------------------
@@ -348,8 +388,9 @@ class ActivationOffload:
         stored = entry[1]() if entry is not None and not entry[0].expired() else None
         if stored is None:
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            handle = self.engine.offload(whole, record_stream=not self.hold_until_copied)
-            stored = _Stored(handle, nbytes, self._layer, whole if self.hold_until_copied else None)
+            # record_stream: torch's allocator reuses the storage once the D2H stream passed it.
+            handle = self.engine.offload(whole, record_stream=True)
+            stored = _Stored(handle, nbytes, self._layer)
             self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
             self._order.append(weakref.ref(stored))
             if self._layer not in self._order_layers:
@@ -362,10 +403,10 @@ class ActivationOffload:
         return _Packed(stored, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
     def _throttle(self, stored: _Stored) -> None:
-        """Forward: at most `window_bytes` of device memory waiting for D2H copies."""
+        """Forward: at most a window (`_window`) of device memory waiting for D2H copies."""
         self._pending.append(stored)
         self._pending_bytes += stored.nbytes
-        self._retire_copied(limit=self.window_bytes)
+        self._retire_copied(limit=self._window(self._layer))
 
     def _retire_copied(self, limit: int | None) -> None:
         """Drops pending storages whose D2H is done, oldest first, and (with `limit`) waits for
@@ -378,7 +419,6 @@ class ActivationOffload:
                 t = time.perf_counter()
                 oldest.handle.wait()
                 self.stats.forward_wait_ms += (time.perf_counter() - t) * 1e3
-            oldest.source = None
             self._pending_bytes -= oldest.nbytes
 
     def _record(self, storage: torch.UntypedStorage) -> None:
@@ -443,7 +483,6 @@ def offload_activations(
     layers: Sequence[nn.Module] | None = None,
     offload: ActivationOffload | None = None,
     window_bytes: int | str = 512 << 20,
-    hold_until_copied: bool = False,
 ) -> Iterator[ActivationOffload]:
     """Offloads the activations autograd saves inside the block (one forward and its backward).
 
@@ -463,7 +502,6 @@ def offload_activations(
             min_bytes,
             layers,
             window_bytes=window_bytes,
-            hold_until_copied=hold_until_copied,
         )
     with offload:
         yield offload

@@ -112,6 +112,83 @@ def test_budget_mode_offloads_first_layers_and_stays_identical() -> None:
     assert chosen and chosen == list(range(len(chosen))) and len(chosen) < 4, chosen
 
 
+def test_budget_mode_windows_grow_into_the_room_kept_layers_leave() -> None:
+    """Budget mode: while the first (offloaded) layers run, the copies may lag by all the room
+    the budget leaves above the offload-all floor; by the kept layers, by what they leave."""
+    model = tiny_llama(seed=22)
+    ids = torch.randint(0, 211, (2, 128), generator=torch.Generator().manual_seed(23))
+    ref = grads_of(model, ids, None)
+    off = ActivationOffload(model, budget=1, min_bytes=0)
+    grads_of(model, ids, off)  # step 1: offload all, record
+    saved = off.stats.layer_saved_bytes
+    off.window_bytes = sum(saved.values()) // 8
+    off.budget = sum(saved.values()) // 2 + off.window_bytes
+    assert_identical(ref, grads_of(model, ids, off))
+    chosen = off.stats.offloaded_layers
+    kept = [i for i in range(4) if i not in chosen]
+    assert kept and off._room is not None
+    assert off._window(0) == off._room > off.window_bytes  # nothing kept yet
+    kept_bytes = sum(saved[i] for i in kept)
+    assert off._window(3) == max(off.window_bytes, off._room - kept_bytes)
+    assert off._window(0) > off._window(3)
+    off.budget = None  # offload-all: the fixed window everywhere
+    grads_of(model, ids, off)
+    assert off._room is None and off._window(0) == off._window(3) == off.window_bytes
+
+
+def test_prefetch_can_start_at_the_loss_gradient() -> None:
+    """_start_at_loss: the last layer's storages are on their way before the head's backward
+    (seen from a hook on the logits' gradient); gradients identical either way."""
+    model = tiny_llama(seed=24)
+    ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(25))
+    ref = grads_of(model, ids, None)
+    for at_loss in (False, True):
+        off = ActivationOffload(model, min_bytes=0)
+        off._start_at_loss = at_loss
+        seen: list[int] = []
+        model.zero_grad(set_to_none=True)
+        with offload_activations(model, offload=off):
+            out = model(input_ids=ids, labels=ids)
+            note = seen.append
+            out.logits.register_hook(lambda g, off=off, note=note: note(off.stats.prefetched))
+            out.loss.backward()
+        assert_identical(ref, {n: p.grad.clone() for n, p in model.named_parameters()})
+        assert (seen[0] > 0) == at_loss, (at_loss, seen)
+
+
+def grad_of_layer_input(
+    model: nn.Module, ids: torch.Tensor, offload: ActivationOffload | None, layer: int
+) -> torch.Tensor:
+    """The gradient of the loss with respect to one layer's input: backward stops there, so
+    storages of the layers below may have been brought back but are never unpacked."""
+    captured: list[torch.Tensor] = []
+    handle = model.model.layers[layer].register_forward_pre_hook(
+        lambda m, args, kwargs: captured.append(args[0] if args else kwargs["hidden_states"]),
+        with_kwargs=True,
+    )
+    try:
+        if offload is None:
+            loss = model(input_ids=ids, labels=ids).loss
+            return torch.autograd.grad(loss, captured[0])[0]
+        with offload_activations(model, offload=offload):
+            loss = model(input_ids=ids, labels=ids).loss
+            return torch.autograd.grad(loss, captured[0])[0]
+    finally:
+        handle.remove()
+
+
+def test_partial_backward_drops_storages_brought_back_but_not_unpacked() -> None:
+    model = tiny_llama(seed=26)
+    ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(27))
+    ref = grad_of_layer_input(model, ids, None, 3)
+    off = ActivationOffload(model, min_bytes=0, prefetch_layers=1)
+    got = grad_of_layer_input(model, ids, off, 3)
+    assert torch.equal(ref, got)
+    # Layer 3 ran backward; the prefetch reached layers 2 and 1, whose nodes never ran (the
+    # gradient of layer 2's output, the one asked for, counts as reaching layer 2).
+    assert off.stats.bytes_restored > 0 and off.stats.bytes_restored < off.stats.bytes_offloaded
+
+
 def test_gradient_checkpointing_identical() -> None:
     model = tiny_llama(seed=6)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -198,21 +275,41 @@ def cuda_step(model: nn.Module, ids: torch.Tensor, offload: ActivationOffload | 
 @pytest.mark.gpu
 def test_gpu_gradients_identical_and_peak_lower(deterministic: None) -> None:
     """CUDA, bf16 autocast: gradients bit-identical with offload-all, also with a window of one
-    storage (the forward waits for every D2H, backward brings one storage back at a time) and
-    with sources held until copied; the peak is lower."""
+    storage (the forward waits for every D2H, backward brings one storage back at a time), and
+    with the prefetch started at the loss's gradient; the peak is lower."""
     model = tiny_llama(seed=14, device="cuda", attention="eager")
     ids = torch.randint(0, 211, (4, 2048), device="cuda")
     ref, peak_ref = cuda_step(model, ids, None)
     again, _ = cuda_step(model, ids, None)
     assert all(torch.equal(ref[n], again[n]) for n in ref), "plain runs differ: nondeterminism"
-    for window, hold in ((512 << 20, False), (1, False), (512 << 20, True)):
-        off = ActivationOffload(
-            model, min_bytes=1 << 16, window_bytes=window, hold_until_copied=hold
-        )
+    for window, at_loss in ((512 << 20, False), (1, False), (512 << 20, True)):
+        off = ActivationOffload(model, min_bytes=1 << 16, window_bytes=window)
+        off._start_at_loss = at_loss
         got, peak = cuda_step(model, ids, off)
         assert_identical(ref, got)
         assert off.stats.bytes_offloaded > 0 and off.stats.prefetched > 0
         assert peak < peak_ref, (peak, peak_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_partial_backward_drops_storages_brought_back_but_not_unpacked(
+    deterministic: None,
+) -> None:
+    """CUDA: storages whose H2D was started but never unpacked wait for it before their memory
+    goes back to torch's allocator (no record_stream); the gradient is identical, and the next
+    full step too."""
+    model = tiny_llama(seed=28, device="cuda", attention="eager")
+    ids = torch.randint(0, 211, (4, 2048), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = grad_of_layer_input(model, ids, None, 3)
+        off = ActivationOffload(model, min_bytes=1 << 16, prefetch_layers=1)
+        got = grad_of_layer_input(model, ids, off, 3)
+    torch.cuda.synchronize()
+    assert torch.equal(ref, got)
+    assert 0 < off.stats.bytes_restored < off.stats.bytes_offloaded
+    full_ref, _ = cuda_step(model, ids, None)
+    full, _ = cuda_step(model, ids, off)
+    assert_identical(full_ref, full)
 
 
 def test_window_of_one_storage_still_identical() -> None:
@@ -226,20 +323,6 @@ def test_window_of_one_storage_still_identical() -> None:
     assert off.stats.prefetched > 0 and off._ahead == 0 and not off._pending
     with pytest.raises(ValueError, match="window_bytes must be > 0 bytes, got 0"):
         ActivationOffload(model, window_bytes=0)
-
-
-def test_hold_until_copied_identical() -> None:
-    """hold_until_copied: storages are held until their D2H is done instead of record_stream;
-    the same gradients, nothing held after the step, a window of one storage included."""
-    model = tiny_llama(seed=20)
-    ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(21))
-    ref = grads_of(model, ids, None)
-    for window in (512 << 20, 1):
-        off = ActivationOffload(model, min_bytes=0, hold_until_copied=True, window_bytes=window)
-        assert_identical(ref, grads_of(model, ids, off))
-        assert off.stats.bytes_offloaded > 0 and not off._pending
-    with pytest.raises(ValueError, match="hold_until_copied must be True or False, got 1"):
-        ActivationOffload(model, hold_until_copied=1)
 
 
 def test_bf16_autocast_identical() -> None:
