@@ -22,12 +22,17 @@ recorded when the host (far ahead of the device) freed it, so it was not reused 
 the device lagged.
 Budget mode widens both windows into what the budget leaves beside the kept layers (`_window`).
 
-What is offloaded: tensors saved inside the layers, on the model's device, of at least
-`min_bytes`, never parameters (nor views of them). Tensors saved outside the layers (embedding,
-head, loss) stay: backward needs them first. A storage saved several times (a tensor and its
-views, or the same tensor saved by two nodes) is copied once and every saved view is rebuilt on
-it with its own size, stride and offset, so the values autograd sees are bit-identical and
-gradients equal a run without Reviva.
+What is offloaded: tensors saved inside the layers and, when the layers were found (an HF
+model), between the last layer and the output head's result (final norm, the head's input: one
+more region, brought back from the logits' gradient on, after the loss's backward, which is the
+step's peak); on the model's device, of at least `min_bytes`, never parameters (nor views of
+them). What the loss saves, or the embedding, stays: backward needs it first. Nothing is
+offloaded once backward started (recomputation under checkpointing is needed at once). A
+storage saved several times (a tensor and its views, or the same tensor saved by two nodes) is
+copied once and every saved view is rebuilt on it with its own size, stride and offset, so the
+values autograd sees are bit-identical and gradients equal a run without Reviva. An fp32
+storage that autograd records as a cast from bf16/fp16 (an RMSNorm's input in mixed precision)
+moves as those 16-bit values and is widened back exactly (`_cast_from`).
 
 Budget mode: the first step offloads everything eligible and records the bytes each layer saves
 and (CUDA) the step's peak; later steps keep the last layers' activations on the device (needed
@@ -65,7 +70,8 @@ class ActivationStats:
     saved_tensors: int = 0  # pack calls
     offloaded_tensors: int = 0  # saved tensors whose storage went to the host
     kept_tensors: int = 0  # parameters, small tensors, other devices, layers kept by the budget
-    bytes_offloaded: int = 0  # D2H bytes (each storage once)
+    bytes_offloaded: int = 0  # D2H bytes (each storage once; narrowed ones at 16 bits)
+    narrowed_tensors: int = 0  # fp32 storages moved as the 16-bit values they were cast from
     bytes_restored: int = 0  # H2D bytes
     prefetched: int = 0  # storages brought back ahead of their unpack
     demand_fetched: int = 0  # storages fetched at unpack (no prefetch reached them)
@@ -88,14 +94,16 @@ class _Stored:
         "restored",
         "transfer",
         "ahead",
+        "widen",
         "__weakref__",
     )
 
-    def __init__(self, handle: Any, nbytes: int, layer: int) -> None:
+    def __init__(self, handle: Any, nbytes: int, layer: int, widen: bool = False) -> None:
         self.handle = handle
+        self.widen = widen  # moved at 16 bits: widened back to fp32 on the compute stream
         self.nbytes = nbytes
         self.layer = layer
-        self.restored: torch.Tensor | None = None  # uint8 view of the storage on the device
+        self.restored: torch.Tensor | None = None  # the storage on the device (1-D)
         self.transfer: Any = None  # its H2D, until compute was ordered after it
         self.ahead = False  # brought back by prefetch and not unpacked yet
 
@@ -150,6 +158,11 @@ class ActivationOffload:
                 "offload_activations: no layer boundaries: the model has no decoder layers "
                 "(model.model.layers); pass layers=[...] (modules in forward order)"
             )
+        # Found with the decoder layers: the output head (get_output_embeddings()). What is saved
+        # between the last layer and the head's output (final norm, the head's input) is one
+        # more region, offloaded like a layer; what the loss saves after it stays.
+        self.head = _output_head(model) if layers is None else None
+        self._regions = len(self.layers) + (1 if self.head is not None else 0)
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
         if engine is None:
@@ -167,6 +180,7 @@ class ActivationOffload:
         self._order_layers: list[int] = []  # the layers with offloaded storages, ascending
         self._cursor = -1  # backward: the next entry of _order to bring back (downwards)
         self._grad_layer = 0  # backward: the layer whose gradient is being computed
+        self._in_backward = False
         self._ahead = 0  # bytes brought back ahead and not unpacked yet
         self._pending: collections.deque[_Stored] = collections.deque()  # D2H not known done
         self._pending_bytes = 0
@@ -183,9 +197,6 @@ class ActivationOffload:
         # kept layers 0..i save (prefix sums); both windows grow into what kept layers leave.
         self._room: int | None = None
         self._kept_upto: list[int] = []
-        # Start bringing the last layer's storages back when backward starts (a hook on the
-        # model's loss or logits) rather than when the last layer's gradient arrives.
-        self._start_at_loss = False
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -195,7 +206,8 @@ class ActivationOffload:
         self._order.clear()
         self._order_layers.clear()
         self._cursor = -1
-        self._grad_layer = len(self.layers)
+        self._grad_layer = self._regions
+        self._in_backward = False
         self._ahead = 0
         self._pending.clear()
         self._pending_bytes = 0
@@ -206,15 +218,15 @@ class ActivationOffload:
         self.stats.offloaded_layers = (
             sorted(self._offload_layers)
             if self._offload_layers is not None
-            else list(range(len(self.layers)))
+            else list(range(self._regions))
         )
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
             self._handles.append(layer.register_forward_hook(self._make_post_hook(i)))
-        if self._start_at_loss:
-            self._handles.append(self.model.register_forward_hook(self._model_post_hook))
+        if self.head is not None:
+            self._handles.append(self.head.register_forward_hook(self._head_post_hook))
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         self._t0 = time.perf_counter()
@@ -256,7 +268,7 @@ class ActivationOffload:
         if self.budget is None or not self.stats.layer_saved_bytes:
             return None
         saved = self.stats.layer_saved_bytes
-        n = len(self.layers)
+        n = self._regions
         kept = sum(b for i, b in saved.items() if i < n)
         floor = self._extra_all
         if floor is None:
@@ -318,17 +330,15 @@ class ActivationOffload:
 
         return post_hook
 
-    def _model_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        for t in (
-            getattr(output, "loss", None),
-            getattr(output, "logits", None),
-            output if isinstance(output, torch.Tensor) else None,
-        ):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda grad: self._backward_reached(len(self.layers)))
-                return
+    def _head_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._layer = self._regions  # the loss: what it saves is needed first in backward
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            # The gradient of the logits arrives after the loss's backward, the step's peak:
+            # the head's storages come back from then on, not beside it.
+            output.register_hook(lambda grad: self._backward_reached(self._regions - 1))
 
     def _backward_reached(self, i: int) -> None:
+        self._in_backward = True
         self._grad_layer = min(self._grad_layer, i)
         self._prefetch()
 
@@ -376,7 +386,8 @@ class ActivationOffload:
             or nbytes < self.min_bytes
             or storage.data_ptr() in self._param_ptrs
             or isinstance(t, nn.Parameter)
-            or not 0 <= self._layer < len(self.layers)
+            or not 0 <= self._layer < self._regions
+            or self._in_backward  # recomputed in backward (checkpointing): needed at once
             or (self._offload_layers is not None and self._layer not in self._offload_layers)
         ):
             if self.stats.steps == 0 and t.device == self.device:
@@ -387,15 +398,21 @@ class ActivationOffload:
         entry = self._by_storage.get(key)
         stored = entry[1]() if entry is not None and not entry[0].expired() else None
         if stored is None:
-            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            # record_stream: torch's allocator reuses the storage once the D2H stream passed it.
-            handle = self.engine.offload(whole, record_stream=True)
-            stored = _Stored(handle, nbytes, self._layer)
+            narrow = _cast_from(t)
+            if narrow is None:
+                moved = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            else:  # exact: every value came from `narrow`
+                whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
+                moved = whole.to(narrow)
+                self.stats.narrowed_tensors += 1
+            # record_stream: torch's allocator reuses the memory once the D2H stream passed it.
+            handle = self.engine.offload(moved, record_stream=True)
+            stored = _Stored(handle, moved.nbytes, self._layer, widen=narrow is not None)
             self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
             self._order.append(weakref.ref(stored))
             if self._layer not in self._order_layers:
                 bisect.insort(self._order_layers, self._layer)
-            self.stats.bytes_offloaded += nbytes
+            self.stats.bytes_offloaded += stored.nbytes
             self._throttle(stored)
             if self.stats.steps == 0:
                 self._record(storage)
@@ -457,6 +474,8 @@ class ActivationOffload:
                 self.engine.wait_for(stored.transfer)
                 self.stats.stall_ms += (time.perf_counter() - t) * 1e3
             stored.transfer = None
+            if stored.widen:  # on the compute stream, after the H2D
+                stored.restored = stored.restored.to(packed.dtype)
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
         out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         return out
@@ -464,6 +483,33 @@ class ActivationOffload:
 
 def _fmt(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _cast_from(t: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit float dtype that autograd records `t` (fp32, its whole storage) was cast
+    from, or None. Its values are then exact in that dtype, so it moves at half the bytes and is
+    widened back bit for bit (mixed precision saves such casts: an RMSNorm's fp32 input)."""
+    fn = t.grad_fn
+    if (
+        t.dtype != torch.float32
+        or fn is None
+        or type(fn).__name__ != "ToCopyBackward0"
+        or t.storage_offset() != 0
+        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+    ):
+        return None
+    try:
+        source, index = fn.next_functions[0]
+        dtype = source._input_metadata[index].dtype
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return head if isinstance(head, nn.Module) else None
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

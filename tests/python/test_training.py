@@ -102,8 +102,9 @@ def test_budget_mode_offloads_first_layers_and_stays_identical() -> None:
     off = ActivationOffload(model, budget=1, min_bytes=0)
     assert_identical(ref, grads_of(model, ids, off))  # step 1: offload all, record
     saved = off.stats.layer_saved_bytes
-    # Layers 0-3, and what the head saved (index 4: counted in the budget, never offloaded).
-    assert sorted(saved) == [0, 1, 2, 3, 4] and all(b > 0 for b in saved.values())
+    # Layers 0-3, the head region (4: final norm, the head's input) and what the loss saved
+    # (5: counted in the budget, never offloaded).
+    assert sorted(saved) == [0, 1, 2, 3, 4, 5] and all(b > 0 for b in saved.values())
     # Half the activations plus room for a prefetch window of an eighth of them.
     off.window_bytes = sum(saved.values()) // 8
     off.budget = sum(saved.values()) // 2 + off.window_bytes
@@ -136,24 +137,72 @@ def test_budget_mode_windows_grow_into_the_room_kept_layers_leave() -> None:
     assert off._room is None and off._window(0) == off._window(3) == off.window_bytes
 
 
-def test_prefetch_can_start_at_the_loss_gradient() -> None:
-    """_start_at_loss: the last layer's storages are on their way before the head's backward
-    (seen from a hook on the logits' gradient); gradients identical either way."""
+def test_head_region_is_offloaded_and_comes_back_after_the_loss_backward() -> None:
+    """What is saved between the last layer and the logits (final norm, the head's input) is
+    offloaded as one more region; nothing comes back before the logits' gradient (the loss's
+    backward, the step's peak, runs without it); what the loss saves stays."""
     model = tiny_llama(seed=24)
     ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(25))
     ref = grads_of(model, ids, None)
-    for at_loss in (False, True):
-        off = ActivationOffload(model, min_bytes=0)
-        off._start_at_loss = at_loss
-        seen: list[int] = []
+    off = ActivationOffload(model, min_bytes=0)
+    assert off.head is model.lm_head and off._regions == 5
+    seen: list[tuple[str, int]] = []
+    model.zero_grad(set_to_none=True)
+    with offload_activations(model, offload=off):
+        out = model(input_ids=ids, labels=ids)
+        for name in ("loss", "logits"):  # the loss's gradient first, then the logits' (after
+            # the hook offload registered on them)
+            getattr(out, name).register_hook(
+                lambda g, name=name: seen.append((name, off.stats.bytes_restored))
+            )
+        out.loss.backward()
+    assert_identical(ref, {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert seen[0] == ("loss", 0) and seen[1][0] == "logits" and seen[1][1] > 0, seen
+    assert 4 in off._order_layers and off.stats.offloaded_layers == [0, 1, 2, 3, 4]
+    # Given layers (any nn.Module): no head region; what follows the last layer stays.
+    given = ActivationOffload(model, min_bytes=0, layers=list(model.model.layers))
+    assert given.head is None and given._regions == 4
+    assert_identical(ref, grads_of(model, ids, given))
+    assert 4 not in given._order_layers
+
+
+class CastBlock(nn.Module):
+    """Saves an fp32 tensor cast from bf16 (exact at 16 bits), a view of it, and an fp32
+    tensor that was not cast (moved at 32 bits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = (x @ self.w).to(torch.bfloat16).to(torch.float32)  # ToCopyBackward0 from bf16
+        plain = x @ self.w  # fp32, not a cast
+        return (wide * wide).sum() + (wide[:, ::2] * plain[:, 1::2]).sum() + (plain * plain).sum()
+
+
+def test_fp32_cast_from_16_bits_moves_at_16_bits_bit_identical() -> None:
+    torch.manual_seed(30)
+    model = nn.Sequential(CastBlock())
+    x = torch.randn(256, 64, requires_grad=True)
+
+    def grads(offload: ActivationOffload | None) -> tuple:
         model.zero_grad(set_to_none=True)
-        with offload_activations(model, offload=off):
-            out = model(input_ids=ids, labels=ids)
-            note = seen.append
-            out.logits.register_hook(lambda g, off=off, note=note: note(off.stats.prefetched))
-            out.loss.backward()
-        assert_identical(ref, {n: p.grad.clone() for n, p in model.named_parameters()})
-        assert (seen[0] > 0) == at_loss, (at_loss, seen)
+        x.grad = None
+        if offload is None:
+            model(x).backward()
+        else:
+            with offload_activations(model, offload=offload):
+                model(x).backward()
+        return model[0].w.grad.clone(), x.grad.clone()
+
+    ref = grads(None)
+    off = ActivationOffload(model, min_bytes=0, layers=[model[0]])
+    got = grads(off)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    assert off.stats.narrowed_tensors == 1  # `wide` (its view shares the copy); `plain` is not
+    n = 256 * 64
+    # wide at 2 bytes, plain at 4; x itself (saved by both matmuls) at 4.
+    assert off.stats.bytes_offloaded == n * 2 + n * 4 + n * 4, off.stats.bytes_offloaded
 
 
 def grad_of_layer_input(
@@ -275,20 +324,24 @@ def cuda_step(model: nn.Module, ids: torch.Tensor, offload: ActivationOffload | 
 @pytest.mark.gpu
 def test_gpu_gradients_identical_and_peak_lower(deterministic: None) -> None:
     """CUDA, bf16 autocast: gradients bit-identical with offload-all, also with a window of one
-    storage (the forward waits for every D2H, backward brings one storage back at a time), and
-    with the prefetch started at the loss's gradient; the peak is lower."""
+    storage (the forward waits for every D2H, backward brings one storage back at a time); the
+    peak is lower. bf16 weights: the RMSNorms' fp32 casts move at 16 bits, still identical."""
     model = tiny_llama(seed=14, device="cuda", attention="eager")
     ids = torch.randint(0, 211, (4, 2048), device="cuda")
     ref, peak_ref = cuda_step(model, ids, None)
     again, _ = cuda_step(model, ids, None)
     assert all(torch.equal(ref[n], again[n]) for n in ref), "plain runs differ: nondeterminism"
-    for window, at_loss in ((512 << 20, False), (1, False), (512 << 20, True)):
+    for window in (512 << 20, 1):
         off = ActivationOffload(model, min_bytes=1 << 16, window_bytes=window)
-        off._start_at_loss = at_loss
         got, peak = cuda_step(model, ids, off)
         assert_identical(ref, got)
         assert off.stats.bytes_offloaded > 0 and off.stats.prefetched > 0
         assert peak < peak_ref, (peak, peak_ref)
+    model = model.to(torch.bfloat16)
+    ref, _ = cuda_step(model, ids, None)
+    off = ActivationOffload(model, min_bytes=1 << 16)
+    assert_identical(ref, cuda_step(model, ids, off)[0])
+    assert off.stats.narrowed_tensors > 0
 
 
 @pytest.mark.gpu
@@ -334,6 +387,13 @@ def test_bf16_autocast_identical() -> None:
         got = grads_of(model, ids, off)
     assert_identical(ref, got)
     assert off.stats.bytes_offloaded > 0
+    # bf16 weights: the residual stream is bf16, so each RMSNorm saves its fp32 cast of it,
+    # which moves at 16 bits.
+    model = model.to(torch.bfloat16)
+    ref = grads_of(model, ids, None)
+    off = ActivationOffload(model, min_bytes=0)
+    assert_identical(ref, grads_of(model, ids, off))
+    assert off.stats.narrowed_tensors >= 2 * 4 + 1  # two norms per layer and the final one
 
 
 @pytest.mark.gpu
