@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -204,13 +205,45 @@ class MemoryTrace:
         ]
 
 
+def growth_run(model: Any, ids: torch.Tensor, steps: int) -> dict:
+    """Offload-all for `steps` steps on one engine: after each, the device memory torch holds
+    and reserves, and the pinned pool's reserved and in-use bytes (a leak shows as growth)."""
+    rt = reviva.Runtime("cuda:0")
+    pool = reviva.PinnedHostPool(rt, 0)
+    engine = reviva.TransferEngine(rt, pool)
+    off = reviva.ActivationOffload(model, engine=engine)
+    out: dict[str, list] = {
+        "allocated_gb": [],
+        "reserved_gb": [],
+        "pinned_reserved_gb": [],
+        "pinned_in_use_bytes": [],
+        "step_s": [],
+    }
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        with reviva.offload_activations(model, offload=off):
+            model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        out["step_s"].append(time.perf_counter() - t0)
+        engine.synchronize()
+        pool.synchronize_pending()
+        st = pool.stats()
+        out["allocated_gb"].append(torch.cuda.memory_allocated() / 1e9)
+        out["reserved_gb"].append(torch.cuda.memory_reserved() / 1e9)
+        out["pinned_reserved_gb"].append(st["bytes_reserved"] / 1e9)
+        out["pinned_in_use_bytes"].append(st["bytes_in_use"])
+    return out
+
+
 def acceptance(rows: list[dict]) -> dict:
     by = {r["contender"]: r for r in rows}
     soc = by["save_on_cpu"]
     out: dict[str, Any] = {}
-    everything = by.get("reviva_all")
-    if everything is not None:
-        out["offload_all"] = {
+    for name, everything in by.items():
+        if not name.startswith("reviva_all"):
+            continue
+        out[name.replace("reviva_all", "offload_all")] = {
             "ratio_to_roofline": everything["ratio_to_roofline"],
             "within_15pct_of_roofline": everything["ratio_to_roofline"] <= 1.15,
             "vs_save_on_cpu_time": everything["step_s"] / soc["step_s"],
@@ -247,6 +280,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--budgets", default="6GB,8GB,10GB,12GB,16GB")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--growth-steps", type=int, default=50)
     args = parser.parse_args()
     model = build_model()
     ids = torch.randint(0, SHAPE["vocab_size"], (1, args.seq), device="cuda")
@@ -262,10 +296,14 @@ def main() -> int:
     )
     soc.pop("probe_delta")
     rows.append({"contender": "save_on_cpu", **soc})
-    # Offload-all, then the budget curve.
-    for budget in [None, *args.budgets.split(",")]:
-        off = reviva.ActivationOffload(model, budget=budget, min_bytes=1 << 20)
-        print(f"reviva: budget {budget}", flush=True)
+    # Offload-all at the default min_bytes and with smaller tensors offloaded too (save_on_cpu
+    # moves every saved tensor), then the budget curve.
+    variants = [(None, None), (None, 16 << 10), (None, 0)]
+    variants += [(b, None) for b in args.budgets.split(",")]
+    for budget, min_bytes in variants:
+        kwargs = {} if min_bytes is None else {"min_bytes": min_bytes}
+        off = reviva.ActivationOffload(model, budget=budget, **kwargs)
+        print(f"reviva: budget {budget}, min_bytes {off.min_bytes}", flush=True)
         before = off.engine.stats()
         r = timed_steps(
             model,
@@ -281,7 +319,9 @@ def main() -> int:
         )
         rows.append(
             {
-                "contender": f"reviva_{budget or 'all'}",
+                "contender": f"reviva_{budget or 'all'}"
+                + ("" if min_bytes is None else f"_min{min_bytes >> 10}K"),
+                "min_bytes": off.min_bytes,
                 "window_bytes": off.window_bytes,
                 "budget": budget,
                 **r,
@@ -300,6 +340,14 @@ def main() -> int:
                 "engine_before": before,
             }
         )
+    growth = growth_run(model, ids, args.growth_steps)
+    print(
+        f"growth over {args.growth_steps} offload-all steps: allocated "
+        f"{growth['allocated_gb'][0]:.3f} -> {growth['allocated_gb'][-1]:.3f} GB, reserved "
+        f"{growth['reserved_gb'][0]:.3f} -> {growth['reserved_gb'][-1]:.3f} GB, pinned "
+        f"{growth['pinned_reserved_gb'][0]:.3f} -> {growth['pinned_reserved_gb'][-1]:.3f} GB",
+        flush=True,
+    )
     print_table(
         ["contender", "step s", "peak GB", "reserved GB", "offloaded GB", "roofline s", "ratio"],
         [
@@ -316,6 +364,13 @@ def main() -> int:
         ],
     )
     checks = acceptance(rows)
+    checks["no_growth"] = {
+        "steps": args.growth_steps,
+        "allocated_constant": len(set(growth["allocated_gb"])) == 1,
+        "reserved_constant_after_5": len(set(growth["reserved_gb"][5:])) == 1,
+        "pinned_constant_after_5": len(set(growth["pinned_reserved_gb"][5:])) == 1,
+        "pinned_in_use_zero": not any(growth["pinned_in_use_bytes"]),
+    }
     print(json.dumps(checks, indent=1))
     out_dir = Path(args.out) if args.out else None
     path = write_result(
@@ -328,6 +383,7 @@ def main() -> int:
             "pinned_copy_gbps": bw,
             "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "runs": rows,
+            "growth": growth,
             "checks": checks,
         },
         out_dir,

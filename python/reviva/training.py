@@ -184,7 +184,7 @@ class ActivationOffload:
         self._ahead = 0  # bytes brought back ahead and not unpacked yet
         self._pending: collections.deque[_Stored] = collections.deque()  # D2H not known done
         self._pending_bytes = 0
-        self._layer = -1  # the layer whose forward runs now (-1: before the first)
+        self._layer = 0  # the region whose forward runs now
         self._offload_layers: set[int] | None = None  # None: all
         self._handles: list[Any] = []
         self._hooks_ctx: Any = None
@@ -212,7 +212,9 @@ class ActivationOffload:
         self._pending.clear()
         self._pending_bytes = 0
         self._recorded.clear()
-        self._layer = -1
+        # What is saved before the first layer (the embedding's indices) is needed last, with
+        # layer 0's activations: it belongs to region 0.
+        self._layer = 0
         self._held = torch.cuda.memory_allocated(self.device) if self._cuda else 0
         self._offload_layers = self._choose_layers()
         self.stats.offloaded_layers = (

@@ -278,6 +278,39 @@ def test_pool_memory_returns_after_each_step() -> None:
     assert len(set(reserved[1:])) == 1, "pinned memory grew after the first step"
 
 
+@pytest.mark.gpu
+def test_gpu_no_growth_over_50_steps() -> None:
+    """CUDA, bf16 weights, offload-all then budget mode: after each step the device holds what
+    it held after the first (the gradients), torch's reserved memory stops growing after the
+    first steps, the pinned pool has nothing in use and reserves the same bytes (the last 45
+    steps are compared: the first ones may still settle the caches)."""
+    model = tiny_llama(seed=32, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, 211, (2, 2048), device="cuda")
+    rt = reviva.Runtime("cuda:0")
+    pool = reviva.PinnedHostPool(rt, 0)
+    engine = reviva.TransferEngine(rt, pool)
+    for budget in (None, "budget"):
+        off = ActivationOffload(model, min_bytes=1 << 16, engine=engine)
+        if budget is not None:  # halfway: some layers kept, some offloaded
+            cuda_step(model, ids, off)
+            off.budget = off._held + off._extra_all + sum(off.stats.layer_saved_bytes.values()) // 2
+        allocated, reserved, pinned = [], [], []
+        for _ in range(50):
+            cuda_step(model, ids, off)
+            engine.synchronize()
+            pool.synchronize_pending()
+            assert pool.stats()["bytes_in_use"] == 0, pool.stats()
+            allocated.append(torch.cuda.memory_allocated())
+            reserved.append(torch.cuda.memory_reserved())
+            pinned.append(pool.stats()["bytes_reserved"])
+        assert len(set(allocated)) == 1, allocated
+        assert len(set(reserved[5:])) == 1, reserved  # the last 45 steps
+        assert len(set(pinned[5:])) == 1, pinned
+        assert all(stored() is None for _, stored in off._by_storage.values())
+        if budget is not None:
+            assert 0 < len(off.stats.offloaded_layers) < off._regions, off.stats.offloaded_layers
+
+
 def test_errors_name_the_bad_values() -> None:
     model = tiny_llama()
     with pytest.raises(ValueError, match="prefetch_layers must be an int >= 0, got -1"):
