@@ -290,8 +290,8 @@ def test_gpu_no_growth_over_50_steps() -> None:
     pool = reviva.PinnedHostPool(rt, 0)
     engine = reviva.TransferEngine(rt, pool)
     for budget in (None, "budget"):
-        off = ActivationOffload(model, min_bytes=1 << 16, engine=engine)
-        if budget is not None:  # halfway: some layers kept, some offloaded
+        off = ActivationOffload(model, min_bytes=1 << 16, engine=engine, window_bytes=1 << 20)
+        if budget is not None:  # halfway (beside a 1 MiB window): some layers kept, some not
             cuda_step(model, ids, off)
             off.budget = off._held + off._extra_all + sum(off.stats.layer_saved_bytes.values()) // 2
         allocated, reserved, pinned = [], [], []
