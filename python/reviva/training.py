@@ -25,9 +25,13 @@ Budget mode widens both windows into what the budget leaves beside the kept laye
 What is offloaded: tensors saved inside the layers and, when the layers were found (an HF
 model), between the last layer and the output head's result (final norm, the head's input: one
 more region, brought back from the logits' gradient on, after the loss's backward, which is the
-step's peak); on the model's device, of at least `min_bytes`, never parameters (nor views of
-them). What the loss saves, or the embedding, stays: backward needs it first. Nothing is
-offloaded once backward started (recomputation under checkpointing is needed at once). A
+step's peak); what is saved before the first layer (the embedding's indices) goes with layer
+0. Only tensors on the model's device, of at least `min_bytes`, never parameters (nor views of
+them): tiny tensors are not worth a copy (on the H200 bench the default 1 MiB kept the RMSNorms'
+32 KB rsqrt outputs and attention's seeds, 1.1 MB above save_on_cpu's peak; min_bytes=0 met it
+to the byte, train-2026-11-29-7464db5.json). What the loss saves stays: backward needs it
+first. Nothing is offloaded once backward started (recomputation under checkpointing is
+needed at once). A
 storage saved several times (a tensor and its views, or the same tensor saved by two nodes) is
 copied once and every saved view is rebuilt on it with its own size, stride and offset, so the
 values autograd sees are bit-identical and gradients equal a run without Reviva. An fp32
