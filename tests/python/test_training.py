@@ -239,13 +239,40 @@ def test_partial_backward_drops_storages_brought_back_but_not_unpacked() -> None
 
 
 def test_gradient_checkpointing_identical() -> None:
-    model = tiny_llama(seed=6)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    ids = torch.randint(0, 211, (1, 80), generator=torch.Generator().manual_seed(7))
-    ref = grads_of(model, ids, None)
-    got = grads_of(model, ids, ActivationOffload(model, min_bytes=0))
-    assert_identical(ref, got)
+    """HF gradient checkpointing, reentrant and not: what the layers save (their inputs) is
+    offloaded and comes back once; the recomputation in backward keeps what it saves."""
+    for reentrant in (False, True):
+        model = tiny_llama(seed=6)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+        model.train()
+        ids = torch.randint(0, 211, (1, 80), generator=torch.Generator().manual_seed(7))
+        ref = grads_of(model, ids, None)
+        off = ActivationOffload(model, min_bytes=0)
+        assert_identical(ref, grads_of(model, ids, off))
+        assert off.stats.bytes_offloaded > 0
+        assert off.stats.bytes_restored == off.stats.bytes_offloaded, reentrant
+
+
+@pytest.mark.gpu
+def test_gpu_gradient_checkpointing_identical(deterministic: None) -> None:
+    """CUDA, bf16 weights, HF gradient checkpointing (reentrant and not): gradients identical,
+    the checkpoints offloaded and brought back once, the peak not above checkpointing alone."""
+    for reentrant in (False, True):
+        model = tiny_llama(seed=34, device="cuda", attention="eager").to(torch.bfloat16)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+        model.train()
+        ids = torch.randint(0, 211, (4, 2048), device="cuda")
+        ref, peak_ref = cuda_step(model, ids, None)
+        off = ActivationOffload(model, min_bytes=1 << 16)
+        got, peak = cuda_step(model, ids, off)
+        assert_identical(ref, got)
+        assert off.stats.bytes_offloaded > 0
+        assert off.stats.bytes_restored == off.stats.bytes_offloaded, reentrant
+        assert peak <= peak_ref, (reentrant, peak, peak_ref)
 
 
 def test_no_growth_over_50_steps() -> None:
