@@ -63,8 +63,8 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device_);
     REVIVA_CUDA_CHECK(cudaFree(nullptr));  // create the primary context now, not mid-copy
     // And load the segment-copy kernel now: its lazy load at a first launch can wait for the
-    // device. Suspected (not yet confirmed on a GPU) cause of the KVStore CUDA tests hanging at
-    // their first append, issued while a host function holds the compute stream.
+    // device. The KVStore CUDA tests hung at their first append (issued while a host function
+    // holds the compute stream) and pass on the H200 with this preload; not rerun without it.
     REVIVA_CUDA_CHECK(kernels::preload_copy_segments());
     REVIVA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest_priority_, &highest_priority_));
   }

@@ -31,6 +31,7 @@ from reviva._C import PinnedHostPool, RevivaOutOfMemoryError, Runtime, TransferE
 from reviva.adapters import DecoderLayout, inspect_model
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
+from reviva.sizes import format_bytes as _fmt
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,6 @@ class Plan:
     @property
     def streamed_layers(self) -> int:
         return self.num_layers - len(self.resident_layers)
-
-
-def _fmt(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class RevivaManager:
@@ -383,7 +376,7 @@ class RevivaManager:
         """How a generate call of this shape would use the budget; raises RevivaOutOfMemoryError
         naming the numbers when the weights and the minimum working set do not fit."""
         lay, cfg = self.layout, self.config
-        e = _elem(lay.dtype)
+        e = lay.dtype.itemsize
         budget = cfg.budget_bytes(self._device_total())
         baseline = self._baseline()
         capacity = prompt_tokens + new_tokens

@@ -21,6 +21,12 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
+def format_bytes(n: int) -> str:
+    """A byte count for messages: GB from 1 GB up, MB below (decimal units, as budgets are
+    usually written)."""
+    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def parse_bytes(value: int | float | str) -> int:
     """Returns a byte count from an int, or a string with a decimal (GB) or binary (GiB) unit.
 

@@ -61,7 +61,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from reviva._C import PinnedHostPool, Runtime, TransferEngine
-from reviva.sizes import parse_bytes
+from reviva.sizes import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -284,9 +284,9 @@ class ActivationOffload:
             log.warning(
                 "reviva: activation budget %s cannot be met: with every activation offloaded "
                 "the step peaked at %s (%s held before it); offloading all",
-                _fmt(self.budget),
-                _fmt(self._held + floor),
-                _fmt(self._held),
+                format_bytes(self.budget),
+                format_bytes(self._held + floor),
+                format_bytes(self._held),
             )
             return None
         # While kept layers run backward, the first offloaded layers' storages already come back
@@ -447,7 +447,7 @@ class ActivationOffload:
     def _record(self, storage: torch.UntypedStorage) -> None:
         # Step 1 records each layer's saved bytes (each storage once) for the budget plan.
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if self._layer < 0 or ptr in self._param_ptrs or nbytes < self.min_bytes:
+        if ptr in self._param_ptrs or nbytes < self.min_bytes:
             return
         seen = self._recorded.get((ptr, nbytes))
         if seen is not None and not seen.expired():
@@ -485,10 +485,6 @@ class ActivationOffload:
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
         out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         return out
-
-
-def _fmt(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def _cast_from(t: torch.Tensor) -> torch.dtype | None:
