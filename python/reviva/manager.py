@@ -484,13 +484,13 @@ class RevivaManager:
 
     def offload_activations(self, budget: int | str | None = None, min_bytes: int = 1 << 20) -> Any:
         """Activation offload for a training step of the wrapped model (reviva.training), on
-        this manager's engine and pinned pool, with its prefetch window."""
+        this manager's engine and pinned pool, with its prefetch window. The layers are found
+        by ActivationOffload itself (the same model.model.layers), so that the head region is
+        offloaded as on the path bench_train measured."""
         from reviva.training import ActivationOffload
 
         prefetch = 2 if self.config.prefetch_layers == "auto" else int(self.config.prefetch_layers)
-        return ActivationOffload(
-            self.model, budget, prefetch, min_bytes, self.layout.layers, engine=self.engine
-        )
+        return ActivationOffload(self.model, budget, prefetch, min_bytes, engine=self.engine)
 
     # --- generate --------------------------------------------------------------------------------
 

@@ -356,8 +356,10 @@ def test_manager_exposes_activation_offload() -> None:
     model = tiny_llama(seed=12)
     ids = torch.randint(0, 211, (1, 48), generator=torch.Generator().manual_seed(13))
     ref = grads_of(model, ids, None)
-    off = reviva.RevivaManager(model).offload_activations(min_bytes=0)
+    manager = reviva.RevivaManager(model)
+    off = manager.offload_activations(min_bytes=0)
     assert_identical(ref, grads_of(model, ids, off))
+    assert off.layers == manager.layout.layers and off.head is model.lm_head
 
 
 @pytest.fixture
