@@ -9,6 +9,8 @@
 #include <reviva/backend.h>
 #include <reviva/error.h>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -52,6 +54,63 @@ void host_func_trampoline(void* user_data) {
   (*fn)();
 }
 
+// The driver's virtual memory management calls, looked up through the runtime at run time:
+// linking libcuda would make the library fail to load on machines without a driver (CI), where
+// the host backend must still work.
+struct VmmDriver {
+  PFN_cuMemAddressReserve_v10020 address_reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 address_free = nullptr;
+  PFN_cuMemCreate_v10020 create = nullptr;
+  PFN_cuMemRelease_v10020 release = nullptr;
+  PFN_cuMemMap_v10020 map = nullptr;
+  PFN_cuMemUnmap_v10020 unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 set_access = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
+  PFN_cuGetErrorName_v6000 error_name = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 device_attribute = nullptr;
+
+  // False when any call is missing (an old driver): the arena is then unavailable.
+  bool load() {
+    return get("cuMemAddressReserve", address_reserve) && get("cuMemAddressFree", address_free) &&
+           get("cuMemCreate", create) && get("cuMemRelease", release) && get("cuMemMap", map) &&
+           get("cuMemUnmap", unmap) && get("cuMemSetAccess", set_access) &&
+           get("cuMemGetAllocationGranularity", granularity) && get("cuGetErrorName", error_name) &&
+           get("cuDeviceGet", device_get) && get("cuDeviceGetAttribute", device_attribute);
+  }
+
+  // Whether `ordinal` supports cuMemCreate/cuMemMap (after load()).
+  bool supported(int ordinal) const {
+    CUdevice dev{};
+    int vmm = 0;
+    return device_get(&dev, ordinal) == CUDA_SUCCESS &&
+           device_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) ==
+               CUDA_SUCCESS &&
+           vmm != 0;
+  }
+
+  std::string describe(CUresult r) const {
+    const char* name = nullptr;
+    if (error_name) error_name(r, &name);
+    return name ? name : detail::concat("CUresult ", static_cast<int>(r));
+  }
+
+ private:
+  template <typename Fn>
+  static bool get(const char* symbol, Fn& fn) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t status =
+        cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &found);
+    if (status != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    fn = reinterpret_cast<Fn>(p);
+    return true;
+  }
+};
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
@@ -67,6 +126,14 @@ class CudaBackend final : public Backend {
     // holds the compute stream) and pass on the H200 with this preload; not rerun without it.
     REVIVA_CUDA_CHECK(kernels::preload_copy_segments());
     REVIVA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest_priority_, &highest_priority_));
+    if (driver_.load() && driver_.supported(device_)) {
+      prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+      prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      prop_.location.id = device_;
+      std::size_t g = 0;
+      if (driver_.granularity(&g, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS)
+        granularity_ = g;
+    }
   }
 
   BackendKind kind() const noexcept override { return BackendKind::Cuda; }
@@ -213,6 +280,59 @@ class CudaBackend final : public Backend {
     return MemoryKind::Unknown;
   }
 
+  std::size_t vmm_granularity() override { return granularity_; }
+
+  void* reserve_address(std::size_t bytes) override {
+    check_vmm(bytes, "reserve_address");
+    CUdeviceptr p = 0;
+    driver_check(driver_.address_reserve(&p, bytes, granularity_, 0, 0), "cuMemAddressReserve",
+                 bytes);
+    return reinterpret_cast<void*>(p);
+  }
+
+  void release_address(void* ptr, std::size_t bytes) noexcept override {
+    if (!ptr) return;
+    const CUresult r = driver_.address_free(reinterpret_cast<CUdeviceptr>(ptr), bytes);
+    if (r != CUDA_SUCCESS)
+      std::fprintf(stderr, "reviva: warning: cuMemAddressFree of %zu bytes failed: %s\n", bytes,
+                   driver_.describe(r).c_str());
+  }
+
+  // New physical memory, mapped and made accessible; the handle is released at once (the memory
+  // lives until the range is unmapped), so unmap_memory needs nothing but the range.
+  void map_memory(void* ptr, std::size_t bytes) override {
+    check_vmm(bytes, "map_memory");
+    DeviceGuard guard(device_);
+    CUmemGenericAllocationHandle handle{};
+    const CUresult created = driver_.create(&handle, bytes, &prop_, 0);
+    if (created == CUDA_ERROR_OUT_OF_MEMORY) {
+      std::size_t free_bytes = 0, total_bytes = 0;
+      (void)cudaMemGetInfo(&free_bytes, &total_bytes);
+      throw OutOfMemory(detail::concat("cuMemCreate of ", bytes, " bytes on ", name(), " failed: ",
+                                       free_bytes, " of ", total_bytes, " bytes free"));
+    }
+    driver_check(created, "cuMemCreate", bytes);
+    const auto p = reinterpret_cast<CUdeviceptr>(ptr);
+    CUresult r = driver_.map(p, bytes, 0, handle, 0);
+    if (r == CUDA_SUCCESS) {
+      CUmemAccessDesc access{};
+      access.location = prop_.location;
+      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      r = driver_.set_access(p, bytes, &access, 1);
+      if (r != CUDA_SUCCESS) (void)driver_.unmap(p, bytes);
+    }
+    (void)driver_.release(handle);  // freed with the mapping from now on (or now, on failure)
+    driver_check(r, "cuMemMap/cuMemSetAccess", bytes);
+  }
+
+  void unmap_memory(void* ptr, std::size_t bytes) noexcept override {
+    if (!ptr) return;
+    const CUresult r = driver_.unmap(reinterpret_cast<CUdeviceptr>(ptr), bytes);
+    if (r != CUDA_SUCCESS)
+      std::fprintf(stderr, "reviva: warning: cuMemUnmap of %zu bytes failed: %s\n", bytes,
+                   driver_.describe(r).c_str());
+  }
+
   void copy_async(void* dst, const void* src, std::size_t bytes, StreamHandle stream) override {
     REVIVA_CHECK_ARG(dst != nullptr && src != nullptr, "copy_async: null pointer");
     REVIVA_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)));
@@ -232,10 +352,29 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  void check_vmm(std::size_t bytes, const char* what) const {
+    if (granularity_ == 0)
+      throw BackendError(detail::concat(what, ": ", name(),
+                                        " has no virtual memory management (or the driver lacks "
+                                        "it): the device arena is unavailable"));
+    REVIVA_CHECK_ARG(bytes > 0 && bytes % granularity_ == 0, what, ": ", bytes,
+                     " bytes is not a positive multiple of the ", granularity_,
+                     "-byte granularity");
+  }
+
+  void driver_check(CUresult r, const char* call, std::size_t bytes) const {
+    if (r != CUDA_SUCCESS)
+      throw BackendError(detail::concat(call, " of ", bytes, " bytes on ", name(),
+                                        " failed: ", driver_.describe(r)));
+  }
+
   int device_;
   std::string device_name_;
   int lowest_priority_ = 0;
   int highest_priority_ = 0;
+  VmmDriver driver_;
+  CUmemAllocationProp prop_{};
+  std::size_t granularity_ = 0;  // 0: no virtual memory management
 };
 
 }  // namespace

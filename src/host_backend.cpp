@@ -19,6 +19,9 @@
 #include <new>
 #include <thread>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 namespace reviva {
 namespace {
 
@@ -281,9 +284,67 @@ class HostBackend final : public Backend {
     return {options_.simulated_device_bytes - device_bytes_, options_.simulated_device_bytes};
   }
 
+  // Virtual memory as the OS gives it: an address range reserved with no access, pages made
+  // readable and writable when "mapped" and dropped (madvise) when unmapped, so that a use of
+  // unmapped arena memory faults here as it would on the GPU. Mapped bytes count against the
+  // simulated device total like allocate_device's.
+  std::size_t vmm_granularity() override { return options_.vmm_granularity; }
+
+  void* reserve_address(std::size_t bytes) override {
+    REVIVA_CHECK_ARG(bytes > 0 && bytes % options_.vmm_granularity == 0, "reserve_address: ", bytes,
+                     " bytes is not a positive multiple of the ", options_.vmm_granularity,
+                     "-byte granularity");
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+      throw OutOfMemory(
+          detail::concat("host backend: cannot reserve ", bytes, " bytes of address space"));
+    std::lock_guard<std::mutex> lock(mutex_);
+    reservations_[static_cast<const char*>(p)] = bytes;
+    return p;
+  }
+
+  void release_address(void* ptr, std::size_t bytes) noexcept override {
+    if (!ptr) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      reservations_.erase(static_cast<const char*>(ptr));
+    }
+    munmap(ptr, bytes);
+  }
+
+  void map_memory(void* ptr, std::size_t bytes) override {
+    REVIVA_CHECK_ARG(ptr != nullptr && bytes > 0 && bytes % options_.vmm_granularity == 0,
+                     "map_memory: ", bytes, " bytes at ", ptr, " is not a positive multiple of ",
+                     "the ", options_.vmm_granularity, "-byte granularity");
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      REVIVA_CHECK_ARG(holds(reservations_, ptr, bytes), "map_memory: [", ptr, ", +", bytes,
+                       ") is not inside one reservation");
+      if (device_bytes_ + bytes > options_.simulated_device_bytes)
+        throw OutOfMemory(detail::concat("host backend: cannot map ", bytes,
+                                         " bytes of device memory: ", device_bytes_, " of ",
+                                         options_.simulated_device_bytes, " bytes in use"));
+      device_bytes_ += bytes;
+    }
+    if (mprotect(ptr, bytes, PROT_READ | PROT_WRITE) != 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      device_bytes_ -= bytes;
+      throw OutOfMemory(detail::concat("host backend: mprotect of ", bytes, " bytes failed"));
+    }
+  }
+
+  void unmap_memory(void* ptr, std::size_t bytes) noexcept override {
+    if (!ptr) return;
+    madvise(ptr, bytes, MADV_DONTNEED);  // the pages' contents are gone, as on the device
+    mprotect(ptr, bytes, PROT_NONE);
+    std::lock_guard<std::mutex> lock(mutex_);
+    device_bytes_ -= bytes;
+  }
+
   MemoryKind memory_kind(const void* ptr) override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (contains(device_allocations_, ptr)) return MemoryKind::Device;
+    if (contains(reservations_, ptr)) return MemoryKind::Device;
     if (contains(pinned_allocations_, ptr)) return MemoryKind::PinnedHost;
     return MemoryKind::Unknown;  // memory of others (e.g. torch CPU tensors): can't tell
   }
@@ -313,15 +374,20 @@ class HostBackend final : public Backend {
   // Ordered by address, so that memory_kind() finds the allocation holding any interior pointer.
   using Allocations = std::map<const char*, std::size_t>;
   static bool contains(const Allocations& allocations, const void* ptr) {
+    return holds(allocations, ptr, 1);
+  }
+  // Whether one allocation holds all of [ptr, ptr + bytes).
+  static bool holds(const Allocations& allocations, const void* ptr, std::size_t bytes) {
     const char* p = static_cast<const char*>(ptr);
     auto it = allocations.upper_bound(p);
     if (it == allocations.begin()) return false;
     --it;
-    return p < it->first + it->second;
+    return p + bytes <= it->first + it->second;
   }
 
   Allocations device_allocations_;  // guarded by mutex_
   Allocations pinned_allocations_;  // guarded by mutex_
+  Allocations reservations_;        // guarded by mutex_: reserved address ranges (arena)
   std::size_t device_bytes_ = 0;    // guarded by mutex_
 };
 
@@ -330,6 +396,10 @@ class HostBackend final : public Backend {
 std::shared_ptr<Backend> make_host_backend(HostBackendOptions options) {
   REVIVA_CHECK_ARG(options.simulated_device_bytes > 0,
                    "HostBackendOptions.simulated_device_bytes must be > 0");
+  const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  REVIVA_CHECK_ARG(options.vmm_granularity > 0 && options.vmm_granularity % page == 0,
+                   "HostBackendOptions.vmm_granularity must be a positive multiple of the ", page,
+                   "-byte page, got ", options.vmm_granularity);
   return std::make_shared<HostBackend>(options);
 }
 

@@ -2,7 +2,8 @@
 // offload_manager.cpp) applies to the store:
 //   rule 1: an append's D2H starts after an event recorded on compute when wrote() is called;
 //   rule 2: a slot is refilled only after the compute event recorded at its release and after
-//           the last D2H that read it (the H2D stream waits on both);
+//           the last D2H that read it (the H2D stream waits on both); a buffer's memory goes
+//           back to the arena only after every stream that used it (ArenaBuffer::record_use);
 //   rule 3: compute waits on a slot's fill at acquire;
 //   rule 4: host copies record every copy stream that used them; a fill of a layer waits for the
 //           last append to its host copy, so it never reads bytes still being written;
@@ -22,7 +23,7 @@ constexpr double kStallThresholdMs = 0.01;
 }  // namespace
 
 struct KVStore::Slot {
-  std::vector<void*> buffers;
+  std::shared_ptr<ArenaBuffer> buffer;
   int layer = -1;  // the layer whose prefix it holds (or is being filled with)
   bool acquired = false;
   Transfer fill;           // last H2D into the slot
@@ -36,9 +37,9 @@ struct KVStore::Slot {
 struct KVStore::Layer {
   bool resident = false;
   bool acquired = false;
-  std::vector<void*> buffers;     // resident layers
-  std::vector<PinnedBlock> host;  // streamed layers: the host copies, one per tensor
-  Transfer arrival;               // promoted layers: the H2D that brought their prefix in
+  std::shared_ptr<ArenaBuffer> buffer;  // resident layers
+  PinnedBlock host;                     // streamed layers: the host copy, once it has tokens
+  Transfer arrival;                     // promoted layers: the H2D that brought their prefix in
   std::size_t length = 0;
   int slot = -1;         // streamed layers: the slot holding it, if any
   Transfer last_append;  // last D2H into its host copy
@@ -49,17 +50,20 @@ struct KVStore::Stall {
   std::shared_ptr<Event> after;
 };
 
-KVStore::KVStore(std::shared_ptr<TransferEngine> engine, KVStoreOptions options)
-    : engine_(std::move(engine)), options_(options) {
+KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceArena> arena,
+                 KVStoreOptions options)
+    : engine_(std::move(engine)), arena_(std::move(arena)), options_(options) {
   REVIVA_CHECK_ARG(engine_ != nullptr, "KVStore: engine is null");
+  REVIVA_CHECK_ARG(arena_ != nullptr, "KVStore: arena is null");
   backend_ = engine_->stream(Direction::HostToDevice).backend_ptr();
   append_producer_ = std::make_unique<Event>(backend_);
   REVIVA_CHECK_ARG(options_.num_layers > 0, "KVStore: num_layers must be > 0, got ",
                    options_.num_layers);
-  REVIVA_CHECK_ARG(options_.tensors_per_layer > 0, "KVStore: tensors_per_layer must be > 0, got ",
-                   options_.tensors_per_layer);
   REVIVA_CHECK_ARG(options_.token_bytes > 0, "KVStore: token_bytes must be > 0");
   REVIVA_CHECK_ARG(options_.capacity_tokens > 0, "KVStore: capacity_tokens must be > 0");
+  REVIVA_CHECK_ARG(options_.capacity_tokens <= (std::size_t{1} << 40) / options_.token_bytes,
+                   "KVStore: ", options_.capacity_tokens, " tokens of ", options_.token_bytes,
+                   " bytes exceed what a layer may hold (1 TiB)");
   REVIVA_CHECK_ARG(options_.prefetch_layers >= 0, "KVStore: prefetch_layers must be >= 0, got ",
                    options_.prefetch_layers);
   layers_.resize(static_cast<std::size_t>(options_.num_layers));
@@ -69,18 +73,37 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, KVStoreOptions options)
 
 KVStore::~KVStore() {
   try {
-    // Copies in flight read or write memory the caller frees after this.
-    engine_->synchronize();
+    close();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "reviva: KVStore destroyed with copies failing: %s\n", e.what());
   }
 }
 
-std::size_t KVStore::buffer_bytes() const noexcept {
+void KVStore::close() {
+  if (closed_) return;
+  closed_ = true;
+  // Copies in flight read or write the buffers and host copies given back below.
+  engine_->synchronize();
+  fold_stalls(/*wait=*/true);
+  for (Slot& s : slots_) s.buffer.reset();  // retired after their recorded uses
+  for (Layer& l : layers_) {
+    l.buffer.reset();
+    l.host.reset();  // to the pool, reused after the copy streams that used it
+  }
+  note_device_bytes();
+}
+
+void KVStore::check_open(const char* what) const {
+  REVIVA_CHECK_ARG(!closed_, "KVStore::", what,
+                   ": the store is closed (its memory was given back)");
+}
+
+std::size_t KVStore::layer_bytes() const noexcept {
   return options_.token_bytes * options_.capacity_tokens;
 }
 
 KVStore::Layer& KVStore::layer_at(int layer, const char* what) {
+  check_open(what);
   REVIVA_CHECK_ARG(layer >= 0 && layer < options_.num_layers, "KVStore::", what, ": layer ", layer,
                    " out of range [0, ", options_.num_layers, ")");
   return layers_[static_cast<std::size_t>(layer)];
@@ -89,26 +112,34 @@ const KVStore::Layer& KVStore::layer_at(int layer, const char* what) const {
   return const_cast<KVStore*>(this)->layer_at(layer, what);
 }
 
-void KVStore::check_buffers(const std::vector<void*>& buffers, const char* what) const {
-  REVIVA_CHECK_ARG(buffers.size() == static_cast<std::size_t>(options_.tensors_per_layer),
-                   "KVStore::", what, ": ", buffers.size(), " buffers given, expected ",
-                   options_.tensors_per_layer);
-  for (void* b : buffers) REVIVA_CHECK_ARG(b != nullptr, "KVStore::", what, ": null buffer");
+ArenaBuffer& KVStore::acquired_buffer(int layer, const char* what) const {
+  const Layer& l = layer_at(layer, what);
+  REVIVA_CHECK_ARG(l.acquired, "KVStore::", what, ": layer ", layer, " is not acquired");
+  return l.resident ? *l.buffer : *slots_[static_cast<std::size_t>(l.slot)].buffer;
 }
 
-void KVStore::make_resident(int layer, std::vector<void*> buffers) {
+void KVStore::note_device_bytes() {
+  std::size_t bytes = 0;
+  for (const Slot& s : slots_)
+    if (s.buffer) bytes += s.buffer->mapped_bytes();
+  for (const Layer& l : layers_)
+    if (l.buffer) bytes += l.buffer->mapped_bytes();
+  stats_.device_bytes = bytes;
+  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, bytes);
+}
+
+void KVStore::make_resident(int layer) {
   Layer& l = layer_at(layer, "make_resident");
-  check_buffers(buffers, "make_resident");
   REVIVA_CHECK_ARG(!l.resident, "KVStore::make_resident: layer ", layer, " is already resident");
-  REVIVA_CHECK_ARG(!host_ready_, "KVStore::make_resident: layer ", layer,
-                   ": residency is fixed once a layer was acquired");
-  become_resident(layer, std::move(buffers));
+  REVIVA_CHECK_ARG(!started_, "KVStore::make_resident: layer ", layer,
+                   ": residency is fixed once a layer was acquired (use promote)");
+  become_resident(layer, arena_->allocate(layer_bytes(), "K/V of layer " + std::to_string(layer)));
 }
 
-void KVStore::become_resident(int layer, std::vector<void*> buffers) {
+void KVStore::become_resident(int layer, std::shared_ptr<ArenaBuffer> buffer) {
   Layer& l = layers_[static_cast<std::size_t>(layer)];
   l.resident = true;
-  l.buffers = std::move(buffers);
+  l.buffer = std::move(buffer);
   streamed_.erase(std::remove(streamed_.begin(), streamed_.end(), layer), streamed_.end());
   ++stats_.resident_layers;
   --stats_.streamed_layers;
@@ -120,26 +151,30 @@ void KVStore::unpark(int s) {
   if (parked != free_slots_.end()) free_slots_.erase(parked);
 }
 
-// H2D of `l`'s valid prefix from its host copies into `dst`, after the last append to them
-// (rule 4: the host copy is whole). Invalid when the layer holds no tokens.
-Transfer KVStore::copy_prefix_in(Layer& l, const std::vector<void*>& dst) {
+// H2D of `l`'s valid prefix from its host copy into `dst` (mapped for it), after the last
+// append to it (rule 4: the host copy is whole). Invalid when the layer holds no tokens.
+Transfer KVStore::copy_prefix_in(Layer& l, ArenaBuffer& dst) {
   if (l.length == 0) return {};
-  if (l.last_append.valid()) l.last_append.enqueue_wait(engine_->stream(Direction::HostToDevice));
-  std::vector<CopyRequest> requests;
+  const Stream& h2d = engine_->stream(Direction::HostToDevice);
+  if (l.last_append.valid()) l.last_append.enqueue_wait(h2d);
   const std::size_t bytes = l.length * options_.token_bytes;
-  for (std::size_t t = 0; t < dst.size(); ++t) {
-    requests.push_back({dst[t], l.host[t].data(), bytes});
-    l.host[t].record_use(engine_->stream_ptr(Direction::HostToDevice));
-  }
-  stats_.bytes_to_device += bytes * dst.size();
-  return engine_->copy_batch(Direction::HostToDevice, requests);
+  l.host.record_use(engine_->stream_ptr(Direction::HostToDevice));
+  stats_.bytes_to_device += bytes;
+  CopyRequest request{dst.data(), l.host.data(), bytes};
+  Transfer t = engine_->copy_batch(Direction::HostToDevice, {&request, 1});
+  dst.record_use(h2d);
+  return t;
 }
 
-void KVStore::promote(int layer, std::vector<void*> buffers) {
+bool KVStore::promote(int layer) {
   Layer& l = layer_at(layer, "promote");
-  check_buffers(buffers, "promote");
   REVIVA_CHECK_ARG(!l.resident, "KVStore::promote: layer ", layer, " is already resident");
   REVIVA_CHECK_ARG(!l.acquired, "KVStore::promote: layer ", layer, " is acquired");
+  auto buffer = arena_->allocate(layer_bytes(), "K/V of layer " + std::to_string(layer));
+  if (!buffer->try_grow_to(l.length * options_.token_bytes)) {
+    ++stats_.promotion_failures;
+    return false;
+  }
   if (l.slot >= 0) {  // it leaves its slot, which becomes free (if it was reserved, too)
     const int s = l.slot;
     slots_[static_cast<std::size_t>(s)].layer = -1;
@@ -147,63 +182,91 @@ void KVStore::promote(int layer, std::vector<void*> buffers) {
     unpark(s);
     free_slots_.push_back(s);
   }
-  l.arrival = copy_prefix_in(l, buffers);
-  // Rule 4: the pool reuses the host copies only after the copies that used them complete.
-  stats_.host_bytes -= l.host.size() * buffer_bytes();
-  l.host.clear();
+  l.arrival = copy_prefix_in(l, *buffer);
+  // Rule 4: the pool reuses the host copy only after the copies that used it complete.
+  if (l.host) stats_.host_bytes -= l.host.size();
+  l.host.reset();
   l.last_append = Transfer{};
-  become_resident(layer, std::move(buffers));
+  become_resident(layer, std::move(buffer));
   ++stats_.promotions;
+  note_device_bytes();
+  return true;
 }
 
-void KVStore::add_slot(std::vector<void*> buffers) {
-  check_buffers(buffers, "add_slot");
+void KVStore::add_slot() {
+  check_open("add_slot");
   Slot s;
-  s.buffers = std::move(buffers);
+  s.buffer = arena_->allocate(layer_bytes(), "K/V staging slot " + std::to_string(slots_.size()));
   s.released = std::make_unique<Event>(backend_);
   slots_.push_back(std::move(s));
   free_slots_.push_back(static_cast<int>(slots_.size()) - 1);
   ++stats_.slots;
 }
 
-int KVStore::take_free_slot() {
+// Takes a free slot for a layer whose prefix needs `need` bytes: the least recently released
+// one whose memory already holds that much, else the least recently released one (which must
+// map more). -1 when none is free.
+int KVStore::take_free_slot(std::size_t need) {
   if (free_slots_.empty()) return -1;
-  const int s = free_slots_.front();
-  free_slots_.pop_front();
+  auto chosen = std::find_if(free_slots_.begin(), free_slots_.end(), [&](int s) {
+    return slots_[static_cast<std::size_t>(s)].buffer->mapped_bytes() >= need;
+  });
+  if (chosen == free_slots_.end()) chosen = free_slots_.begin();
+  const int s = *chosen;
+  free_slots_.erase(chosen);
   Slot& slot = slots_[static_cast<std::size_t>(s)];
   if (slot.layer >= 0) layers_[static_cast<std::size_t>(slot.layer)].slot = -1;
   slot.layer = -1;
   return s;
 }
 
-// Puts `layer`'s valid prefix into a free slot. False when no slot is free.
-bool KVStore::fill(int layer, bool prefetch) {
-  const int s = take_free_slot();
-  if (s < 0) return false;
-  Slot& slot = slots_[static_cast<std::size_t>(s)];
+// Puts `layer`'s valid prefix into a free slot, mapping the slot's memory for it if needed.
+int KVStore::fill(int layer, bool prefetch) {
+  if (free_slots_.empty()) return 0;
   Layer& l = layers_[static_cast<std::size_t>(layer)];
+  const std::size_t need = l.length * options_.token_bytes;
+  const int s = take_free_slot(need);
+  Slot& slot = slots_[static_cast<std::size_t>(s)];
+  // Memory before anything else changes: a slot that cannot be had narrows the window.
+  bool mapped = true;
+  if (prefetch) {
+    mapped = slot.buffer->try_grow_to(need);
+  } else {
+    try {
+      slot.buffer->grow_to(need);
+    } catch (...) {
+      free_slots_.push_front(s);
+      throw;
+    }
+  }
+  if (!mapped) {
+    free_slots_.push_front(s);
+    ++stats_.prefetches_without_memory;
+    return -1;
+  }
   slot.layer = layer;
   l.slot = s;
+  note_device_bytes();
   if (l.length == 0) {
     // Nothing to copy: the slot is reserved, and compute, which will write into it, waits for
     // the appends of its previous layer still reading it (rule 2) and for a fill of a previous
     // layer still writing it (a prefetch whose layer was promoted).
     slot.previous_fill = slot.fill;
     slot.fill = slot.last_read;
-    return true;
+    return 1;
   }
   slot.previous_fill = Transfer{};
   const Stream& h2d = engine_->stream(Direction::HostToDevice);
   h2d.wait(*slot.released);  // rule 2: compute is done with it (no-op if never released)
   if (slot.last_read.valid()) slot.last_read.enqueue_wait(h2d);  // rule 2: appends read it
-  slot.fill = copy_prefix_in(l, slot.buffers);
+  slot.fill = copy_prefix_in(l, *slot.buffer);
   ++stats_.fills;
   if (prefetch) ++stats_.prefetched_fills;
-  return true;
+  return 1;
 }
 
-// Fills the next `prefetch_layers` streamed layers of the cycle after `layer`, while slots last;
-// a layer still parked in a released slot is kept there (taken off the free list).
+// Fills the next `prefetch_layers` streamed layers of the cycle after `layer`, while slots and
+// memory last; a layer still parked in a released slot is kept there (taken off the free list).
 void KVStore::prefetch_after(int layer) {
   if (streamed_.empty() || options_.prefetch_layers == 0) return;
   auto it = std::upper_bound(streamed_.begin(), streamed_.end(), layer);
@@ -216,28 +279,22 @@ void KVStore::prefetch_after(int layer) {
       unpark(l.slot);
       continue;
     }
-    if (!fill(next, /*prefetch=*/true)) return;
+    if (fill(next, /*prefetch=*/true) <= 0) return;
   }
 }
 
-// The host copies of every streamed layer, at the first acquire (the residency is fixed from
-// then on): pinned allocations can synchronize the device, so none is made once compute runs.
-void KVStore::allocate_host_copies() {
-  PinnedHostPool& pool = engine_->pool();
-  for (int layer : streamed_) {
-    Layer& l = layers_[static_cast<std::size_t>(layer)];
-    while (l.host.size() < static_cast<std::size_t>(options_.tensors_per_layer)) {
-      l.host.push_back(pool.allocate(buffer_bytes()));
-      stats_.host_bytes += buffer_bytes();
-    }
-  }
-  host_ready_ = true;
+// A streamed layer's host copy, when it first gets tokens (so that a layer promoted before then
+// never pins any). A new slab may synchronize the device: PinnedHostPool::reserve ahead of the
+// call avoids that (the pool then serves this from its cache).
+void KVStore::allocate_host_copy(Layer& l) {
+  l.host = engine_->pool().allocate(layer_bytes());
+  stats_.host_bytes += l.host.size();
 }
 
-std::vector<void*> KVStore::acquire(int layer, const Stream& compute) {
+void* KVStore::acquire(int layer, const Stream& compute) {
   Layer& l = layer_at(layer, "acquire");
-  if (!host_ready_) allocate_host_copies();
   REVIVA_CHECK_ARG(!l.acquired, "KVStore::acquire: layer ", layer, " is already acquired");
+  started_ = true;
   if (l.resident) {
     if (l.arrival.valid()) {  // a promoted layer's prefix: rule 3, once
       l.arrival.enqueue_wait(compute);
@@ -245,12 +302,12 @@ std::vector<void*> KVStore::acquire(int layer, const Stream& compute) {
     }
     l.acquired = true;
     prefetch_after(layer);
-    return l.buffers;
+    return l.buffer->data();
   }
   if (l.slot >= 0) {
     ++stats_.slot_hits;
     unpark(l.slot);
-  } else if (!fill(layer, /*prefetch=*/false)) {
+  } else if (fill(layer, /*prefetch=*/false) == 0) {
     REVIVA_CHECK_ARG(false, "KVStore::acquire: layer ", layer, " needs a slot, but all ",
                      slots_.size(), " slots are acquired (release layers, or add slots)");
   }
@@ -270,7 +327,25 @@ std::vector<void*> KVStore::acquire(int layer, const Stream& compute) {
   slot.acquired = true;
   l.acquired = true;
   prefetch_after(layer);
-  return slot.buffers;
+  return slot.buffer->data();
+}
+
+void KVStore::reserve(int layer, std::size_t tokens) {
+  ArenaBuffer& b = acquired_buffer(layer, "reserve");
+  REVIVA_CHECK_ARG(tokens <= options_.capacity_tokens, "KVStore::reserve: ", tokens,
+                   " tokens exceed the capacity of ", options_.capacity_tokens, " tokens");
+  b.grow_to(tokens * options_.token_bytes);
+  note_device_bytes();
+}
+
+std::size_t KVStore::reserved_tokens(int layer) const {
+  return acquired_buffer(layer, "reserved_tokens").mapped_bytes() / options_.token_bytes;
+}
+
+std::shared_ptr<ArenaBuffer> KVStore::buffer(int layer) const {
+  const Layer& l = layer_at(layer, "buffer");
+  REVIVA_CHECK_ARG(l.acquired, "KVStore::buffer: layer ", layer, " is not acquired");
+  return l.resident ? l.buffer : slots_[static_cast<std::size_t>(l.slot)].buffer;
 }
 
 void KVStore::wrote(int layer, std::size_t first, std::size_t count, const Stream& compute) {
@@ -281,30 +356,38 @@ void KVStore::wrote(int layer, std::size_t first, std::size_t count, const Strea
   REVIVA_CHECK_ARG(count <= options_.capacity_tokens && first <= options_.capacity_tokens - count,
                    "KVStore::wrote: tokens [", first, ", ", first + count,
                    ") exceed the capacity of ", options_.capacity_tokens, " tokens");
+  ArenaBuffer& buffer = acquired_buffer(layer, "wrote");
+  REVIVA_CHECK_ARG((first + count) * options_.token_bytes <= buffer.mapped_bytes(),
+                   "KVStore::wrote: tokens [", first, ", ", first + count, ") of layer ", layer,
+                   " were not reserved (", buffer.mapped_bytes() / options_.token_bytes,
+                   " tokens are): call reserve() before compute writes them");
   l.length = std::max(l.length, first + count);
   if (l.resident || count == 0) return;
+  if (!l.host) allocate_host_copy(l);
   Slot& slot = slots_[static_cast<std::size_t>(l.slot)];
   append_producer_->record(compute);  // rule 1 (the copy's wait captures this record)
-  std::vector<CopyRequest> requests;
   const std::size_t offset = first * options_.token_bytes;
   const std::size_t bytes = count * options_.token_bytes;
-  for (std::size_t t = 0; t < slot.buffers.size(); ++t) {
-    requests.push_back({static_cast<char*>(l.host[t].data()) + offset,
-                        static_cast<const char*>(slot.buffers[t]) + offset, bytes});
-    l.host[t].record_use(engine_->stream_ptr(Direction::DeviceToHost));
-  }
-  Transfer t = engine_->copy_batch(Direction::DeviceToHost, requests, append_producer_.get());
+  CopyRequest request{static_cast<char*>(l.host.data()) + offset,
+                      static_cast<const char*>(slot.buffer->data()) + offset, bytes};
+  l.host.record_use(engine_->stream_ptr(Direction::DeviceToHost));
+  Transfer t = engine_->copy_batch(Direction::DeviceToHost, {&request, 1}, append_producer_.get());
+  slot.buffer->record_use(engine_->stream(Direction::DeviceToHost));
   l.last_append = t;
   slot.last_read = t;
-  stats_.bytes_to_host += bytes * slot.buffers.size();
+  stats_.bytes_to_host += bytes;
 }
 
 void KVStore::release(int layer, const Stream& compute) {
   Layer& l = layer_at(layer, "release");
   REVIVA_CHECK_ARG(l.acquired, "KVStore::release: layer ", layer, " is not acquired");
   l.acquired = false;
-  if (l.resident) return;
+  if (l.resident) {
+    l.buffer->record_use(compute);
+    return;
+  }
   Slot& slot = slots_[static_cast<std::size_t>(l.slot)];
+  slot.buffer->record_use(compute);
   slot.released->record(compute);
   slot.acquired = false;
   free_slots_.push_back(l.slot);
@@ -342,6 +425,7 @@ KVStoreStats KVStore::stats() {
 }
 
 void KVStore::clear() {
+  check_open("clear");
   for (const Layer& l : layers_) {
     REVIVA_CHECK_ARG(!l.acquired, "KVStore::clear: a layer is still acquired");
   }

@@ -8,6 +8,12 @@
 // events have completed (checked without blocking on every allocate(), or by
 // synchronize_pending()). This is DESIGN.md's lifetime protocol rule 4 for host memory.
 //
+// Note [Slabs landing]
+// reserve() may pin slabs on one thread while another allocates (a generate call pins its host
+// copies ahead on a helper thread while prefill runs). An allocation that finds no free block
+// but sees a slab that would fit being pinned waits for it instead of pinning one more, so that
+// the two together pin what was asked once, not twice.
+//
 // Note [No backend call under the mutex]
 // Recording and querying events, and reserving or returning slabs, are backend calls (CUDA calls
 // on a GPU) and may take long or block; they are made with the pool's mutex released (rule 5).
@@ -18,6 +24,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <limits>
 #include <map>
@@ -85,6 +92,9 @@ struct PinnedHostPool::Impl {
   std::vector<Event> idle_events;                          // guarded by mutex
   std::atomic<std::size_t> pending_count{0};               // mirrors pending.size() + in-check
   PinnedHostPoolStats stats;                               // guarded by mutex (counters)
+  // Sizes of slabs being pinned now (Note [Slabs landing]).
+  std::multiset<std::size_t> landing;  // guarded by mutex
+  std::condition_variable landed;      // a slab of `landing` arrived (or failed)
 
   // Best fit: the smallest free block of at least `size`, split if larger. nullptr if none.
   // Requires mutex.
@@ -246,12 +256,75 @@ std::size_t PinnedHostPool::block_capacity(const PoolBlock* block) const noexcep
   return block->size;
 }
 
+// Pins a slab whose bytes the caller counted in bytes_reserved and `landing`; on failure uncounts
+// them. Either way the slab leaves `landing`: add_slab() (under the mutex) or here.
+char* PinnedHostPool::pin_slab(std::size_t slab_bytes) {
+  try {
+    return static_cast<char*>(backend_->allocate_pinned_host(slab_bytes));
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(impl_->mutex);
+      impl_->stats.bytes_reserved -= slab_bytes;
+      impl_->landing.erase(impl_->landing.find(slab_bytes));
+    }
+    impl_->landed.notify_all();
+    throw;
+  }
+}
+
+// A pinned slab joins the pool as one free block. Requires mutex.
+void PinnedHostPool::add_slab(char* base, std::size_t slab_bytes) {
+  auto slab = std::make_unique<PoolSlab>();
+  slab->base = base;
+  slab->size = slab_bytes;
+  auto* whole = new PoolBlock;
+  whole->slab = slab.get();
+  whole->size = slab_bytes;
+  whole->free = false;
+  slab->first = whole;
+  impl_->slabs.emplace(base, std::move(slab));
+  ++impl_->stats.slabs_allocated;
+  impl_->insert_free(whole);
+  impl_->landing.erase(impl_->landing.find(slab_bytes));
+  impl_->landed.notify_all();
+}
+
 void PinnedHostPool::reserve(std::size_t count, std::size_t block_bytes) {
   REVIVA_CHECK_ARG(block_bytes > 0, "PinnedHostPool::reserve: block_bytes must be > 0");
-  std::vector<PinnedBlock> blocks;
-  blocks.reserve(count);
-  for (std::size_t i = 0; i < count; ++i) blocks.push_back(allocate(block_bytes));
-}  // the blocks return to the free list here; their slabs stay cached
+  REVIVA_CHECK_ARG(block_bytes <= std::numeric_limits<std::size_t>::max() / 2,
+                   "PinnedHostPool::reserve: ", block_bytes, " bytes is not a plausible size");
+  const std::size_t size = round_up(block_bytes, options_.alignment);
+  const std::size_t slab_bytes = std::max(options_.slab_bytes, round_up(size, kSlabGranularity));
+  process_pending();
+  // Blocks of `size` the free list can give, slabs other threads are pinning, and allocations
+  // served since this call began (by other threads, from these slabs or their own): what is
+  // still missing.
+  auto missing = [&, start = stats().allocations]() {  // requires mutex
+    std::size_t have = impl_->stats.allocations - start;
+    for (const PoolBlock* b : impl_->free_blocks) have += b->size / size;
+    for (std::size_t landing : impl_->landing) have += landing / size;
+    return count > have ? count - have : 0;
+  };
+  // Each slab is free for allocations (Note [Slabs landing]) as soon as it is pinned.
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(impl_->mutex);
+      const std::size_t left = missing();
+      if (left == 0) return;
+      auto& st = impl_->stats;
+      if (options_.capacity_bytes != 0 && st.bytes_reserved + slab_bytes > options_.capacity_bytes)
+        throw OutOfMemory(detail::concat(
+            "pinned host pool: cannot reserve ", left, " more blocks of ", block_bytes,
+            " bytes: capacity ", options_.capacity_bytes, " bytes, reserved ", st.bytes_reserved));
+      st.bytes_reserved += slab_bytes;
+      st.peak_bytes_reserved = std::max(st.peak_bytes_reserved, st.bytes_reserved);
+      impl_->landing.insert(slab_bytes);
+    }
+    char* base = pin_slab(slab_bytes);
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    add_slab(base, slab_bytes);
+  }
+}
 
 PinnedBlock PinnedHostPool::allocate(std::size_t bytes) {
   REVIVA_CHECK_ARG(bytes > 0, "PinnedHostPool::allocate: bytes must be > 0");
@@ -265,10 +338,14 @@ PinnedBlock PinnedHostPool::allocate(std::size_t bytes) {
   for (int attempt = 0;; ++attempt) {
     std::size_t slab_bytes = 0;
     {
-      std::lock_guard<std::mutex> lock(impl_->mutex);
-      if (PoolBlock* b = impl_->take_best_fit(size)) {
-        impl_->note_allocated(b, bytes, /*hit=*/true);
-        return PinnedBlock(shared_from_this(), b, block_data(b), bytes);
+      std::unique_lock<std::mutex> lock(impl_->mutex);
+      for (;;) {
+        if (PoolBlock* b = impl_->take_best_fit(size)) {
+          impl_->note_allocated(b, bytes, /*hit=*/true);
+          return PinnedBlock(shared_from_this(), b, block_data(b), bytes);
+        }
+        if (impl_->landing.lower_bound(size) == impl_->landing.end()) break;
+        impl_->landed.wait(lock);  // Note [Slabs landing]
       }
       auto& st = impl_->stats;
       slab_bytes = std::max(options_.slab_bytes, round_up(size, kSlabGranularity));
@@ -278,6 +355,7 @@ PinnedBlock PinnedHostPool::allocate(std::size_t bytes) {
           st.bytes_reserved + slab_bytes <= options_.capacity_bytes) {
         st.bytes_reserved += slab_bytes;  // reserve before the backend call (Note above)
         st.peak_bytes_reserved = std::max(st.peak_bytes_reserved, st.bytes_reserved);
+        impl_->landing.insert(slab_bytes);
       } else {
         slab_bytes = 0;
       }
@@ -297,27 +375,9 @@ PinnedBlock PinnedHostPool::allocate(std::size_t bytes) {
                                        ", largest free block ", st.largest_free_block));
     }
 
-    char* base = nullptr;
-    try {
-      base = static_cast<char*>(backend_->allocate_pinned_host(slab_bytes));
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(impl_->mutex);
-      impl_->stats.bytes_reserved -= slab_bytes;
-      throw;
-    }
-
+    char* base = pin_slab(slab_bytes);
     std::lock_guard<std::mutex> lock(impl_->mutex);
-    auto slab = std::make_unique<PoolSlab>();
-    slab->base = base;
-    slab->size = slab_bytes;
-    auto* whole = new PoolBlock;
-    whole->slab = slab.get();
-    whole->size = slab_bytes;
-    whole->free = false;
-    slab->first = whole;
-    impl_->slabs.emplace(base, std::move(slab));
-    ++impl_->stats.slabs_allocated;
-    impl_->insert_free(whole);
+    add_slab(base, slab_bytes);
     PoolBlock* b = impl_->take_best_fit(size);
     REVIVA_ASSERT(b != nullptr, "a fresh slab of ", slab_bytes, " bytes must fit ", size);
     impl_->note_allocated(b, bytes, /*hit=*/false);

@@ -80,6 +80,21 @@ class REVIVA_API Backend {
   virtual DeviceMemoryInfo device_memory_info() = 0;
   virtual MemoryKind memory_kind(const void* ptr) = 0;
 
+  // --- virtual memory (the DeviceArena's mechanism) --------------------------------------------
+  // Physical device memory is mapped into reserved address ranges in multiples of this many
+  // bytes (2 MiB on current GPUs). 0: the device cannot (no virtual memory management).
+  virtual std::size_t vmm_granularity() = 0;
+  // Reserves `bytes` (a multiple of the granularity) of device address space, backed by nothing.
+  virtual void* reserve_address(std::size_t bytes) = 0;
+  // Gives back a reservation (exactly as reserved); nothing may be mapped in it any more.
+  virtual void release_address(void* ptr, std::size_t bytes) noexcept = 0;
+  // Backs [ptr, ptr + bytes) of a reservation (granule-aligned) with new physical memory that the
+  // device reads and writes. Throws OutOfMemory, naming the numbers, when the device has none.
+  virtual void map_memory(void* ptr, std::size_t bytes) = 0;
+  // Unmaps a range mapped by one map_memory call (exactly that range) and frees its memory. No
+  // work may use it any more: callers order this after the events of every stream that did.
+  virtual void unmap_memory(void* ptr, std::size_t bytes) noexcept = 0;
+
   // --- copies ----------------------------------------------------------------------------------
   // Asynchronous copy between any two of device / pinned host memory, ordered on `stream`.
   virtual void copy_async(void* dst, const void* src, std::size_t bytes, StreamHandle stream) = 0;
@@ -95,6 +110,8 @@ struct HostBackendOptions {
   // What device_memory_info() reports as total "device" memory (the host backend's device
   // memory is ordinary host memory). Lets budget logic be tested at any size.
   std::size_t simulated_device_bytes = std::size_t{16} << 30;
+  // Granularity of the simulated virtual memory mappings (a multiple of the page size).
+  std::size_t vmm_granularity = std::size_t{2} << 20;
 };
 
 // Threads play the role of streams; "device" memory is host memory. Always available.

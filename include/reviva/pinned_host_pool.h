@@ -102,9 +102,11 @@ class REVIVA_API PinnedHostPool : public std::enable_shared_from_this<PinnedHost
   // cap (or the system) cannot provide it even after waiting for pending frees and releasing
   // cached slabs.
   PinnedBlock allocate(std::size_t bytes);
-  // Pins `count` blocks of `block_bytes` now and returns them to the free list, so that later
-  // allocations of that size are cache hits. Pinning costs ~0.35 ms per MB (measured on the
-  // H200 host), and a pinned allocation can synchronize the device: reserve before compute runs.
+  // Pins what the free list lacks for `count` blocks of `block_bytes`, slab by slab, so that
+  // later allocations of that size are cache hits. Pinning costs ~0.35 ms per MB (measured on
+  // the H200 host), and a pinned allocation can synchronize the device: reserve before compute
+  // runs, or on another thread while it runs (an allocation meanwhile waits for a slab being
+  // pinned that would fit, rather than pin one more: Note [Slabs landing]).
   void reserve(std::size_t count, std::size_t block_bytes);
 
   // Moves pending blocks whose events have completed to the free list. Called by allocate();
@@ -131,6 +133,8 @@ class REVIVA_API PinnedHostPool : public std::enable_shared_from_this<PinnedHost
   struct Impl;
   PinnedHostPool(std::shared_ptr<Backend> backend, PinnedHostPoolOptions options);
   void release(detail::PoolBlock* block) noexcept;
+  char* pin_slab(std::size_t slab_bytes);
+  void add_slab(char* base, std::size_t slab_bytes);
   void record_use(detail::PoolBlock* block, std::shared_ptr<const Stream> stream);
   std::size_t block_capacity(const detail::PoolBlock* block) const noexcept;
 

@@ -3,6 +3,7 @@
 
 #include <reviva/backend.h>
 #include <reviva/device_allocator.h>
+#include <reviva/device_arena.h>
 #include <reviva/error.h>
 #include <reviva/eviction_policy.h>
 #include <reviva/kv_store.h>

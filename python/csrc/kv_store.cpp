@@ -1,13 +1,13 @@
-// reviva._C.KVStore: the core KVStore on torch tensors.
+// reviva._C.KVStore and reviva._C.DeviceArena: the core KVStore and its arena on torch tensors.
 //
-// Buffers (resident layers and staging slots) are torch tensors of shape
-// [capacity, batch, kv_heads, head_dim], token-major, on the runtime's device, allocated by the
-// caller so that they count against torch's allocator and its memory budget; the store keeps them
-// alive. Compute is torch's current stream on CUDA; on the host runtime acquire() waits for the
-// fill before returning, since torch computes on the CPU synchronously.
+// A layer's K/V is one token-major buffer [capacity, 2, batch, kv_heads, head_dim] (a row holds a
+// token's K then V) in the core's DeviceArena, outside torch's allocator. view() returns a tensor
+// over the first tokens of an acquired layer's buffer; the tensor keeps that memory mapped while
+// it lives (its deleter holds the arena buffer), so no view can outlive the memory it reads.
+// Compute is torch's current stream on CUDA; on the host runtime acquire() waits for the fill
+// before returning, since torch computes on the CPU synchronously.
 #include "runtime.h"
 
-#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -15,56 +15,104 @@ namespace py = pybind11;
 namespace reviva::python {
 namespace {
 
+py::dict arena_stats(DeviceArena& arena) {
+  const DeviceArenaStats s = arena.stats();
+  py::dict d;
+  d["granularity"] = s.granularity;
+  d["limit_bytes"] = s.limit_bytes;
+  d["mapped_bytes"] = s.mapped_bytes;
+  d["retiring_bytes"] = s.retiring_bytes;
+  d["peak_bytes"] = s.peak_bytes;
+  d["reserved_address_bytes"] = s.reserved_address_bytes;
+  d["buffers"] = s.buffers;
+  d["maps"] = s.maps;
+  d["unmaps"] = s.unmaps;
+  d["failed_maps"] = s.failed_maps;
+  d["reclaim_calls"] = s.reclaim_calls;
+  return d;
+}
+
+std::shared_ptr<DeviceArena> make_arena(const std::shared_ptr<Runtime>& rt,
+                                        std::size_t limit_bytes) {
+  REVIVA_CHECK_ARG(rt != nullptr, "DeviceArena: runtime is None");
+  DeviceArenaOptions o;
+  o.limit_bytes = limit_bytes;
+#if defined(REVIVA_TORCH_CUDA)
+  if (rt->is_cuda()) {
+    // The device is full: torch may hold cached blocks it does not use (the prefill working
+    // set, after prefill); give them back to the device and try the mapping again.
+    const c10::DeviceIndex device = rt->device().index();
+    o.reclaim = [device] {
+      const auto before = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+      const auto reserved = before.reserved_bytes[0].current;
+      const auto allocated = before.allocated_bytes[0].current;
+      if (reserved <= allocated) return false;
+      c10::cuda::CUDACachingAllocator::emptyCache();
+      return true;
+    };
+  }
+#endif
+  return DeviceArena::create(rt->backend(), o);
+}
+
 class PyKVStore {
  public:
-  PyKVStore(py::object engine, int num_layers, int64_t batch, int64_t kv_heads, int64_t head_dim,
-            py::object dtype, int64_t capacity_tokens, int prefetch_layers)
+  PyKVStore(py::object engine, std::shared_ptr<DeviceArena> arena, int num_layers, int64_t batch,
+            int64_t kv_heads, int64_t head_dim, py::object dtype, int64_t capacity_tokens,
+            int prefetch_layers)
       : rt_(runtime_of(engine)) {
+    REVIVA_CHECK_ARG(arena != nullptr, "KVStore: arena is None");
     REVIVA_CHECK_ARG(batch > 0 && kv_heads > 0 && head_dim > 0,
                      "KVStore: batch, kv_heads and head_dim must be > 0, got ", batch, ", ",
                      kv_heads, ", ", head_dim);
     REVIVA_CHECK_ARG(capacity_tokens > 0, "KVStore: capacity_tokens must be > 0, got ",
                      capacity_tokens);
+    REVIVA_CHECK_ARG(arena->backend().kind() == rt_->backend()->kind(),
+                     "KVStore: the arena belongs to another kind of device than the engine");
     dtype_ = torch::python::detail::py_object_to_dtype(dtype);
-    shape_ = {capacity_tokens, batch, kv_heads, head_dim};
+    row_ = {2, batch, kv_heads, head_dim};
+    std::size_t token_bytes = c10::elementSize(dtype_);
+    for (int64_t d : row_) {
+      REVIVA_CHECK_ARG(
+          !__builtin_mul_overflow(token_bytes, static_cast<std::size_t>(d), &token_bytes),
+          "KVStore: a token of batch ", batch, ", ", kv_heads, " heads of ", head_dim,
+          " overflows");
+    }
     KVStoreOptions o;
     o.num_layers = num_layers;
-    o.tensors_per_layer = 2;
-    o.token_bytes =
-        static_cast<std::size_t>(batch * kv_heads * head_dim) * c10::elementSize(dtype_);
+    o.token_bytes = token_bytes;
     o.capacity_tokens = static_cast<std::size_t>(capacity_tokens);
     o.prefetch_layers = prefetch_layers;
-    store_ = std::make_unique<KVStore>(engine_of(engine), o);
+    store_ = std::make_unique<KVStore>(engine_of(engine), std::move(arena), o);
   }
 
   ~PyKVStore() {
     py::gil_scoped_release release;
-    store_.reset();  // waits for copies touching the buffers before they are freed
+    store_.reset();  // waits for copies touching the buffers before they go back
   }
 
-  void make_resident(int layer, const torch::Tensor& k, const torch::Tensor& v) {
-    store_->make_resident(layer, {checked(k, "make_resident: k"), checked(v, "make_resident: v")});
-    keep(k, v);
-  }
-
-  void promote(int layer, const torch::Tensor& k, const torch::Tensor& v) {
-    store_->promote(layer, {checked(k, "promote: k"), checked(v, "promote: v")});
-    keep(k, v);
-  }
-
-  void add_slot(const torch::Tensor& k, const torch::Tensor& v) {
-    store_->add_slot({checked(k, "add_slot: k"), checked(v, "add_slot: v")});
-    keep(k, v);
-  }
-
-  std::pair<torch::Tensor, torch::Tensor> acquire(int layer) {
+  void acquire(int layer) {
     auto compute = rt_->compute_stream();
-    std::vector<void*> p = store_->acquire(layer, *compute);
+    store_->acquire(layer, *compute);
     if (!rt_->is_cuda()) {
       py::gil_scoped_release release;
       compute->synchronize();  // the fill has landed before torch reads on the CPU
     }
-    return {tensor_at(p[0]), tensor_at(p[1])};
+  }
+
+  // [tokens, 2, batch, kv_heads, head_dim] over the acquired layer's first `tokens` tokens.
+  torch::Tensor view(int layer, int64_t tokens) {
+    REVIVA_CHECK_ARG(tokens >= 0, "KVStore::view: tokens must be >= 0, got ", tokens);
+    const std::size_t mapped = store_->reserved_tokens(layer);
+    REVIVA_CHECK_ARG(static_cast<std::size_t>(tokens) <= mapped, "KVStore::view: ", tokens,
+                     " tokens of layer ", layer, " asked, ", mapped,
+                     " reserved (call reserve first)");
+    std::shared_ptr<ArenaBuffer> buffer = store_->buffer(layer);
+    std::vector<int64_t> shape{tokens};
+    shape.insert(shape.end(), row_.begin(), row_.end());
+    return torch::from_blob(
+        buffer->data(), shape, [buffer](void*) mutable { buffer.reset(); },
+        torch::TensorOptions().dtype(dtype_).device(rt_->device()));
   }
 
   void wrote(int layer, std::size_t first, std::size_t count) {
@@ -83,60 +131,68 @@ class PyKVStore {
     r["prefetched_fills"] = st.prefetched_fills;
     r["slot_hits"] = st.slot_hits;
     r["promotions"] = st.promotions;
+    r["promotion_failures"] = st.promotion_failures;
+    r["prefetches_without_memory"] = st.prefetches_without_memory;
     r["bytes_to_device"] = st.bytes_to_device;
     r["bytes_to_host"] = st.bytes_to_host;
     r["compute_stall_ms"] = st.compute_stall_ms;
     r["stalls"] = st.stalls;
     r["host_bytes"] = st.host_bytes;
+    r["device_bytes"] = st.device_bytes;
+    r["peak_device_bytes"] = st.peak_device_bytes;
     return r;
   }
 
   KVStore& store() { return *store_; }
-  std::vector<int64_t> buffer_shape() const { return shape_; }
 
  private:
-  void* checked(const torch::Tensor& t, const char* what) const {
-    check_on_runtime_device(*rt_, t, what);
-    REVIVA_CHECK_ARG(t.sizes().vec() == shape_, "KVStore::", what, ": expected shape ",
-                     c10::IntArrayRef(shape_), ", got a ", describe(t));
-    REVIVA_CHECK_ARG(t.scalar_type() == dtype_, "KVStore::", what, ": expected dtype ",
-                     c10::toString(dtype_), ", got a ", describe(t));
-    return t.data_ptr();
-  }
-
-  void keep(const torch::Tensor& k, const torch::Tensor& v) {
-    buffers_[k.data_ptr()] = k;
-    buffers_[v.data_ptr()] = v;
-  }
-
-  // The kept tensor whose memory starts at `p` (every buffer the core returns is one of them).
-  torch::Tensor tensor_at(void* p) const {
-    auto it = buffers_.find(p);
-    REVIVA_ASSERT(it != buffers_.end(), "KVStore returned a buffer the binding does not hold");
-    return it->second;
-  }
-
   std::shared_ptr<Runtime> rt_;
   torch::ScalarType dtype_;
-  std::vector<int64_t> shape_;
-  std::unordered_map<void*, torch::Tensor> buffers_;  // resident layers' and slots' buffers
-  std::unique_ptr<KVStore> store_;                    // last: destroyed first, before the buffers
+  std::vector<int64_t> row_;  // [2, batch, kv_heads, head_dim]
+  std::unique_ptr<KVStore> store_;
 };
 
 }  // namespace
 
 void bind_kv_store(py::module_& m) {
+  py::class_<DeviceArena, std::shared_ptr<DeviceArena>>(
+      m, "DeviceArena",
+      "Reviva's own device memory: buffers backed by memory mapped in granules as they grow, "
+      "given back to the device after their last use (see include/reviva/device_arena.h)")
+      .def(py::init(&make_arena), py::arg("runtime"), py::arg("limit_bytes") = 0)
+      .def("stats", &arena_stats)
+      .def("reclaim", &DeviceArena::reclaim, py::arg("wait") = true,
+           py::call_guard<py::gil_scoped_release>())
+      .def("reset_peak", &DeviceArena::reset_peak)
+      .def_property("limit_bytes", &DeviceArena::limit_bytes, &DeviceArena::set_limit_bytes)
+      .def_property_readonly("granularity", &DeviceArena::granularity);
+
   py::class_<PyKVStore>(m, "KVStore",
                         "A decoder's K/V cache: resident layers and layers streamed from pinned "
                         "host memory through staging slots (see include/reviva/kv_store.h)")
-      .def(py::init<py::object, int, int64_t, int64_t, int64_t, py::object, int64_t, int>(),
-           py::arg("engine"), py::arg("num_layers"), py::arg("batch"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("dtype"), py::arg("capacity_tokens"),
+      .def(py::init<py::object, std::shared_ptr<DeviceArena>, int, int64_t, int64_t, int64_t,
+                    py::object, int64_t, int>(),
+           py::arg("engine"), py::arg("arena"), py::arg("num_layers"), py::arg("batch"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("capacity_tokens"),
            py::arg("prefetch_layers") = 2)
-      .def("make_resident", &PyKVStore::make_resident, py::arg("layer"), py::arg("k"), py::arg("v"))
-      .def("promote", &PyKVStore::promote, py::arg("layer"), py::arg("k"), py::arg("v"))
-      .def("add_slot", &PyKVStore::add_slot, py::arg("k"), py::arg("v"))
+      .def("make_resident", [](PyKVStore& s, int layer) { s.store().make_resident(layer); })
+      .def(
+          "promote",
+          [](PyKVStore& s, int layer) {
+            py::gil_scoped_release release;
+            return s.store().promote(layer);
+          },
+          py::arg("layer"))
+      .def("add_slot", [](PyKVStore& s) { s.store().add_slot(); })
       .def("acquire", &PyKVStore::acquire, py::arg("layer"))
+      .def(
+          "reserve",
+          [](PyKVStore& s, int layer, std::size_t tokens) {
+            py::gil_scoped_release release;
+            s.store().reserve(layer, tokens);
+          },
+          py::arg("layer"), py::arg("tokens"))
+      .def("view", &PyKVStore::view, py::arg("layer"), py::arg("tokens"))
       .def("wrote", &PyKVStore::wrote, py::arg("layer"), py::arg("first"), py::arg("count"))
       .def("release", &PyKVStore::release, py::arg("layer"))
       .def("length", [](PyKVStore& s, int layer) { return s.store().length(layer); })
@@ -152,8 +208,13 @@ void bind_kv_store(py::module_& m) {
              py::gil_scoped_release release;
              s.store().clear();
            })
-      .def_property_readonly("buffer_shape", &PyKVStore::buffer_shape)
-      .def_property_readonly("buffer_bytes", [](PyKVStore& s) { return s.store().buffer_bytes(); });
+      .def("close",
+           [](PyKVStore& s) {
+             py::gil_scoped_release release;
+             s.store().close();
+           })
+      .def_property_readonly("closed", [](PyKVStore& s) { return s.store().closed(); })
+      .def_property_readonly("layer_bytes", [](PyKVStore& s) { return s.store().layer_bytes(); });
 }
 
 }  // namespace reviva::python

@@ -36,7 +36,11 @@ class Runtime {
                             "' needs a CUDA build of both torch and Reviva; this build has none");
 #endif
     } else if (td.is_cpu()) {
-      backend_ = make_host_backend();
+      // Small mapping granules: the tiny models of the CPU tests keep their real proportions
+      // of K/V to working set (2 MiB granules would dwarf a layer's K/V there).
+      HostBackendOptions options;
+      options.vmm_granularity = std::size_t{64} << 10;
+      backend_ = make_host_backend(options);
       device_ = torch::Device(torch::kCPU);
       host_compute_ = std::make_shared<const Stream>(backend_);
     } else {

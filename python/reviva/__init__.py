@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch  # noqa: F401
 
 from reviva._C import (  # noqa: F401  (re-exported API)
+    DeviceArena,
     KVStore,
     OffloadedTensor,
     OffloadManager,
@@ -26,6 +27,12 @@ from reviva._C import (  # noqa: F401  (re-exported API)
 )
 from reviva._C import version as _core_version
 from reviva.config import RevivaConfig
+from reviva.resources import (
+    device_resources,
+    pinned_memory_stats,
+    release_pinned_memory,
+    set_pinned_memory_limit,
+)
 from reviva.sizes import parse_bytes
 from reviva.training import ActivationOffload, offload_activations
 
@@ -47,6 +54,11 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "ActivationOffload",
+    "DeviceArena",
+    "device_resources",
+    "pinned_memory_stats",
+    "release_pinned_memory",
+    "set_pinned_memory_limit",
     "offload_activations",
     "KVStore",
     "OffloadedTensor",

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from reviva.sizes import parse_bytes
 
 _OFFLOAD_DEVICES = ("cpu", "disk")
+_MIN_BARE_BUDGET = 1 << 20  # a smaller bare number is a unit forgotten
+_MAX_PREFETCH = 256
 
 
 @dataclass(frozen=True)
@@ -18,8 +20,11 @@ class RevivaConfig:
     """Limits and knobs of a RevivaManager.
 
     vram_threshold: fraction of the device's total memory Reviva's work may hold (0 < x <= 1).
-    vram_budget:    absolute budget ("24GB", "20GiB" or bytes); wins over vram_threshold.
-    prefetch_layers: layers kept in flight ahead of compute (>= 0), or "auto" (adaptive).
+    vram_budget:    absolute budget ("24GB", "20GiB", or bytes: a bare number of at least 1 MiB,
+                    since a smaller one is a forgotten unit); wins over
+                    vram_threshold. Either is capped by what the device can give at each call.
+    prefetch_layers: streamed layers kept in flight ahead of compute (0 to 256; at most the
+                    model's layers are used).
     offload_device: where offloaded K/V and activations go: "cpu" (pinned host memory).
                     "disk" is reserved for the disk tier and not available yet.
     pin_memory:     use pinned host memory (True); pageable memory copies at a third of the speed.
@@ -34,7 +39,7 @@ class RevivaConfig:
 
     vram_threshold: float = 0.8
     vram_budget: int | str | None = None
-    prefetch_layers: int | str = 2
+    prefetch_layers: int = 2
     offload_device: str = "cpu"
     pin_memory: bool = True
     host_memory: int | str | None = None
@@ -49,9 +54,19 @@ class RevivaConfig:
             budget = parse_bytes(self.vram_budget)
             if budget <= 0:
                 raise ValueError(f"vram_budget must be > 0 bytes, got {self.vram_budget!r}")
+            if not isinstance(self.vram_budget, str) and budget < _MIN_BARE_BUDGET:
+                raise ValueError(
+                    f"vram_budget={self.vram_budget!r} is {budget} bytes (a bare number is "
+                    "bytes): write a unit, e.g. '24GB', or at least 1 MiB as a number"
+                )
         p = self.prefetch_layers
-        if not (p == "auto" or (isinstance(p, int) and not isinstance(p, bool) and p >= 0)):
-            raise ValueError(f"prefetch_layers must be an int >= 0 or 'auto', got {p!r}")
+        if p == "auto":
+            raise ValueError(
+                "prefetch_layers='auto' is not available: the K/V window is fixed per call; give "
+                "an int (2 is the default, measured to keep PCIe busy on the H200)"
+            )
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= _MAX_PREFETCH:
+            raise ValueError(f"prefetch_layers must be an int in [0, {_MAX_PREFETCH}], got {p!r}")
         if self.offload_device not in _OFFLOAD_DEVICES:
             raise ValueError(
                 f"offload_device must be one of {_OFFLOAD_DEVICES}, got {self.offload_device!r}"
@@ -83,7 +98,3 @@ class RevivaConfig:
     def host_memory_bytes(self) -> int:
         """The pinned host memory cap in bytes; 0 means no cap."""
         return 0 if self.host_memory is None else parse_bytes(self.host_memory)
-
-    @property
-    def adaptive_prefetch(self) -> bool:
-        return self.prefetch_layers == "auto"

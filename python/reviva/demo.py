@@ -12,6 +12,7 @@ same tokens, bf16 the same first-token logits within 1e-2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,7 @@ def _model(shape: DemoShape, device: str) -> torch.nn.Module:
 
 def run_demo(args: argparse.Namespace) -> int:
     import reviva
+    from reviva.planner import device_state, smallest_budget
     from reviva.timing import GenerationTimer
 
     cuda = torch.cuda.is_available() and reviva.cuda_available()
@@ -113,16 +115,22 @@ def run_demo(args: argparse.Namespace) -> int:
     # chunks) and half of the K/V, so that about half the layers stream through prefill and
     # decode alike (little memory frees up after prefill to promote them).
     small = reviva.RevivaConfig(chunk_tokens=1024 if on_gpu else 256, prefill_attention="chunked")
-    probe = reviva.RevivaManager(model, small).plan(1, shape.prompt, shape.new_tokens)
+    sizing = reviva.RevivaManager(model, small)
+    probe = sizing.plan(1, shape.prompt, shape.new_tokens)
     half = probe.num_layers // 2
-    need = probe.baseline + probe.working_set - probe.margin + 8 * 2**20
-    budget = int((need + half * probe.layer_kv_bytes) / 0.98)
-    config = reviva.RevivaConfig(
-        vram_budget=budget, chunk_tokens=small.chunk_tokens, prefill_attention="chunked"
+    budget = smallest_budget(
+        sizing.layout,
+        small,
+        device_state(sizing.layout, sizing.arena),
+        1,
+        shape.prompt,
+        shape.new_tokens,
+        lambda p: len(p.resident_layers) + p.slots >= half,
     )
+    del sizing
+    config = dataclasses.replace(small, vram_budget=budget)
     manager = reviva.RevivaManager(model, config)
-    manager.prepare(1, shape.prompt, shape.new_tokens)  # pin the host copies before timing
-    timer.begin()
+    timer.begin()  # the manager's first call: its host copies are pinned while prefill runs
     out = manager.generate(ids, streamer=timer, **kwargs)
     st = manager.get_memory_stats()
     new_plain, new_out = plain.sequences[:, shape.prompt :], out.sequences[:, shape.prompt :]

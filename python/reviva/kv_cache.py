@@ -1,22 +1,27 @@
 """RevivaCache: a HuggingFace `Cache` whose layers live in a Reviva KVStore.
 
-Each layer's K and V are token-major buffers [capacity, batch, kv_heads, head_dim] (a new token is
-one contiguous row, so it is appended and copied out alone). Resident layers keep their buffers on
-the device; the others live in pinned host memory and are streamed through staging slots, filled
-`prefetch_layers` ahead of use by the core (reviva._C.KVStore). `update` returns views of the
-buffers in HF's [batch, kv_heads, tokens, head_dim] layout; for batch 1 they are exactly the
-layout flash attention reads, so nothing is copied or expanded to attend.
+A layer's K/V is one token-major buffer [capacity, 2, batch, kv_heads, head_dim] in the core's
+device arena (a new token is one contiguous row, so it is appended and copied out alone; memory
+is mapped as tokens arrive). Resident layers keep their buffers on the device; the others live
+in pinned host memory and are streamed through staging slots, filled `prefetch_layers` ahead of
+use by the core (reviva._C.KVStore). `update` returns views of the buffers in HF's [batch,
+kv_heads, tokens, head_dim] layout; for batch 1 they are exactly the layout flash attention
+reads, so nothing is copied or expanded to attend.
 
 The decoder-layer wrappers of RevivaManager acquire a layer before its forward and release it
-after; `update` appends into the acquired buffers.
+after; `update` appends into the acquired buffer. One cache serves one generate call: the
+manager closes it before generate returns, which gives its device memory back (`close`). Its
+layers reach it through a weak reference, so that nothing keeps a cache alive in a cycle.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from reviva._C import KVStore
+from reviva._C import DeviceArena, KVStore, TransferEngine
 
 
 class RevivaCacheLayer(CacheLayerMixin):
@@ -28,9 +33,16 @@ class RevivaCacheLayer(CacheLayerMixin):
 
     def __init__(self, cache: RevivaCache, layer_idx: int) -> None:
         super().__init__()
-        self._cache = cache
+        self._cache_ref = weakref.ref(cache)
         self._layer_idx = layer_idx
         self.is_initialized = True
+
+    @property
+    def _cache(self) -> RevivaCache:
+        cache = self._cache_ref()
+        if cache is None:
+            raise RuntimeError("RevivaCacheLayer: its RevivaCache is gone")
+        return cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
@@ -39,7 +51,7 @@ class RevivaCacheLayer(CacheLayerMixin):
         return self._cache.append(self._layer_idx, key_states, value_states)
 
     def get_seq_length(self) -> int:
-        return self._cache.store.length(self._layer_idx)
+        return self._cache.get_seq_length(self._layer_idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -71,13 +83,13 @@ class RevivaCache(Cache):
 
     def __init__(
         self,
-        engine: object,
+        engine: TransferEngine,
+        arena: DeviceArena,
         num_layers: int,
         batch: int,
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
-        device: torch.device,
         capacity: int,
         resident_layers: list[int],
         slots: int,
@@ -87,54 +99,58 @@ class RevivaCache(Cache):
         self.capacity = capacity
         self.batch = batch
         self.store = KVStore(
-            engine, num_layers, batch, kv_heads, head_dim, dtype, capacity, prefetch_layers
+            engine, arena, num_layers, batch, kv_heads, head_dim, dtype, capacity, prefetch_layers
         )
-        self._shape = (capacity, batch, kv_heads, head_dim)
-        self._dtype, self._device = dtype, device
         for layer in resident_layers:
-            self.store.make_resident(layer, *self._new_buffers())
+            self.store.make_resident(layer)
         for _ in range(slots):
-            self.store.add_slot(*self._new_buffers())
-        self._acquired: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            self.store.add_slot()
+        self._acquired: set[int] = set()
 
-    def promote(self, layer_idx: int) -> None:
-        """Makes a streamed layer resident (device memory freed up, e.g. after prefill)."""
-        self.store.promote(layer_idx, *self._new_buffers())
+    def promote(self, layer_idx: int) -> bool:
+        """Makes a streamed layer resident (device memory freed up, e.g. after prefill); False
+        when the device has no memory for it (it stays streamed)."""
+        return self.store.promote(layer_idx)
 
-    def _new_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V buffers of one layer, token-major, on the device."""
-        k = torch.empty(self._shape, dtype=self._dtype, device=self._device)
-        return k, torch.empty_like(k)
+    def close(self) -> None:
+        """Waits for the cache's copies and gives its device memory and pinned host copies back
+        (device memory after compute's last use). Idempotent; the cache is unusable after."""
+        self._acquired.clear()
+        self.store.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.store.closed
 
     # --- used by the layer wrappers --------------------------------------------------------------
 
-    def acquire(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's buffers, holding its tokens so far, for compute from now until release."""
-        kv = self.store.acquire(layer_idx)
-        self._acquired[layer_idx] = kv
-        return kv
+    def acquire(self, layer_idx: int) -> None:
+        """The layer's buffer holds its tokens so far for compute from now until release."""
+        self.store.acquire(layer_idx)
+        self._acquired.add(layer_idx)
 
     def release(self, layer_idx: int) -> None:
-        self._acquired.pop(layer_idx)
+        self._acquired.discard(layer_idx)
         self.store.release(layer_idx)
 
     def write(self, layer_idx: int, first: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Writes tokens [first, first + n) of key/value ([batch, kv_heads, n, head_dim])."""
-        k_buf, v_buf = self._acquired[layer_idx]
         n = key.shape[2]
         if first + n > self.capacity:
             raise ValueError(
                 f"RevivaCache: {first + n} tokens exceed the capacity of {self.capacity} tokens "
                 "(prompt + max_new_tokens) planned for this generate call"
             )
-        k_buf[first : first + n].copy_(key.permute(2, 0, 1, 3))
-        v_buf[first : first + n].copy_(value.permute(2, 0, 1, 3))
+        self.store.reserve(layer_idx, first + n)
+        rows = self.store.view(layer_idx, first + n)[first:]
+        rows[:, 0].copy_(key.permute(2, 0, 1, 3))
+        rows[:, 1].copy_(value.permute(2, 0, 1, 3))
         self.store.wrote(layer_idx, first, n)
 
     def view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The acquired layer's first `length` tokens, [batch, kv_heads, length, head_dim]."""
-        k_buf, v_buf = self._acquired[layer_idx]
-        return k_buf[:length].permute(1, 2, 0, 3), v_buf[:length].permute(1, 2, 0, 3)
+        """The acquired layer's first `length` tokens: K and V, [batch, kv_heads, length, D]."""
+        rows = self.store.view(layer_idx, length)
+        return rows[:, 0].permute(1, 2, 0, 3), rows[:, 1].permute(1, 2, 0, 3)
 
     def append(
         self, layer_idx: int, key: torch.Tensor, value: torch.Tensor

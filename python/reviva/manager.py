@@ -1,12 +1,14 @@
 """RevivaManager: long-context generation with a HuggingFace causal LM under a device budget.
 
-Prefill runs layer by layer over the whole prompt in token chunks (projections, attention of the
-chunk's queries against the keys so far, MLP), writing each layer's K/V into a RevivaCache: layers
-that fit stay resident, the others leave for pinned host memory chunk by chunk while compute goes
-on. Decode runs HF's own decoder layers; the cache hands each layer its K/V, streamed ones filled
-`prefetch_layers` ahead, and appends the new token to the host copy alone. Everything plugs in
-through a `Cache` and per-instance `forward` wrappers of the decoder layers and the final norm, so
-`model.generate` keeps its logits processors, sampling, stopping criteria and streamers.
+Prefill runs layer by layer over the whole prompt in token chunks (reviva.llama_layer), writing
+each layer's K/V into a RevivaCache: layers that fit stay resident, the others leave for pinned
+host memory chunk by chunk while compute goes on. Decode runs HF's own decoder layers (or
+Reviva's own attention call on CUDA in half precision); the cache hands each layer its K/V,
+streamed ones filled `prefetch_layers` ahead, and appends the new token to the host copy alone.
+Everything plugs in through a `Cache` and per-instance `forward` wrappers of the decoder layers
+and the final norm, so `model.generate` keeps its logits processors, sampling, stopping criteria
+and streamers. The plan of each call comes from reviva.planner, against what the device can give
+at that moment; the call gives its device memory back before it returns, whatever happens.
 
     manager = RevivaManager(model, RevivaConfig(vram_budget="24GB"))
     out = manager.generate(input_ids, max_new_tokens=64)
@@ -17,53 +19,29 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
+import threading
 import time
-from dataclasses import dataclass
+import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reviva._C import PinnedHostPool, RevivaOutOfMemoryError, Runtime, TransferEngine
 from reviva.adapters import DecoderLayout, inspect_model
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
-from reviva.sizes import format_bytes as _fmt
+from reviva.llama_layer import LlamaLayerPath
+from reviva.planner import Plan, budget_for, device_state, make_plan, spread
+from reviva.resources import device_resources
 
 log = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _MISSING = object()
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one generate call uses the budget (all figures in bytes)."""
-
-    budget: int
-    baseline: int  # held before the call (weights, buffers)
-    batch: int
-    prompt_tokens: int
-    capacity: int  # prompt + new tokens
-    chunk_tokens: int
-    # Attention over the whole prompt in one call (queries and output held whole) while the
-    # projections and the MLP go by chunks; else attention by query chunks too.
-    whole_attention: bool
-    layer_kv_bytes: int  # K and V of one layer at full capacity
-    working_set: int  # estimated transient peak (prefill or decode), margin included
-    decode_working_set: int  # the same for decode alone (after prefill), margin included
-    margin: int  # part of the working set kept for allocator rounding and fragmentation
-    num_layers: int
-    resident_layers: tuple[int, ...]
-    slots: int
-    prefetch_layers: int
-
-    @property
-    def streamed_layers(self) -> int:
-        return self.num_layers - len(self.resident_layers)
+# Which manager has wrapped a model's layers: a second one on the same model (in this thread or
+# another) is refused rather than left to interleave its wrappers with the first's.
+_WRAPPED_BY = "_reviva_wrapped_by"
+_WRAP_LOCK = threading.Lock()
 
 
 class RevivaManager:
@@ -85,15 +63,23 @@ class RevivaManager:
         device = self.layout.device
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"RevivaManager: model on unsupported device {device}")
-        self.runtime = Runtime(str(device))
-        self.pool = PinnedHostPool(self.runtime, config.host_memory_bytes())
-        self.engine = TransferEngine(self.runtime, self.pool)
+        self.resources = device_resources(device)
+        self.runtime = self.resources.runtime
+        self.pool = self.resources.pool
+        self.engine = self.resources.engine
+        self.arena = self.resources.arena
+        self.layers = LlamaLayerPath(self.layout)
         self._saved_forwards: dict[int, tuple[nn.Module, Any]] = {}
         self._entered = 0
+        self._owner: int | None = None  # the thread inside `with manager:`
+        self._generate_lock = threading.Lock()
         self._cache: RevivaCache | None = None
         self._plan: Plan | None = None
         self._phase: dict[str, Any] = {}
         self._last_stats: dict[str, Any] = {}
+        # Layers return new tensors instead of updating the hidden states in place, when HF
+        # records each layer's output (output_hidden_states): else every entry aliases one.
+        self._copy_hidden = False
         # Decode with Reviva's own attention call where a fused kernel reads the cache's layout
         # in place (CUDA, half precision); elsewhere HF's layers run unchanged (exact numbers).
         self._own_decode = device.type == "cuda" and self.layout.dtype in (
@@ -104,20 +90,42 @@ class RevivaManager:
     # --- enabling and restoring ------------------------------------------------------------------
 
     def __enter__(self) -> RevivaManager:
+        me = threading.get_ident()
+        if self._entered and self._owner != me:
+            raise RuntimeError(
+                "RevivaManager: already entered in another thread; use one manager per thread "
+                "(generate on one manager from several threads is serialized)"
+            )
         if self._entered == 0:
             self._install()
+            self._owner = me
         self._entered += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._entered -= 1
         if self._entered == 0:
+            self._owner = None
             self._restore()
 
     def _install(self) -> None:
-        for i, layer in enumerate(self.layout.layers):
-            self._wrap(layer, self._make_layer_forward(i, layer))
-        self._wrap(self.layout.final_norm, self._make_norm_forward(self.layout.final_norm))
+        model = self.layout.model
+        with _WRAP_LOCK:
+            holder = model.__dict__.get(_WRAPPED_BY)
+            if holder is not None and holder() is not None and holder() is not self:
+                raise RuntimeError(
+                    "RevivaManager: this model's layers are wrapped by another RevivaManager "
+                    "right now (two managers on one model would interleave their wrappers); "
+                    "use one manager per model"
+                )
+            model.__dict__[_WRAPPED_BY] = weakref.ref(self)
+        try:
+            for i, layer in enumerate(self.layout.layers):
+                self._wrap(layer, self._make_layer_forward(i, layer))
+            self._wrap(self.layout.final_norm, self._make_norm_forward(self.layout.final_norm))
+        except BaseException:
+            self._restore()
+            raise
 
     def _wrap(self, module: nn.Module, forward: Any) -> None:
         # An instance attribute shadows the class's forward; restoring puts back exactly what
@@ -128,10 +136,14 @@ class RevivaManager:
     def _restore(self) -> None:
         for module, saved in self._saved_forwards.values():
             if saved is _MISSING:
-                del module.forward
+                module.__dict__.pop("forward", None)
             else:
                 module.forward = saved
         self._saved_forwards.clear()
+        with _WRAP_LOCK:
+            holder = self.layout.model.__dict__.get(_WRAPPED_BY)
+            if holder is not None and holder() in (self, None):
+                del self.layout.model.__dict__[_WRAPPED_BY]
 
     # --- the wrappers ----------------------------------------------------------------------------
 
@@ -142,8 +154,10 @@ class RevivaManager:
             cache = kwargs.get("past_key_values")
             if cache is not self._cache or cache is None:
                 return original(hidden_states, *args, **kwargs)
+            if self._copy_hidden:
+                hidden_states = hidden_states.clone()
             if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
-                return self._prefill_layer(i, layer, hidden_states, kwargs)
+                return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
             if i == 0:
                 self._mark_decode_step()
             if (
@@ -151,7 +165,9 @@ class RevivaManager:
                 and kwargs.get("attention_mask") is None
                 and "position_embeddings" in kwargs
             ):
-                return self._decode_layer(i, layer, hidden_states, kwargs)
+                if i == 0:
+                    self._phase["own_decode_steps"] = self._phase.get("own_decode_steps", 0) + 1
+                return self.layers.decode(cache, i, layer, hidden_states, kwargs)
             cache.acquire(i)
             try:
                 return original(hidden_states, *args, **kwargs)
@@ -182,162 +198,19 @@ class RevivaManager:
 
         return forward
 
-    def _prefill_layer(
-        self, i: int, layer: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]
-    ) -> torch.Tensor:
-        """One decoder layer over the whole prompt, by token chunks, in place on `h`."""
-        if torch.is_grad_enabled():
-            raise RuntimeError("RevivaManager prefill runs under torch.no_grad() (generate does)")
-        cache = self._cache
-        assert cache is not None and self._plan is not None
-        attn = layer.self_attn
-        mask = kwargs.get("attention_mask")
-        if "position_embeddings" not in kwargs:
-            raise ValueError(
-                "RevivaManager: the decoder layer was called without position_embeddings "
-                "(the Llama layout passes them from model.model.rotary_emb)"
-            )
-        cos, sin = kwargs["position_embeddings"]
-        whole = self._plan.chunk_tokens >= h.shape[1]
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
-        if (whole or self._plan.whole_attention) and interface is None:
-            raise ValueError(
-                f"RevivaManager: attention implementation {attn.config._attn_implementation!r} "
-                "is not registered with transformers"
-            )
-        cache.acquire(i)
-        try:
-            if whole or not self._plan.whole_attention:
-                self._prefill_fused(i, layer, h, cos, sin, mask, interface)
-            else:
-                self._prefill_whole_attention(i, layer, h, cos, sin, mask, interface)
-        finally:
-            cache.release(i)
-        return h
-
-    def _qkv(
-        self,
-        layer: nn.Module,
-        h: torch.Tensor,
-        s: int,
-        e: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys (both with RoPE) and values of tokens [s, e), [B, heads, n, D]."""
-        attn = layer.self_attn
-        x = layer.input_layernorm(h[:, s:e])
-        shape = (h.shape[0], e - s, -1, self.layout.head_dim)
-        q = attn.q_proj(x).view(shape)
-        k = attn.k_proj(x).view(shape)
-        if hasattr(attn, "q_norm"):
-            q = attn.q_norm(q)
-        if hasattr(attn, "k_norm"):
-            k = attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        q, k = self.layout.apply_rotary_pos_emb(q, k, cos[:, s:e], sin[:, s:e])
-        return q, k, v
-
-    def _finish(self, layer: nn.Module, h: torch.Tensor, s: int, e: int, out: torch.Tensor) -> None:
-        """o_proj of the attention output [B, n, heads, D], residual, MLP: h[:, s:e] in place."""
-        o = layer.self_attn.o_proj(out.reshape(h.shape[0], e - s, -1))
-        r = h[:, s:e] + o
-        h[:, s:e] = r + layer.mlp(layer.post_attention_layernorm(r))
-
-    def _attend_hf(self, attn: nn.Module, q, k, v, mask, interface) -> torch.Tensor:  # noqa: ANN001
-        # Exactly HF's call (same function, same arguments): the same numbers.
-        out, _ = interface(
-            attn,
-            q,
-            k,
-            v,
-            mask,
-            dropout=0.0,
-            scaling=attn.scaling,
-            sliding_window=getattr(attn, "sliding_window", None),
-        )
-        return out
-
-    def _prefill_fused(self, i, layer, h, cos, sin, mask, interface) -> None:  # noqa: ANN001
-        """Chunk by chunk: a chunk's queries attend to the keys of all tokens up to its end, which
-        this and earlier chunks have written, so one pass suffices and a chunk's input rows are
-        dead once its output is written."""
-        tokens, chunk = h.shape[1], self._plan.chunk_tokens
-        for s in range(0, tokens, chunk):
-            e = min(tokens, s + chunk)
-            whole = s == 0 and e == tokens
-            self._rows(i, layer, h, s, e, s, cos, sin, mask, interface if whole else None)
-
-    def _rows(self, i, layer, h, s, e, first, cos, sin, mask, interface) -> None:  # noqa: ANN001
-        """Rows [s, e) of h are tokens [first, first + e - s): their projections, their K/V into
-        the cache, their attention to every token up to the last of them, o_proj and the MLP, in
-        place. With `interface`, attention is HF's own call (the whole prompt at once: the same
-        numbers as HF); else Reviva's bottom-right causal call on the cache's layout."""
-        q, k, v = self._qkv(layer, h, s, e, cos, sin)
-        last = first + e - s
-        self._cache.write(i, first, k, v)
-        k_all, v_all = self._cache.view(i, last)
-        if interface is not None:
-            out = self._attend_hf(layer.self_attn, q, k_all, v_all, mask, interface)
-        else:
-            out = _chunk_attention(q, k_all, v_all, mask, first, last, layer.self_attn.scaling)
-            out = out.transpose(1, 2)
-        self._finish(layer, h, s, e, out)
-
-    def _prefill_whole_attention(self, i, layer, h, cos, sin, mask, interface) -> None:  # noqa: ANN001
-        """Projections by chunks into whole-prompt queries and the cache, one attention call
-        over the prompt, then o_proj and the MLP by chunks."""
-        cache = self._cache
-        tokens, chunk = h.shape[1], self._plan.chunk_tokens
-        lay = self.layout
-        q_all = torch.empty(
-            h.shape[0], lay.num_heads, tokens, lay.head_dim, dtype=h.dtype, device=h.device
-        )
-        for s in range(0, tokens, chunk):
-            e = min(tokens, s + chunk)
-            q, k, v = self._qkv(layer, h, s, e, cos, sin)
-            cache.write(i, s, k, v)
-            q_all[:, :, s:e] = q
-        k_all, v_all = cache.view(i, tokens)
-        out = self._attend_hf(layer.self_attn, q_all, k_all, v_all, mask, interface)
-        del q_all
-        for s in range(0, tokens, chunk):
-            e = min(tokens, s + chunk)
-            self._finish(layer, h, s, e, out[:, s:e])
-
-    def _decode_layer(
-        self, i: int, layer: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]
-    ) -> torch.Tensor:
-        """A decode step of one layer with Reviva's own attention call: the new tokens' queries
-        against the cache's token-major K/V, grouped heads read in place (no concatenation, no
-        expansion). Used on CUDA in half precision without a padding mask."""
-        cache = self._cache
-        past = cache.get_seq_length(i)
-        cos, sin = kwargs["position_embeddings"]
-        if i == 0:
-            self._phase["own_decode_steps"] = self._phase.get("own_decode_steps", 0) + 1
-        cache.acquire(i)
-        try:
-            self._rows(i, layer, h, 0, h.shape[1], past, cos, sin, None, None)
-        finally:
-            cache.release(i)
-        return h
-
     def _promote_after_prefill(self) -> None:
-        """Prefill's working set is gone: streamed layers that now fit become resident."""
+        """Prefill's working set is gone: streamed layers that now fit become resident. A layer
+        the device cannot take now (another part of the process holds the memory) stays
+        streamed; the stats count it."""
         plan, cache = self._plan, self._cache
         if plan is None or cache is None or plan.streamed_layers == 0:
             return
-        held = (len(plan.resident_layers) + plan.slots) * plan.layer_kv_bytes
-        room = plan.budget - plan.baseline - plan.decode_working_set - held
-        count = min(max(room, 0) // plan.layer_kv_bytes, plan.streamed_layers)
+        count = plan.promotable_layers()
         if count <= 0:
             return
         streamed = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
-        for k in _spread(int(count), len(streamed)):
-            cache.promote(streamed[k])
-        log.info("reviva: %d streamed layers promoted to resident after prefill", count)
+        promoted = sum(cache.promote(streamed[k]) for k in spread(int(count), len(streamed)))
+        log.info("reviva: %d of %d planned promotions after prefill", promoted, count)
 
     # --- phases ----------------------------------------------------------------------------------
 
@@ -354,148 +227,81 @@ class RevivaManager:
             self._promote_after_prefill()
         self._phase["decode_steps"] = self._phase.get("decode_steps", 0) + 1
 
-    def _elapsed_s(self, a: Any, b: Any) -> float:
+    @staticmethod
+    def _elapsed_s(a: Any, b: Any) -> float:
         if isinstance(a, float):
             return b - a
         return a.elapsed_time(b) / 1000.0
 
     # --- planning --------------------------------------------------------------------------------
 
-    def _device_total(self) -> int:
-        if self.layout.device.type == "cuda":
-            return torch.cuda.get_device_properties(self.layout.device).total_memory
-        return self.runtime.device_memory_info()[1]
-
-    def _baseline(self) -> int:
-        if self.layout.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.layout.device)
-        model = self.layout.model
-        return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
     def plan(self, batch: int, prompt_tokens: int, new_tokens: int, padded: bool = False) -> Plan:
-        """How a generate call of this shape would use the budget; raises RevivaOutOfMemoryError
-        naming the numbers when the weights and the minimum working set do not fit."""
-        lay, cfg = self.layout, self.config
-        e = lay.dtype.itemsize
-        budget = cfg.budget_bytes(self._device_total())
-        baseline = self._baseline()
-        capacity = prompt_tokens + new_tokens
-        layer_kv = 2 * capacity * batch * lay.num_kv_heads * lay.head_dim * e
-        # Transient bytes per prompt token of one chunk: RMSNorm's fp32 copies, q/k/v with RoPE
-        # temporaries, attention output, o_proj, residual and the MLP's three wide tensors.
-        per_token = batch * (
-            lay.hidden_size * 8
-            + lay.num_heads * lay.head_dim * e * 5
-            + lay.num_kv_heads * lay.head_dim * e * 4
-            + lay.intermediate_size * e * 3
-            + lay.hidden_size * e * 3
-        )
-        # Without a fused attention kernel, attention materializes its scores: fp32, with softmax
-        # temporaries, for every (query, key) pair of a call. Fused: CUDA in half precision
-        # (flash, cuDNN), and the CPU's flash kernel, unless a padding mask forces the math path.
-        fused = (lay.device.type == "cuda" and lay.dtype in (torch.float16, torch.bfloat16)) or (
-            lay.device.type == "cpu" and not padded
-        )
-        score = 0 if fused else batch * lay.num_heads * 4 * 3
-        free_for_work = max(budget - baseline, 0)
-        if cfg.chunk_tokens is not None:
-            chunk = cfg.chunk_tokens
-        else:
-            target = min(max(free_for_work // 10, 32 * _MiB), 4096 * _MiB)
-            chunk = max(256, target // (per_token + score * prompt_tokens) // 256 * 256)
-        chunk = min(chunk, prompt_tokens) if prompt_tokens > 0 else chunk
-        hidden = batch * prompt_tokens * lay.hidden_size * e
-        rotary = batch * prompt_tokens * lay.head_dim * (2 * e + 8)
-        mask = batch * prompt_tokens * capacity if padded else 0
-        logits = batch * lay.vocab_size * (e + 12)
-        # Whole-prompt attention needs the queries and the output of all tokens at once (and,
-        # without a fused kernel, the scores); one call over the prompt runs the fastest kernel,
-        # while a chunk's queries need a bottom-right causal mask (measured ~30% slower on the
-        # H200). It is chosen when it fits beside a full set of staging slots: layers it keeps
-        # off the device during prefill are promoted back after it.
-        q_and_out = 2 * batch * prompt_tokens * lay.num_heads * lay.head_dim * e
-        q_and_out += score * prompt_tokens * prompt_tokens
-        base = hidden + rotary + mask + chunk * per_token + logits
-        margin = 8 * _MiB + budget // 50  # allocator rounding and fragmentation
-        window = 2 if cfg.prefetch_layers == "auto" else int(cfg.prefetch_layers)
-        if chunk >= prompt_tokens or cfg.prefill_attention == "whole":
-            whole_attention = True
-        elif cfg.prefill_attention == "chunked":
-            whole_attention = False
-        else:
-            fits = base + q_and_out + margin + (window + 1) * layer_kv
-            whole_attention = fits <= budget - baseline
-        if whole_attention and chunk < prompt_tokens:
-            prefill = base + q_and_out  # whole queries and output, and the scores
-        elif whole_attention:
-            prefill = base + score * prompt_tokens * prompt_tokens  # q and out are in per_token
-        else:
-            prefill = base + score * chunk * prompt_tokens
-        decode = logits + batch * capacity * 8 + per_token + 4 * _MiB
-        working = max(prefill, decode) + margin
-        avail = budget - baseline - working
-        n = lay.num_layers
-        prefetch = window
-        if avail >= n * layer_kv:
-            resident, slots = n, 0
-        else:
-            slots = prefetch + 1
-            while slots > 1 and avail < slots * layer_kv:
-                slots -= 1  # a narrower window before failing: still correct, less overlap
-            if avail < slots * layer_kv:
-                raise RevivaOutOfMemoryError(
-                    f"RevivaManager: the budget of {_fmt(budget)} cannot hold what is already on "
-                    f"the device ({_fmt(baseline)}: weights and buffers) plus the working set of "
-                    f"a {prompt_tokens}-token prompt ({_fmt(working)} at {chunk}-token chunks) "
-                    f"plus one layer's K/V ({_fmt(layer_kv)} for {capacity} tokens, batch "
-                    f"{batch}): {_fmt(baseline + working + layer_kv)} needed. Raise vram_budget, "
-                    "lower chunk_tokens, or shorten the prompt."
-                )
-            resident = min(n, (avail - slots * layer_kv) // layer_kv)
-            prefetch = min(prefetch, slots - 1)
-        return Plan(
-            budget=budget,
-            baseline=baseline,
-            batch=batch,
-            prompt_tokens=prompt_tokens,
-            capacity=capacity,
-            chunk_tokens=int(chunk),
-            whole_attention=whole_attention,
-            layer_kv_bytes=layer_kv,
-            working_set=working,
-            decode_working_set=decode + margin,
-            margin=margin,
-            resident_layers=_spread(int(resident), n),
-            slots=slots,
-            prefetch_layers=prefetch,
-            num_layers=n,
+        """How a generate call of this shape would use the budget now (reviva.planner); raises
+        RevivaOutOfMemoryError naming the numbers when even one layer's K/V cannot fit."""
+        state = device_state(self.layout, self.arena)
+        return make_plan(self.layout, self.config, state, batch, prompt_tokens, new_tokens, padded)
+
+    def budget_for(
+        self,
+        batch: int,
+        prompt_tokens: int,
+        new_tokens: int,
+        resident_layers: int,
+        padded: bool = False,
+    ) -> int:
+        """The smallest vram_budget (bytes) that keeps `resident_layers` layers' K/V resident
+        in prefill for a call of this shape (the planner's inverse)."""
+        state = device_state(self.layout, self.arena)
+        return budget_for(
+            self.layout,
+            self.config,
+            state,
+            batch,
+            prompt_tokens,
+            new_tokens,
+            resident_layers,
+            padded,
         )
 
     def prepare(
         self, batch: int, prompt_tokens: int, new_tokens: int, padded: bool = False
     ) -> Plan:
         """Plans a generate call of this shape and pins the host memory its streamed layers
-        will need, now rather than inside the call (pinning costs ~0.35 ms per MB on the H200
-        host and can synchronize the device). The pool keeps it for later calls."""
+        will need now, rather than while the call runs. Optional: the first call of a shape pins
+        on a helper thread while prefill runs, and the process's pool keeps it for later calls."""
         plan = self.plan(batch, prompt_tokens, new_tokens, padded=padded)
         if plan.streamed_layers:
-            self.pool.reserve(2 * plan.streamed_layers, plan.layer_kv_bytes // 2)
+            self.pool.reserve(plan.streamed_layers, plan.host_bytes // plan.streamed_layers)
         return plan
 
-    def offload_activations(self, budget: int | str | None = None, min_bytes: int = 1 << 20) -> Any:
-        """Activation offload for a training step of the wrapped model (reviva.training), on
-        this manager's engine and pinned pool, with its prefetch window. The layers are found
-        by ActivationOffload itself (the same model.model.layers), so that the head region is
+    def offload_activations(self, min_bytes: int = 1 << 20) -> Any:
+        """Activation offload for a training step of the wrapped model (reviva.training) under
+        this manager's budget (the config's vram_budget or vram_threshold: its peak is kept
+        under it), on the process's shared engine and pinned pool. The layers are found by
+        ActivationOffload itself (the same model.model.layers), so that the head region is
         offloaded as on the path bench_train measured."""
         from reviva.training import ActivationOffload
 
-        prefetch = 2 if self.config.prefetch_layers == "auto" else int(self.config.prefetch_layers)
-        return ActivationOffload(self.model, budget, prefetch, min_bytes, engine=self.engine)
+        total = (
+            torch.cuda.get_device_properties(self.layout.device).total_memory
+            if self.layout.device.type == "cuda"
+            else device_state(self.layout, self.arena).total
+        )
+        budget = self.config.budget_bytes(total)
+        return ActivationOffload(
+            self.model, budget, self.config.prefetch_layers, min_bytes, engine=self.engine
+        )
 
     # --- generate --------------------------------------------------------------------------------
 
     def generate(self, inputs: Any = None, **kwargs: Any) -> Any:
-        """`model.generate(inputs, **kwargs)` under the budget; returns what it returns."""
+        """`model.generate(inputs, **kwargs)` under the budget; returns what it returns. Every
+        byte of device memory the call took (K/V) is given back before it returns, also when it
+        raises. Calls from several threads on one manager run one at a time."""
+        with self._generate_lock:
+            return self._generate(inputs, kwargs)
+
+    def _generate(self, inputs: Any, kwargs: dict[str, Any]) -> Any:
         model = self.layout.model
         if isinstance(inputs, dict) or hasattr(inputs, "keys"):  # a BatchEncoding
             kwargs = {**dict(inputs), **kwargs}
@@ -507,6 +313,11 @@ class RevivaManager:
                 "RevivaManager.generate needs token ids as a [batch, tokens] tensor (or a "
                 f"tokenizer's BatchEncoding), got {type(inputs).__name__}"
                 + (f" of shape {tuple(inputs.shape)}" if isinstance(inputs, torch.Tensor) else "")
+            )
+        if inputs.shape[0] < 1 or inputs.shape[1] < 1:
+            raise ValueError(
+                f"RevivaManager.generate: the token ids have shape {tuple(inputs.shape)}; batch "
+                "and prompt length must both be >= 1"
             )
         for unsupported in (
             "past_key_values",
@@ -525,6 +336,12 @@ class RevivaManager:
                 f"{gen.num_return_sequences}: beam search and several sequences per prompt are "
                 "not supported"
             )
+        if gen.output_attentions:
+            raise ValueError(
+                "RevivaManager.generate does not support output_attentions=True: prefill runs "
+                "attention by token chunks (or in a fused kernel), which never forms the "
+                "attention weights"
+            )
         batch, tokens = inputs.shape
         if gen.max_new_tokens is not None:
             new_tokens = gen.max_new_tokens
@@ -532,6 +349,8 @@ class RevivaManager:
             new_tokens = max((gen.max_length or 20) - tokens, 0)
         mask = kwargs.get("attention_mask")
         padded = mask is not None and not bool(mask.all())
+        cuda = self.layout.device.type == "cuda"
+        self.arena.reclaim(True)  # memory a previous call gave back is free before planning
         plan = self.plan(batch, tokens, new_tokens, padded=padded)
         log.info(
             "reviva plan: %d of %d layers resident, %d slots, chunk %d tokens, K/V %.1f MB/layer",
@@ -541,64 +360,102 @@ class RevivaManager:
             plan.chunk_tokens,
             plan.layer_kv_bytes / _MiB,
         )
-        cache = RevivaCache(
-            self.engine,
-            plan.num_layers,
-            batch,
-            self.layout.num_kv_heads,
-            self.layout.head_dim,
-            self.layout.dtype,
-            self.layout.device,
-            plan.capacity,
-            list(plan.resident_layers),
-            plan.slots,
-            plan.prefetch_layers,
-        )
-        self._cache, self._plan = cache, plan
-        cuda = self.layout.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.layout.device)
+        self.arena.reset_peak()
         self.engine.reset_stats()
+        pinning = self._pin_ahead(plan)
+        cache: RevivaCache | None = None
         self._phase = {"start": self._event()}
+        self._copy_hidden = bool(gen.output_hidden_states)
         try:
+            cache = RevivaCache(
+                self.engine,
+                self.arena,
+                plan.num_layers,
+                batch,
+                self.layout.num_kv_heads,
+                self.layout.head_dim,
+                self.layout.dtype,
+                plan.capacity,
+                list(plan.resident_layers),
+                plan.slots,
+                plan.prefetch_layers,
+            )
+            self._cache, self._plan = cache, plan
             with self:
                 out = model.generate(inputs, past_key_values=cache, **kwargs)
         finally:
             self._phase["end"] = self._event()
-            if cuda:
+            self._copy_hidden = False
+            self._cache, self._plan = None, None
+            if pinning is not None:
+                pinning.join()
+            if cache is not None:
+                self._finish_call(cache, plan)
+            self.arena.reclaim(True)
+        return out
+
+    def _pin_ahead(self, plan: Plan) -> threading.Thread | None:
+        """Pins the streamed layers' host copies on a helper thread while prefill runs: the
+        layers take them from the pool as they get their first tokens (an allocation waits
+        for a copy being pinned rather than pin another). Nothing when the pool holds them."""
+        if plan.streamed_layers == 0:
+            return None
+        per_layer = plan.host_bytes // plan.streamed_layers
+        pool = self.pool
+
+        def pin() -> None:
+            try:
+                pool.reserve(plan.streamed_layers, per_layer)
+            except Exception as e:  # the layers pin their own copies then, or fail naming why
+                log.warning("reviva: pinning host copies ahead failed: %s", e)
+
+        thread = threading.Thread(target=pin, name="reviva-pin-ahead", daemon=True)
+        thread.start()
+        return thread
+
+    def _finish_call(self, cache: RevivaCache, plan: Plan) -> None:
+        """Waits for the call's work, collects its statistics, and closes the cache: its device
+        memory goes back to the arena (and from there to the device)."""
+        try:
+            if self.layout.device.type == "cuda":
                 torch.cuda.synchronize(self.layout.device)
             cache.store.synchronize()
             self._last_stats = self._collect(cache, plan)
-            self._cache, self._plan = None, None
-            del cache
-        return out
+        finally:
+            cache.close()
 
     # --- statistics ------------------------------------------------------------------------------
 
     def _collect(self, cache: RevivaCache, plan: Plan) -> dict[str, Any]:
         st = cache.store.stats()
         eng = self.engine.stats()
+        arena = self.arena.stats()
         ph = self._phase
         prefill_end = ph.get("prefill_end", ph["end"])
         prefill_s = self._elapsed_s(ph["start"], prefill_end)
         decode_s = self._elapsed_s(prefill_end, ph["end"])
         steps = ph.get("decode_steps", 0)
         layer_kv = plan.layer_kv_bytes
-        kv_on_device = (st["resident_layers"] + plan.slots) * layer_kv
-        kv_total = plan.num_layers * layer_kv
+        kv_total = plan.num_layers * plan.capacity * plan.kv_token_bytes
         copy_ms = eng["h2d"]["busy_ms"]
         stall_ms = st["compute_stall_ms"]
         cuda = self.layout.device.type == "cuda"
+        torch_peak = torch.cuda.max_memory_allocated(self.layout.device) if cuda else None
         return {
             "device": str(self.layout.device),
             "backend": self.runtime.backend,
             "budget_mb": plan.budget / _MiB,
-            "peak_vram_mb": torch.cuda.max_memory_allocated(self.layout.device) / _MiB
-            if cuda
-            else None,
+            "requested_budget_mb": plan.requested_budget / _MiB,
+            "device_limit_mb": plan.device_limit / _MiB,
+            "torch_peak_mb": torch_peak / _MiB if torch_peak is not None else None,
+            "kv_device_peak_mb": st["peak_device_bytes"] / _MiB,
+            # Torch's peak and the arena's peak need not coincide: their sum bounds the call's.
+            "peak_vram_mb": (torch_peak + arena["peak_bytes"]) / _MiB if cuda else None,
             "kv_cache_mb": kv_total / _MiB,
-            "kv_device_mb": kv_on_device / _MiB,
-            "vram_saved_mb": max(kv_total - kv_on_device, 0) / _MiB,
+            "kv_device_mb": st["device_bytes"] / _MiB,
+            "vram_saved_mb": max(kv_total - st["device_bytes"], 0) / _MiB,
             "bytes_to_host": eng["d2h"]["bytes_completed"],
             "bytes_to_device": eng["h2d"]["bytes_completed"],
             "h2d_gbps": eng["h2d"]["bandwidth_gbps"],
@@ -609,9 +466,12 @@ class RevivaManager:
             "streamed_layers": st["streamed_layers"],
             "resident_layers_in_prefill": len(plan.resident_layers),
             "promoted_layers": st["promotions"],
+            "promotion_failures": st["promotion_failures"],
+            "prefetches_without_memory": st["prefetches_without_memory"],
             "slots": plan.slots,
             "prefetch_window": plan.prefetch_layers,
             "chunk_tokens": plan.chunk_tokens,
+            "layer_kv_mb": layer_kv / _MiB,
             "prompt_tokens": plan.prompt_tokens,
             "decode_steps": steps,
             "own_decode_attention": ph.get("own_decode_steps", 0) == steps > 0,
@@ -622,45 +482,10 @@ class RevivaManager:
             "prefetched_fills": st["prefetched_fills"],
             "slot_hits": st["slot_hits"],
             "host_mb": st["host_bytes"] / _MiB,
+            "pinned_reserved_mb": self.pool.stats()["bytes_reserved"] / _MiB,
         }
 
     def get_memory_stats(self) -> dict[str, Any]:
         """What the last generate call did: peak VRAM, VRAM saved, bytes each way, overlap ratio,
         stall time, resident layers, prefetch window, per-phase times. Empty before any call."""
         return dict(self._last_stats)
-
-
-def _spread(count: int, total: int) -> tuple[int, ...]:
-    """`count` layer indices out of `total`, evenly spread, so that streamed layers' copies
-    overlap the compute of resident layers between them."""
-    if count >= total:
-        return tuple(range(total))
-    if count <= 0:
-        return ()
-    return tuple(sorted({math.floor((k + 0.5) * total / count) for k in range(count)}))
-
-
-def _chunk_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    start: int,
-    end: int,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of the queries of tokens [start, end) to the keys of tokens [0, end):
-    causal aligned at the bottom right (query j sees keys <= start + j). [B, H, n, D] out."""
-    if mask is not None:  # HF's 4D mask (padding): its rows of this chunk
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, :, start:end, :end], scale=scale, enable_gqa=True
-        )
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
-        # Flash attention's causal mask is bottom-right aligned when queries and keys differ in
-        # length, and it reads grouped K/V heads without expanding them.
-        return torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, True, False, scale=scale
-        )[0]
-    n = end - start
-    causal = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True)

@@ -60,7 +60,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from reviva._C import PinnedHostPool, Runtime, TransferEngine
+from reviva._C import TransferEngine
+from reviva.resources import device_resources
 from reviva.sizes import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
@@ -169,10 +170,10 @@ class ActivationOffload:
         self._regions = len(self.layers) + (1 if self.head is not None else 0)
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
-        if engine is None:
-            runtime = Runtime(str(self.device) if self.device.type == "cuda" else "cpu")
-            engine = TransferEngine(runtime, PinnedHostPool(runtime, 0))
+        if engine is None:  # the process's engine and pinned pool (reviva.resources)
+            engine = device_resources(self.device).engine
         self.engine = engine
+        self._active = False  # inside `with`: a second entry is refused
         self.stats = ActivationStats()
         self._cuda = self.device.type == "cuda"
         self._param_ptrs: set[int] = set()
@@ -205,6 +206,20 @@ class ActivationOffload:
     # --- the step --------------------------------------------------------------------------------
 
     def __enter__(self) -> ActivationOffload:
+        if self._active:
+            raise RuntimeError(
+                "ActivationOffload: already active (entered and not exited); one forward and "
+                "backward per `with`, and no nesting: a second entry would install its "
+                "saved-tensor hooks twice"
+            )
+        self._active = True
+        try:
+            return self._begin()
+        except BaseException:
+            self._active = False
+            raise
+
+    def _begin(self) -> ActivationOffload:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self._by_storage.clear()
         self._order.clear()
@@ -239,8 +254,15 @@ class ActivationOffload:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._hooks_ctx.__exit__(*exc)
-        self._hooks_ctx = None
+        try:
+            self._end(exc)
+        finally:
+            self._active = False
+
+    def _end(self, exc: tuple[object, ...]) -> None:
+        if self._hooks_ctx is not None:
+            self._hooks_ctx.__exit__(*exc)
+            self._hooks_ctx = None
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -9,35 +9,31 @@
 namespace reviva::test {
 namespace {
 
-constexpr std::size_t kTokenBytes = 96;  // one token of one tensor of one layer
-constexpr int kTensors = 2;              // K and V
+constexpr std::size_t kTokenBytes = 192;  // one token of one layer: its K and V
 
 struct Rig {
   Rig(std::shared_ptr<Backend> b, int layers, std::size_t capacity, int prefetch, int slots,
-      std::vector<int> resident_layers)
+      std::vector<int> resident_layers, std::size_t arena_limit = 0)
       : backend(std::move(b)) {
     pool = PinnedHostPool::create(backend, {});
     staging = PinnedHostPool::create(backend, {});
     engine = std::make_shared<TransferEngine>(pool);
+    DeviceArenaOptions ao;
+    ao.limit_bytes = arena_limit;
+    arena = DeviceArena::create(backend, ao);
     compute = std::make_shared<Stream>(backend);
     KVStoreOptions o;
     o.num_layers = layers;
-    o.tensors_per_layer = kTensors;
     o.token_bytes = kTokenBytes;
     o.capacity_tokens = capacity;
     o.prefetch_layers = prefetch;
-    store = std::make_unique<KVStore>(engine, o);
-    for (int l : resident_layers) store->make_resident(l, buffers());
-    for (int s = 0; s < slots; ++s) store->add_slot(buffers());
-    expected.resize(static_cast<std::size_t>(layers * kTensors));
-  }
-  std::vector<void*> buffers() {
-    std::vector<void*> v;
-    for (int t = 0; t < kTensors; ++t) {
-      device.push_back(std::make_unique<DeviceBuffer>(*backend, *compute, store->buffer_bytes()));
-      v.push_back(device.back()->data());
-    }
-    return v;
+    store = std::make_unique<KVStore>(engine, arena, o);
+    // Host copies are pinned ahead (a new slab may synchronize the device, which would wait for
+    // the gates below forever): the store's allocations are then cache hits.
+    pool->reserve(static_cast<std::size_t>(layers), store->layer_bytes());
+    for (int l : resident_layers) store->make_resident(l);
+    for (int s = 0; s < slots; ++s) store->add_slot();
+    expected.resize(static_cast<std::size_t>(layers));
   }
 
   ~Rig() {
@@ -47,46 +43,41 @@ struct Rig {
 
   // Compute writes `count` new random tokens at the end of `layer`, behind a gate that opens
   // only after wrote() was called: the append's D2H must wait for the write (rule 1).
-  void write_tokens(int layer, const std::vector<void*>& buffers, std::size_t count,
-                    std::uint64_t seed) {
+  void write_tokens(int layer, void* buffer, std::size_t count, std::uint64_t seed) {
     const std::size_t first = store->length(layer);
+    store->reserve(layer, first + count);
+    EXPECT_GE(store->reserved_tokens(layer), first + count);
     // Pinned allocations before the gate: one may synchronize the device (a new slab).
-    std::vector<PinnedBlock> blocks;
-    for (int t = 0; t < kTensors; ++t) blocks.push_back(staging->allocate(count * kTokenBytes));
+    PinnedBlock block = staging->allocate(count * kTokenBytes);
     StreamGate gate;
     gate.block(*compute);
-    for (int t = 0; t < kTensors; ++t) {
-      std::vector<std::uint8_t> bytes = random_bytes(count * kTokenBytes, seed * 7 + t);
-      PinnedBlock& block = blocks[static_cast<std::size_t>(t)];
-      std::memcpy(block.data(), bytes.data(), bytes.size());
-      backend->copy_async(static_cast<char*>(buffers[t]) + first * kTokenBytes, block.data(),
-                          bytes.size(), compute->handle());
-      block.record_use(compute);
-      auto& e = expected[static_cast<std::size_t>(layer * kTensors + t)];
-      e.insert(e.end(), bytes.begin(), bytes.end());
-    }
+    std::vector<std::uint8_t> bytes = random_bytes(count * kTokenBytes, seed * 7);
+    std::memcpy(block.data(), bytes.data(), bytes.size());
+    backend->copy_async(static_cast<char*>(buffer) + first * kTokenBytes, block.data(),
+                        bytes.size(), compute->handle());
+    block.record_use(compute);
+    auto& e = expected[static_cast<std::size_t>(layer)];
+    e.insert(e.end(), bytes.begin(), bytes.end());
     store->wrote(layer, first, count, *compute);
     gate.open();
   }
 
   // Compute reads the layer's valid tokens (after acquire: the fill must have landed, rule 3).
-  void check_contents(int layer, const std::vector<void*>& buffers) {
+  void check_contents(int layer, void* buffer) {
     const std::size_t n = store->length(layer) * kTokenBytes;
-    for (int t = 0; t < kTensors; ++t) {
-      const auto& e = expected[static_cast<std::size_t>(layer * kTensors + t)];
-      ASSERT_EQ(e.size(), n);
-      if (n == 0) continue;
-      ASSERT_EQ(download(*staging, *compute, buffers[t], n), e)
-          << "layer " << layer << " tensor " << t << " length " << store->length(layer);
-    }
+    const auto& e = expected[static_cast<std::size_t>(layer)];
+    ASSERT_EQ(e.size(), n);
+    if (n == 0) return;
+    ASSERT_EQ(download(*staging, *compute, buffer, n), e)
+        << "layer " << layer << " length " << store->length(layer);
   }
 
   // One pass over all layers: check what each holds, append `count` tokens.
   void step(std::size_t count, std::uint64_t seed, bool check = true) {
     for (int l = 0; l < store->options().num_layers; ++l) {
-      std::vector<void*> buffers = store->acquire(l, *compute);
-      if (check) check_contents(l, buffers);
-      if (count > 0) write_tokens(l, buffers, count, seed * 1000 + static_cast<std::uint64_t>(l));
+      void* buffer = store->acquire(l, *compute);
+      if (check) check_contents(l, buffer);
+      if (count > 0) write_tokens(l, buffer, count, seed * 1000 + static_cast<std::uint64_t>(l));
       store->release(l, *compute);
     }
   }
@@ -94,10 +85,10 @@ struct Rig {
   std::shared_ptr<Backend> backend;
   std::shared_ptr<PinnedHostPool> pool, staging;
   std::shared_ptr<TransferEngine> engine;
+  std::shared_ptr<DeviceArena> arena;
   std::shared_ptr<Stream> compute;
-  std::vector<std::unique_ptr<DeviceBuffer>> device;
   std::unique_ptr<KVStore> store;
-  std::vector<std::vector<std::uint8_t>> expected;  // [layer * kTensors + tensor]
+  std::vector<std::vector<std::uint8_t>> expected;  // [layer]
 };
 
 class KVStoreTest : public BackendTest {};
@@ -117,16 +108,26 @@ TEST_P(KVStoreTest, PrefillThenDecodeKeepsEveryLayerExact) {
   EXPECT_EQ(st.streamed_layers, 4);
   EXPECT_EQ(st.slots, 3);
   // Appends move only the new tokens: prompt + one per step, per streamed layer and tensor.
-  EXPECT_EQ(st.bytes_to_host, 4u * kTensors * kTokenBytes * (prompt + steps));
+  EXPECT_EQ(st.bytes_to_host, 4u * kTokenBytes * (prompt + steps));
   // Fills move only valid prefixes, at most one per streamed layer per pass.
   std::uint64_t max_fill_bytes = 0;
-  for (int s = 0; s <= steps; ++s) max_fill_bytes += 4u * kTensors * kTokenBytes * (prompt + s);
+  for (int s = 0; s <= steps; ++s) max_fill_bytes += 4u * kTokenBytes * (prompt + s);
   // ... and the window wraps into the next pass: the last pass prefetched 2 layers of it.
-  max_fill_bytes += 2u * kTensors * kTokenBytes * (prompt + steps);
+  max_fill_bytes += 2u * kTokenBytes * (prompt + steps);
   EXPECT_EQ(st.bytes_to_device, max_fill_bytes);
   EXPECT_EQ(st.fills, 4u * (steps + 1) + 2) << "one fill per streamed layer per pass";
   EXPECT_EQ(st.fills, st.prefetched_fills) << "with a window of 2 every fill is a prefetch";
-  EXPECT_EQ(st.host_bytes, 4u * kTensors * rig.store->buffer_bytes());
+  EXPECT_EQ(st.host_bytes, 4u * rig.store->layer_bytes());
+  // Device memory: what the tokens need, by granules, no more (3 resident layers, 3 slots).
+  const std::size_t g = rig.arena->granularity();
+  const std::size_t per_buffer = rig.arena->round_up((prompt + steps) * kTokenBytes);
+  EXPECT_EQ(st.device_bytes, 6 * per_buffer);
+  EXPECT_EQ(st.peak_device_bytes, 6 * per_buffer);
+  EXPECT_EQ(per_buffer % g, 0u);
+  rig.store->close();
+  rig.arena->reclaim(/*wait=*/true);
+  EXPECT_EQ(rig.arena->stats().mapped_bytes, 0u) << "close gives every byte back";
+  EXPECT_EQ(rig.arena->stats().buffers, 0u);
 }
 
 TEST_P(KVStoreTest, ExactWithEveryWindowAndSlotCount) {
@@ -149,21 +150,20 @@ TEST_P(KVStoreTest, PromotedLayersKeepTheirContentsAndStopMoving) {
   rig.step(1, 2);
   // Memory freed after prefill: two streamed layers become resident (one of them may sit in a
   // slot, reserved by a prefetch).
-  std::vector<void*> b1 = rig.buffers(), b2 = rig.buffers();
-  rig.store->promote(1, b1);
-  rig.store->promote(4, b2);
+  EXPECT_TRUE(rig.store->promote(1));
+  EXPECT_TRUE(rig.store->promote(4));
   EXPECT_TRUE(rig.store->resident(1));
   const KVStoreStats before = rig.store->stats();
   EXPECT_EQ(before.promotions, 2u);
   EXPECT_EQ(before.resident_layers, 3);
-  EXPECT_EQ(before.host_bytes, 3u * kTensors * rig.store->buffer_bytes());
+  EXPECT_EQ(before.host_bytes, 3u * rig.store->layer_bytes());
   for (int s = 0; s < scaled(8); ++s) rig.step(1, 10 + s);
   rig.step(0, 99);
   rig.store->synchronize();
   const KVStoreStats after = rig.store->stats();
   // From here on only the 3 streamed layers append to the host.
   EXPECT_EQ(after.bytes_to_host - before.bytes_to_host,
-            3u * kTensors * kTokenBytes * static_cast<std::size_t>(scaled(8)));
+            3u * kTokenBytes * static_cast<std::size_t>(scaled(8)));
 }
 
 TEST_P(KVStoreTest, AllResidentMovesNothing) {
@@ -203,38 +203,63 @@ TEST_P(KVStoreTest, MisuseIsRefusedNamingTheValues) {
             std::string::npos);
   EXPECT_NE(message([&] { rig.store->wrote(1, 0, 1, *rig.compute); }).find("not acquired"),
             std::string::npos);
-  auto b = rig.store->acquire(1, *rig.compute);
+  EXPECT_NE(message([&] { rig.store->reserve(1, 1); }).find("not acquired"), std::string::npos);
+  rig.store->acquire(1, *rig.compute);
   EXPECT_NE(message([&] { rig.store->acquire(1, *rig.compute); }).find("already acquired"),
             std::string::npos);
   EXPECT_NE(message([&] { rig.store->wrote(1, 0, 17, *rig.compute); }).find("capacity of 16"),
             std::string::npos);
+  EXPECT_NE(message([&] { rig.store->reserve(1, 17); }).find("capacity of 16"), std::string::npos);
   EXPECT_NE(message([&] { rig.store->wrote(1, 2, 1, *rig.compute); }).find("gap"),
             std::string::npos);
+  if (rig.store->reserved_tokens(1) == 0) {
+    EXPECT_NE(message([&] { rig.store->wrote(1, 0, 1, *rig.compute); }).find("not reserved"),
+              std::string::npos);
+  }
   // The one slot is held by layer 1: layer 2 cannot get one.
   EXPECT_NE(message([&] { rig.store->acquire(2, *rig.compute); }).find("all 1 slots"),
             std::string::npos);
   rig.store->release(1, *rig.compute);
   EXPECT_NE(message([&] { rig.store->release(1, *rig.compute); }).find("not acquired"),
             std::string::npos);
-  EXPECT_NE(message([&] {
-              rig.store->make_resident(0, {b[0], b[1]});
-            }).find("already resident"),
+  EXPECT_NE(message([&] { rig.store->make_resident(0); }).find("already resident"),
             std::string::npos);
-  EXPECT_NE(message([&] {
-              rig.store->make_resident(2, {b[0], b[1]});
-            }).find("residency is fixed"),
+  EXPECT_NE(message([&] { rig.store->make_resident(2); }).find("residency is fixed"),
             std::string::npos);
-  EXPECT_NE(message([&] { rig.store->add_slot({b[0]}); }).find("expected 2"), std::string::npos);
-  EXPECT_NE(message([&] {
-              rig.store->promote(0, {b[0], b[1]});
-            }).find("already resident"),
-            std::string::npos);
+  EXPECT_NE(message([&] { rig.store->promote(0); }).find("already resident"), std::string::npos);
   EXPECT_NE(message([&] {
               KVStoreOptions o;
               o.num_layers = 0;
-              KVStore s(rig.engine, o);
+              KVStore s(rig.engine, rig.arena, o);
             }).find("num_layers must be > 0, got 0"),
             std::string::npos);
+  rig.store->close();
+  EXPECT_NE(message([&] { rig.store->acquire(1, *rig.compute); }).find("closed"),
+            std::string::npos);
+}
+
+TEST_P(KVStoreTest, DegradesWhenTheArenaIsShort) {
+  // One slot streams three layers; then the arena is held at what is mapped (as when another
+  // part of the process took the rest) and a second slot is added, which can get no memory.
+  Rig rig(backend_, 3, 60, 1, 1, {});
+  rig.step(36, 1, /*check=*/false);
+  rig.step(1, 2);
+  rig.arena->set_limit_bytes(rig.arena->stats().mapped_bytes);
+  rig.store->add_slot();
+  EXPECT_FALSE(rig.store->promote(0)) << "no memory: the layer stays streamed";
+  EXPECT_FALSE(rig.store->resident(0));
+  for (int s = 0; s < scaled(4); ++s) rig.step(1, 10 + s);  // every layer still exact
+  rig.step(0, 99);
+  const KVStoreStats st = rig.store->stats();
+  EXPECT_EQ(st.promotion_failures, 1u);
+  EXPECT_EQ(st.promotions, 0u);
+  EXPECT_GT(st.prefetches_without_memory, 0u) << "prefetches into the unmapped slot skipped";
+  EXPECT_LE(rig.arena->stats().peak_bytes, rig.arena->limit_bytes());
+  // Given memory again, the layer is promoted.
+  rig.arena->set_limit_bytes(0);
+  EXPECT_TRUE(rig.store->promote(0));
+  rig.step(1, 200);
+  rig.step(0, 201);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, KVStoreTest,

@@ -1533,6 +1533,23 @@ class ProbingBackend final : public Backend {
     probe("memory_kind");
     return inner_->memory_kind(p);
   }
+  std::size_t vmm_granularity() override { return inner_->vmm_granularity(); }
+  void* reserve_address(std::size_t bytes) override {
+    probe("reserve_address");
+    return inner_->reserve_address(bytes);
+  }
+  void release_address(void* p, std::size_t bytes) noexcept override {
+    probe("release_address");
+    inner_->release_address(p, bytes);
+  }
+  void map_memory(void* p, std::size_t bytes) override {
+    probe("map_memory");
+    inner_->map_memory(p, bytes);
+  }
+  void unmap_memory(void* p, std::size_t bytes) noexcept override {
+    probe("unmap_memory");
+    inner_->unmap_memory(p, bytes);
+  }
   void copy_async(void* dst, const void* src, std::size_t bytes, StreamHandle s) override {
     probe("copy_async");
     inner_->copy_async(dst, src, bytes, s);

@@ -76,6 +76,37 @@ TEST_P(PoolTest, ReservedBlocksAreLaterCacheHitsWithoutNewSlabs) {
   EXPECT_THROW(capped->reserve(1, 0), InvalidArgument);
 }
 
+TEST_P(PoolTest, ReservePinsOnlyWhatIsMissing) {
+  auto pool = PinnedHostPool::create(backend_, small_slabs());
+  pool->reserve(3, 3 * kMiB);
+  const auto first = pool->stats();
+  EXPECT_EQ(first.slabs_allocated, 3u);
+  pool->reserve(3, 3 * kMiB);  // the same again (a second generate call): nothing new
+  EXPECT_EQ(pool->stats().slabs_allocated, 3u);
+  PinnedBlock held = pool->allocate(3 * kMiB);
+  pool->reserve(3, 3 * kMiB);  // one of three is in use: one more
+  EXPECT_EQ(pool->stats().slabs_allocated, 4u);
+  pool->check_invariants();
+}
+
+TEST_P(PoolTest, ReserveOnAHelperThreadIsSharedWithAllocations) {
+  // A generate call pins its host copies ahead on a helper thread while the layers allocate
+  // them one by one: together they pin each block once (Note [Slabs landing]).
+  for (int round = 0; round < scaled(5); ++round) {
+    auto pool = PinnedHostPool::create(backend_, small_slabs());
+    const std::size_t count = 6;
+    std::thread helper([&] { pool->reserve(count, 3 * kMiB); });
+    while (pool->stats().bytes_reserved == 0) std::this_thread::yield();  // the helper began
+    std::vector<PinnedBlock> taken;
+    for (std::size_t i = 0; i < count; ++i) taken.push_back(pool->allocate(3 * kMiB));
+    helper.join();
+    const auto st = pool->stats();
+    EXPECT_EQ(st.slabs_allocated, count) << "round " << round;
+    EXPECT_EQ(st.bytes_in_use, count * 3 * kMiB);
+    pool->check_invariants();
+  }
+}
+
 TEST_P(PoolTest, BestFitPicksTheSmallestSufficientBlock) {
   auto pool = PinnedHostPool::create(backend_, small_slabs(2 * kMiB));
   // Carve the slab into [A 256K][sep][B 64K][sep][C 128K][sep][rest], then free A, B, C.

@@ -12,7 +12,7 @@ def test_defaults_take_a_fraction_of_the_device() -> None:
     c = RevivaConfig()
     assert c.budget_bytes(100 * 10**9) == 80 * 10**9
     assert c.host_memory_bytes() == 0
-    assert c.prefetch_layers == 2 and not c.adaptive_prefetch
+    assert c.prefetch_layers == 2
 
 
 def test_absolute_budget_wins_over_the_threshold() -> None:
@@ -21,8 +21,10 @@ def test_absolute_budget_wins_over_the_threshold() -> None:
     assert c.host_memory_bytes() == 64 * 2**30
 
 
-def test_auto_prefetch_is_adaptive() -> None:
-    assert RevivaConfig(prefetch_layers="auto").adaptive_prefetch
+def test_auto_prefetch_is_refused_by_name() -> None:
+    # The K/V window is fixed per call: "auto" would silently mean 2, so it is refused.
+    with pytest.raises(ValueError, match="prefetch_layers='auto' is not available"):
+        RevivaConfig(prefetch_layers="auto")
 
 
 @pytest.mark.parametrize(
@@ -33,6 +35,9 @@ def test_auto_prefetch_is_adaptive() -> None:
         ({"vram_threshold": True}, "vram_threshold .* got True"),
         ({"vram_budget": "24 parsecs"}, "24 parsecs"),
         ({"vram_budget": 0}, "vram_budget must be > 0 bytes, got 0"),
+        # A bare number is bytes: 24 would be 24 bytes, refused with the hint.
+        ({"vram_budget": 24}, "vram_budget=24 is 24 bytes .*'24GB'"),
+        ({"prefetch_layers": 10**12}, r"prefetch_layers must be an int in \[0, 256\]"),
         ({"prefetch_layers": -1}, "prefetch_layers .* got -1"),
         ({"prefetch_layers": "sometimes"}, "prefetch_layers .* got 'sometimes'"),
         ({"offload_device": "gpu"}, "offload_device .* got 'gpu'"),

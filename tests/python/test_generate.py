@@ -21,6 +21,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
+from reviva.planner import device_state, smallest_budget
 
 TINY = dict(
     hidden_size=64,
@@ -64,11 +65,20 @@ def budget_for(
     chunk: int | None = None,
     attention: str = "auto",
 ) -> int:
-    """A budget holding the weights, the working set, and `layers` layers of K/V."""
+    """The smallest budget whose plan holds `layers` layers of K/V on the device (resident
+    layers and staging slots together), from the planner's own bisection."""
     config = RevivaConfig(chunk_tokens=chunk, prefill_attention=attention)
-    p = RevivaManager(model, config).plan(batch, prompt, new)
-    fixed = p.baseline + p.working_set - p.margin + 8 * 2**20 + layers * p.layer_kv_bytes
-    return int(fixed / 0.98) + 4096
+    manager = RevivaManager(model, config)
+    state = device_state(manager.layout, manager.arena)
+    return smallest_budget(
+        manager.layout,
+        config,
+        state,
+        batch,
+        prompt,
+        new,
+        lambda p: len(p.resident_layers) + p.slots >= min(layers, p.num_layers),
+    )
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -380,8 +390,7 @@ def test_promotion_after_prefill_and_own_decode_attention() -> None:
     out = manager.generate(ids, **kwargs)
     st = manager.get_memory_stats()
     assert st["own_decode_attention"] and st["decode_steps"] == 23
-    room = plan.working_set - plan.decode_working_set
-    assert st["promoted_layers"] == min(room // plan.layer_kv_bytes, 5)
+    assert st["promoted_layers"] == plan.promotable_layers()
     assert 0 < st["promoted_layers"] < 5  # some promoted, some still streamed in decode
     assert st["streamed_layers"] == 5 - st["promoted_layers"]
     for a, b in zip(ref.logits, out.logits, strict=True):
@@ -396,7 +405,7 @@ def test_prepare_pins_the_host_copies_ahead() -> None:
     plan = manager.prepare(1, 120, 8)
     assert plan.streamed_layers == 5
     before = manager.pool.stats()
-    assert before["bytes_reserved"] >= 10 * plan.layer_kv_bytes // 2
+    assert before["bytes_reserved"] >= plan.host_bytes
     out = manager.generate(ids, max_new_tokens=8, do_sample=False)
     after = manager.pool.stats()
     assert after["slabs_allocated"] == before["slabs_allocated"], "generate pinned new memory"

@@ -1,0 +1,358 @@
+"""The one memory model of a generate call: budget -> chunk, attention mode, residency, slots.
+
+A generate call holds on the device what was there before it (the weights: `baseline`), torch's
+working set of the prefill or decode step (`working_set`, margin included), and K/V: the
+resident layers' buffers and the staging slots of streamed layers, from the core's arena, each
+at most a layer's K/V at full capacity rounded up to the arena's granularity. The budget is the
+config's, capped by what the device can give now (free memory + torch's cached but unused blocks
++ what is already held): a plan never counts on memory the card does not have.
+
+    plan = make_plan(layout, config, device_state(layout, arena), batch=1, prompt_tokens=65536,
+                     new_tokens=32)
+    budget = budget_for(layout, config, state, 1, 65536, 32, resident_layers=24)
+
+`budget_for` is the inverse: the smallest budget whose plan keeps `resident_layers` layers'
+K/V resident, found by bisection over the same `make_plan`, so it cannot drift from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from reviva._C import RevivaOutOfMemoryError
+from reviva.adapters import DecoderLayout
+from reviva.config import RevivaConfig
+from reviva.sizes import format_bytes as _fmt
+
+log = logging.getLogger(__name__)
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Coefficients of the working-set estimate (bytes, per prompt token of one chunk unless
+    named otherwise). Measured against torch's peaks on the H200 (issue 4)."""
+
+    hidden_fp32_copies: int = 8  # RMSNorm's fp32 input and output, per hidden unit
+    head_temporaries: int = 5  # q with RoPE (2), attention output, o_proj input/output
+    kv_head_temporaries: int = 4  # k with RoPE (2), v, their cache write
+    mlp_wide_tensors: int = 3  # gate, up, their product
+    residual_tensors: int = 3  # input, residual, output
+    score_bytes_per_pair: int = 4 * 3  # unfused attention: fp32 scores with softmax temporaries
+    logits_bytes_per_vocab: int = 12  # fp32 logits and the sampler's temporaries (+ dtype bytes)
+    decode_fixed: int = 4 * _MiB  # decode's small tensors (positions, masks, sampler state)
+    margin_fixed: int = 8 * _MiB  # allocator rounding ...
+    margin_fraction: float = 1 / 50  # ... and fragmentation, as a part of the budget
+    chunk_target_fraction: float = 1 / 10  # a chunk's transients take this part of the room
+    chunk_min_bytes: int = 32 * _MiB
+    chunk_max_bytes: int = 4096 * _MiB
+    chunk_multiple: int = 256
+
+
+MODEL = MemoryModel()
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """What the device holds and can give, read just before planning (bytes)."""
+
+    total: int  # the device's memory
+    baseline: int  # held by torch's tensors now (weights, buffers)
+    available: int  # free + torch's cached but unused blocks + Reviva's arena mapped now
+    granularity: int  # the arena's mapping unit
+
+    @property
+    def limit(self) -> int:
+        """The most a call can hold in all: what is held plus what can still be had."""
+        return self.baseline + self.available
+
+
+def device_state(layout: DecoderLayout, arena: object) -> DeviceState:
+    """Reads the device now. On CUDA: torch's allocated and reserved bytes, cudaMemGetInfo and
+    the arena; on the CPU (host backend) the simulated device and the model's bytes."""
+    st = arena.stats()
+    granularity = int(st["granularity"])
+    ours = int(st["mapped_bytes"]) + int(st["retiring_bytes"])
+    if layout.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(layout.device)
+        allocated = torch.cuda.memory_allocated(layout.device)
+        cached = torch.cuda.memory_reserved(layout.device) - allocated
+        return DeviceState(total, allocated, free + cached + ours, granularity)
+    model = layout.model
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    total = 16 << 30  # the host backend's simulated device
+    return DeviceState(total, held, max(total - held, 0), granularity)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one generate call uses the budget (all figures in bytes)."""
+
+    budget: int  # the budget planned with: the config's, capped by the device's limit
+    requested_budget: int  # the config's
+    device_limit: int  # what the device can give in all (baseline + available)
+    baseline: int  # held before the call (weights, buffers)
+    batch: int
+    prompt_tokens: int
+    capacity: int  # prompt + new tokens
+    chunk_tokens: int
+    # Attention over the whole prompt in one call (queries and output held whole) while the
+    # projections and the MLP go by chunks; else attention by query chunks too.
+    whole_attention: bool
+    kv_token_bytes: int  # K and V of one token of one layer
+    layer_kv_bytes: int  # K and V of one layer at full capacity, in arena granules
+    working_set: int  # estimated transient peak (prefill or decode), margin included
+    decode_working_set: int  # the same for decode alone (after prefill), margin included
+    margin: int  # part of the working set kept for allocator rounding and fragmentation
+    num_layers: int
+    resident_layers: tuple[int, ...]
+    slots: int
+    prefetch_layers: int
+
+    @property
+    def streamed_layers(self) -> int:
+        return self.num_layers - len(self.resident_layers)
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned bytes of the streamed layers' host copies."""
+        return self.streamed_layers * self.capacity * self.kv_token_bytes
+
+    def promotable_layers(self) -> int:
+        """Streamed layers that fit once prefill's working set is gone."""
+        held = (len(self.resident_layers) + self.slots) * self.layer_kv_bytes
+        room = self.budget - self.baseline - self.decode_working_set - held
+        return min(max(room, 0) // self.layer_kv_bytes, self.streamed_layers)
+
+
+def _check_shape(batch: int, prompt_tokens: int, new_tokens: int) -> None:
+    for name, value, least in (
+        ("batch", batch, 1),
+        ("prompt_tokens", prompt_tokens, 1),
+        ("new_tokens", new_tokens, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"plan: {name} must be an int >= {least}, got {value!r}")
+
+
+def make_plan(
+    layout: DecoderLayout,
+    config: RevivaConfig,
+    state: DeviceState,
+    batch: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    padded: bool = False,
+    model: MemoryModel = MODEL,
+) -> Plan:
+    """How a generate call of this shape uses the budget; raises RevivaOutOfMemoryError naming
+    the numbers when the weights, the minimum working set and one layer's K/V do not fit."""
+    _check_shape(batch, prompt_tokens, new_tokens)
+    lay = layout
+    e = lay.dtype.itemsize
+    requested = config.budget_bytes(state.total)
+    budget = min(requested, state.limit)
+    baseline = state.baseline
+    capacity = prompt_tokens + new_tokens
+    kv_token = 2 * batch * lay.num_kv_heads * lay.head_dim * e
+    layer_kv = _round_up(capacity * kv_token, state.granularity)
+    per_token = batch * (
+        lay.hidden_size * model.hidden_fp32_copies
+        + lay.num_heads * lay.head_dim * e * model.head_temporaries
+        + lay.num_kv_heads * lay.head_dim * e * model.kv_head_temporaries
+        + lay.intermediate_size * e * model.mlp_wide_tensors
+        + lay.hidden_size * e * model.residual_tensors
+    )
+    # Without a fused attention kernel, attention materializes its scores: fp32, with softmax
+    # temporaries, for every (query, key) pair of a call. Fused: CUDA in half precision
+    # (flash, cuDNN), and the CPU's flash kernel, unless a padding mask forces the math path.
+    fused = (lay.device.type == "cuda" and lay.dtype in (torch.float16, torch.bfloat16)) or (
+        lay.device.type == "cpu" and not padded
+    )
+    score = 0 if fused else batch * lay.num_heads * model.score_bytes_per_pair
+    free_for_work = max(budget - baseline, 0)
+    if config.chunk_tokens is not None:
+        chunk = config.chunk_tokens
+    else:
+        target = min(
+            max(int(free_for_work * model.chunk_target_fraction), model.chunk_min_bytes),
+            model.chunk_max_bytes,
+        )
+        m = model.chunk_multiple
+        chunk = max(m, target // (per_token + score * prompt_tokens) // m * m)
+    chunk = min(chunk, prompt_tokens)
+    hidden = batch * prompt_tokens * lay.hidden_size * e
+    rotary = batch * prompt_tokens * lay.head_dim * (2 * e + 8)
+    mask = batch * prompt_tokens * capacity if padded else 0
+    logits = batch * lay.vocab_size * (e + model.logits_bytes_per_vocab)
+    # Whole-prompt attention needs the queries and the output of all tokens at once (and,
+    # without a fused kernel, the scores); one call over the prompt runs the fastest kernel,
+    # while a chunk's queries need a bottom-right causal mask (measured ~30% slower on the
+    # H200). It is chosen when it fits beside a full set of staging slots: layers it keeps
+    # off the device during prefill are promoted back after it.
+    q_and_out = 2 * batch * prompt_tokens * lay.num_heads * lay.head_dim * e
+    q_and_out += score * prompt_tokens * prompt_tokens
+    base = hidden + rotary + mask + chunk * per_token + logits
+    margin = model.margin_fixed + int(budget * model.margin_fraction)
+    n = lay.num_layers
+    window = min(config.prefetch_layers, n)
+    if chunk >= prompt_tokens or config.prefill_attention == "whole":
+        whole_attention = True
+    elif config.prefill_attention == "chunked":
+        whole_attention = False
+    else:
+        fits = base + q_and_out + margin + (window + 1) * layer_kv
+        whole_attention = fits <= budget - baseline
+    if whole_attention and chunk < prompt_tokens:
+        prefill = base + q_and_out  # whole queries and output, and the scores
+    elif whole_attention:
+        prefill = base + score * prompt_tokens * prompt_tokens  # q and out are in per_token
+    else:
+        prefill = base + score * chunk * prompt_tokens
+    decode = logits + batch * capacity * 8 + per_token + model.decode_fixed
+    working = max(prefill, decode) + margin
+    avail = budget - baseline - working
+    prefetch = window
+    if avail >= n * layer_kv:
+        resident, slots = n, 0
+    else:
+        slots = prefetch + 1
+        while slots > 1 and avail < slots * layer_kv:
+            slots -= 1  # a narrower window before failing: still correct, less overlap
+        if avail < slots * layer_kv:
+            capped = (
+                f" (vram_budget {_fmt(requested)} capped to the {_fmt(state.limit)} the device "
+                f"can give: {_fmt(state.available)} free beside {_fmt(baseline)} held)"
+                if budget < requested
+                else ""
+            )
+            raise RevivaOutOfMemoryError(
+                f"RevivaManager: the budget of {_fmt(budget)}{capped} cannot hold what is "
+                f"already on the device ({_fmt(baseline)}: weights and buffers) plus the working "
+                f"set of a {prompt_tokens}-token prompt ({_fmt(working)} at {chunk}-token "
+                f"chunks) plus one layer's K/V ({_fmt(layer_kv)} for {capacity} tokens, batch "
+                f"{batch}): {_fmt(baseline + working + layer_kv)} needed. Raise vram_budget, "
+                "lower chunk_tokens, or shorten the prompt."
+            )
+        resident = min(n, (avail - slots * layer_kv) // layer_kv)
+        prefetch = min(prefetch, slots - 1)
+    plan = Plan(
+        budget=budget,
+        requested_budget=requested,
+        device_limit=state.limit,
+        baseline=baseline,
+        batch=batch,
+        prompt_tokens=prompt_tokens,
+        capacity=capacity,
+        chunk_tokens=int(chunk),
+        whole_attention=whole_attention,
+        kv_token_bytes=kv_token,
+        layer_kv_bytes=layer_kv,
+        working_set=working,
+        decode_working_set=decode + margin,
+        margin=margin,
+        resident_layers=spread(int(resident), n),
+        slots=slots,
+        prefetch_layers=prefetch,
+        num_layers=n,
+    )
+    host_cap = config.host_memory_bytes()
+    if host_cap and plan.host_bytes > host_cap:
+        raise RevivaOutOfMemoryError(
+            f"RevivaManager: {plan.streamed_layers} streamed layers need {_fmt(plan.host_bytes)}"
+            f" of pinned host memory for {capacity} tokens, over host_memory="
+            f"{_fmt(host_cap)}. Raise host_memory or vram_budget, or shorten the prompt."
+        )
+    return plan
+
+
+def budget_for(
+    layout: DecoderLayout,
+    config: RevivaConfig,
+    state: DeviceState,
+    batch: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    resident_layers: int,
+    padded: bool = False,
+) -> int:
+    """The smallest vram_budget (bytes) whose plan keeps `resident_layers` layers' K/V resident
+    in prefill, on a device that could give it (the device's own limit is ignored here)."""
+    if not 0 <= resident_layers <= layout.num_layers:
+        raise ValueError(
+            f"budget_for: resident_layers must be in [0, {layout.num_layers}], got "
+            f"{resident_layers!r}"
+        )
+    return smallest_budget(
+        layout,
+        config,
+        state,
+        batch,
+        prompt_tokens,
+        new_tokens,
+        lambda p: len(p.resident_layers) >= resident_layers,
+        padded,
+    )
+
+
+def smallest_budget(
+    layout: DecoderLayout,
+    config: RevivaConfig,
+    state: DeviceState,
+    batch: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    keeps: Callable[[Plan], bool],
+    padded: bool = False,
+) -> int:
+    """The smallest vram_budget (bytes, to 4 KiB) whose plan satisfies `keeps` (which must hold
+    for every larger budget once it holds), by bisection over make_plan."""
+    unlimited = replace(state, available=1 << 62)
+
+    def holds(budget: int) -> bool:
+        try:
+            p = make_plan(
+                layout,
+                replace(config, vram_budget=budget),
+                unlimited,
+                batch,
+                prompt_tokens,
+                new_tokens,
+                padded,
+            )
+        except RevivaOutOfMemoryError:
+            return False
+        return keeps(p)
+
+    low, high = max(state.baseline, _MiB), max(state.baseline, 1 << 30)
+    while not holds(high):
+        low, high = high, high * 2
+        if high > 1 << 56:
+            raise ValueError("budget_for: no budget gives such a plan (model too large?)")
+    while high - low > 4096:
+        mid = (low + high) // 2
+        if holds(mid):
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def spread(count: int, total: int) -> tuple[int, ...]:
+    """`count` layer indices out of `total`, evenly spread, so that streamed layers' copies
+    overlap the compute of resident layers between them."""
+    if count >= total:
+        return tuple(range(total))
+    if count <= 0:
+        return ()
+    return tuple(sorted({math.floor((k + 0.5) * total / count) for k in range(count)}))
+
+
+def _round_up(n: int, unit: int) -> int:
+    return (n + unit - 1) // unit * unit if unit > 0 else n
