@@ -39,7 +39,8 @@ def git_sha() -> str:
         return os.environ.get("REVIVA_GIT_SHA", "unknown")
 
 
-def environment() -> dict[str, Any]:
+def environment(cuda: bool = True) -> dict[str, Any]:
+    """cuda=False leaves the device alone (a card-mode driver: its workers report the GPU)."""
     import torch
 
     env: dict[str, Any] = {
@@ -52,13 +53,15 @@ def environment() -> dict[str, Any]:
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
     }
-    if torch.cuda.is_available():
+    if cuda and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env["gpu"] = props.name
         env["gpu_memory_bytes"] = props.total_memory
         env["gpu_count"] = torch.cuda.device_count()
     else:
         env["gpu"] = None
+    if not cuda:
+        return env
     try:
         import reviva
 
@@ -66,6 +69,28 @@ def environment() -> dict[str, Any]:
     except ImportError:
         env["reviva_core"] = None
     return env
+
+
+def result_path(name: str, env: dict[str, Any], out_dir: Path | None = None) -> Path:
+    """benchmarks/results/<name>-<date>-<sha>.json (or in out_dir), with -2, -3... when taken:
+    for a run that rewrites its file as results arrive and must not overwrite an earlier run's."""
+    out_dir = out_dir or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}-{env['date_utc'][:10]}-{env['git_sha'][:12]}"
+    path, n = out_dir / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = out_dir / f"{stem}-{n}.json"
+    return path
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    """Writes through a temporary file and a rename: a run killed mid-write leaves the previous
+    complete file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
@@ -76,8 +101,7 @@ def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None
     payload = {"environment": env, **payload}
     stamp = env["date_utc"][:10]
     path = out_dir / f"{name}-{stamp}-{env['git_sha'][:12]}.json"
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
-    return path
+    return write_json(path, payload)
 
 
 def print_table(headers: list[str], rows: list[list[Any]]) -> None:

@@ -1,0 +1,365 @@
+"""CPU tests of the card-mode machinery of the benchmarks (no GPU needed): the ballast's bookkeeping
+and its fallbacks, the sampler, the timer, the worker protocol with its deadline and exit grace,
+and the checks' arithmetic on synthetic rows shaped like the H200's. The GPU paths themselves run
+only on the device; `--dry-run` of each benchmark runs their drivers end to end on the CPU.
+
+    python -m pytest benchmarks/test_card_mode.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_generate  # noqa: E402
+import bench_lifetime  # noqa: E402
+import bench_train  # noqa: E402
+import card  # noqa: E402
+
+GB = 10**9
+
+
+def test_ballast_fill_takes_total_minus_card_in_pieces_and_frees_them() -> None:
+    taken: dict[int, int] = {}
+    freed: list[int] = []
+    total = 150 * GB
+
+    def malloc(n: int) -> int:
+        ptr = len(taken) + 1
+        taken[ptr] = n
+        return ptr
+
+    def info() -> tuple[int, int]:
+        return total - 600_000_000 - sum(taken.values()), total
+
+    b = card.CardBallast()
+    rec: dict = {}
+    b._fill(malloc, freed.append, info, 24 * GB, rec)
+    assert sum(taken.values()) == total - 24 * GB == rec["ballast_bytes"]
+    assert rec["ballast_pieces"] == len(taken) > 1
+    assert rec["free_after_bytes"] == 24 * GB - 600_000_000
+    b.free()
+    assert sorted(freed) == sorted(taken)
+
+
+def test_ballast_refuses_a_card_not_smaller_than_the_device() -> None:
+    b = card.CardBallast()
+    with pytest.raises(ValueError, match="not smaller"):
+        b._fill(lambda n: 1, lambda p: None, lambda: (10 * GB, 10 * GB), 24 * GB, {})
+
+
+def test_ballast_without_a_device_raises_naming_every_attempt() -> None:
+    # Here: libcudart loads (torch's), cudaSetDevice fails without a driver/device; cupy is
+    # absent or fails too. The worker records the message and does not run without its card.
+    with pytest.raises(RuntimeError, match="no ballast could be allocated") as err:
+        card.CardBallast().allocate(24 * GB)
+    assert "libcudart" in str(err.value) or "cupy" in str(err.value)
+
+
+def test_cudart_is_found_and_its_signatures_load() -> None:
+    probe = card.probe_cudart()
+    assert probe["library"] and "libcudart.so" in probe["library"]
+    assert "cudaGetDeviceCount" in probe, probe
+    if not torch.cuda.is_available():
+        assert probe["cudaGetDeviceCount"]["devices"] == 0
+
+
+def test_child_environment_drops_the_allocator_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    env, removed = card.child_environment()
+    assert not any(k in env for k in card.ALLOC_CONF_VARS)
+    assert set(removed) == set(card.ALLOC_CONF_VARS)
+
+
+def test_sampler_keeps_the_least_free_and_stops() -> None:
+    values = iter([10, 9, 3, 8] + [7] * 100000)
+    with card.CardSampler(lambda: (next(values), 10), 0.001) as s:
+        time.sleep(0.05)
+    assert s.min_free == 3 and s.samples >= 4
+    assert not s._thread.is_alive()
+    assert s.summary()["error"] is None
+
+
+def test_sampler_stops_sampling_on_a_probe_error() -> None:
+    def probe() -> tuple[int, int]:
+        raise RuntimeError("sticky")
+
+    with card.CardSampler(probe, 0.001) as s:
+        time.sleep(0.01)
+    assert s.min_free is None and "sticky" in s.error
+
+
+def test_call_timer() -> None:
+    t = card.CallTimer()
+    t.begin()
+    t.put(torch.zeros(1, 5))  # the prompt
+    assert t.prefill_s is None
+    for _ in range(3):
+        time.sleep(0.01)
+        t.put(torch.zeros(1))
+    assert t.new_tokens == 3 and t.prefill_s > 0 and 50 < t.decode_tok_s < 150
+
+
+def test_error_fields_classify_out_of_memory() -> None:
+    for exc, oom in (
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), True),
+        (RuntimeError("CUDA error: out of memory"), True),
+        (MemoryError(), True),
+        (ValueError("bad"), False),
+    ):
+        try:
+            raise exc
+        except Exception as e:
+            assert card.error_fields(e)["oom"] is oom, exc
+
+
+def _worker_script(tmp_path: Path, body: str) -> list[str]:
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "def emit(tag, obj): print(tag, json.dumps(obj), flush=True)\n" + body
+    )
+    return [sys.executable, str(script)]
+
+
+def test_worker_run_clean_exit_and_lines(tmp_path: Path) -> None:
+    cmd = _worker_script(
+        tmp_path, "print('hello', flush=True)\nemit('CALL', {'a': 1})\nemit('DONE', {})\n"
+    )
+    seen = []
+    w = card.WorkerRun(cmd, dict(os.environ), ("CALL", "DONE"))
+    assert w.follow(None, lambda tag, obj: seen.append((tag, obj))) == "clean exit"
+    assert seen == [("TEXT", "hello"), ("CALL", {"a": 1}), ("DONE", {})]
+
+
+def test_worker_run_killed_when_it_hangs_after_done(tmp_path: Path) -> None:
+    cmd = _worker_script(tmp_path, "emit('DONE', {})\ntime.sleep(60)\n")
+    w = card.WorkerRun(cmd, dict(os.environ), ("DONE",), done_grace_s=1)
+    status = w.follow(None, lambda *a: None)
+    assert "did not exit" in status and w.returncode != 0
+
+
+def test_worker_run_killed_at_the_deadline_keeps_earlier_lines(tmp_path: Path) -> None:
+    cmd = _worker_script(tmp_path, "emit('CALL', {'call': 1})\ntime.sleep(60)\n")
+    seen = []
+    w = card.WorkerRun(cmd, dict(os.environ), ("CALL", "DONE"))
+    status = w.follow(time.perf_counter() + 2, lambda tag, obj: seen.append(tag))
+    assert status == "killed at --max-wall-s" and seen == ["CALL"]
+
+
+# --- bench_generate: contenders, estimates, checks ----------------------------------------------
+
+
+def test_contender_names() -> None:
+    spec = bench_generate.contender_spec
+    assert spec("reviva", "24GB") == {"kind": "reviva", "vram_budget": "24GB"}
+    assert spec("reviva_default", None) == {"kind": "reviva", "vram_budget": None}
+    assert spec("reviva=23GB", None)["vram_budget"] == "23GB"
+    with pytest.raises(ValueError, match="no meaning"):
+        spec("reviva", None)
+    with pytest.raises(ValueError, match="unknown contender"):
+        spec("vllm", "24GB")
+    assert bench_generate.card_label("24GB") == "card24"
+
+
+def _args(**kw: object) -> object:
+    import argparse
+
+    base = dict(
+        calls=3, new_tokens=32, slow_new_tokens=8, layers=32, warmup_tokens=0, no_card_calls=0
+    )
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_estimates_grow_with_context_and_oom_is_cheap() -> None:
+    def run(kind: str, ctx: int, card_bytes: int | None) -> dict:
+        name = {"reviva": "reviva_default"}.get(kind, kind)
+        return {
+            "context": ctx,
+            "spec": bench_generate.contender_spec(name, None),
+            "card_bytes": card_bytes,
+            "calls": 3,
+        }
+
+    est = bench_generate.estimate_s
+    a = _args()
+    r64, r256 = est(run("reviva", 65536, 24 * GB), a), est(run("reviva", 262144, 24 * GB), a)
+    assert 30 < r64 < 90 and 200 < r256 < 400
+    assert est(run("hf", 65536, 24 * GB), a) < est(run("hf", 65536, None), a)
+
+
+def _row(mode: str, contender: str, ctx: int, call: int, **kw: object) -> dict:
+    row = {
+        "mode": mode,
+        "card": "24GB" if mode == "card" else None,
+        "contender": contender,
+        "context": ctx,
+        "call": call,
+        "completed": True,
+        "new_tokens": 32,
+        "error": None,
+    }
+    row.update(kw)
+    return row
+
+
+def _settings(**kw: object) -> dict:
+    s = {
+        "kv_bytes_per_token_per_layer": 4096,
+        "calls_per_worker": 3,
+        "card": "24GB",
+        "card_label": "card24",
+        "check_contexts": {str(k): v for k, v in bench_generate.CHECK_CONTEXTS.items()},
+        "thresholds": {
+            "min_decode_tok_s": 20.0,
+            "max_roofline_ratio": 1.1,
+            "prefill_limit_first_call": 1.15,
+            "prefill_limit_later_calls": 1.05,
+        },
+    }
+    s.update(kw)
+    return s
+
+
+def _h200_like(reviva_prefill: tuple, reviva_tok_s: tuple, streamed: int = 8) -> list[dict]:
+    rows = []
+    for call in (1, 2, 3):
+        rows.append(_row("no_card", "hf", 65536, call, prefill_s=3.73, decode_tok_s=9.0))
+        rows.append(
+            _row(
+                "no_card",
+                "reviva_default",
+                65536,
+                call,
+                prefill_s=3.8,
+                decode_tok_s=26.0,
+                reviva={"streamed_layers": 0},
+            )
+        )
+        rows.append(
+            _row(
+                "card",
+                "reviva",
+                65536,
+                call,
+                prefill_s=reviva_prefill[call - 1],
+                decode_tok_s=reviva_tok_s[call - 1],
+                reviva={"streamed_layers": streamed, "decode_steps": 31, "bytes_to_device": 1},
+            )
+        )
+    return rows
+
+
+def test_card_64k_check_passes_on_good_figures() -> None:
+    # 8 streamed layers at 64k: 8 * 4096 B * 65552 / 55 GB/s = 39 ms, the compute 38.5 ms: the
+    # roofline is the transfer; 24 tok/s = 41.7 ms is 1.07x of it.
+    rows = _h200_like((4.2, 3.8, 3.85), (24.0, 24.0, 24.0))
+    out = bench_generate.analyse_card(rows, _settings())
+    c = out["checks"]["card24_64k"]
+    assert c["pass"], json.dumps(c, indent=1)
+    assert [x["prefill_limit"] for x in c["calls"]] == [1.15, 1.05, 1.05]
+    assert all(x["roofline_ok"] and x["decode_ok"] for x in c["calls"])
+
+
+def test_card_64k_check_fails_on_slow_prefill_decode_or_missing_reference() -> None:
+    slow_first = bench_generate.analyse_card(_h200_like((4.4, 3.8, 3.8), (24,) * 3), _settings())
+    assert not slow_first["checks"]["card24_64k"]["pass"]  # 4.4 > 1.15 * 3.73
+    slow_warm = bench_generate.analyse_card(_h200_like((4.2, 4.0, 3.8), (24,) * 3), _settings())
+    assert not slow_warm["checks"]["card24_64k"]["calls"][1]["prefill_ok"]  # 4.0 > 1.05 * 3.73
+    slow_decode = bench_generate.analyse_card(_h200_like((3.8,) * 3, (18,) * 3), _settings())
+    assert not slow_decode["checks"]["card24_64k"]["calls"][0]["decode_ok"]
+    no_hf = [r for r in _h200_like((3.8,) * 3, (24,) * 3) if r["contender"] != "hf"]
+    c = bench_generate.analyse_card(no_hf, _settings())["checks"]["card24_64k"]
+    assert not c["pass"] and any("plain HF" in m for m in c["missing"])
+    no_compute = [r for r in _h200_like((3.8,) * 3, (24,) * 3) if r["mode"] != "no_card"]
+    c = bench_generate.analyse_card(no_compute, _settings())["checks"]["card24_64k"]
+    assert not c["pass"] and any("compute term" in m for m in c["missing"])
+
+
+def test_card_check_fails_on_a_failed_or_missing_call() -> None:
+    rows = _h200_like((3.8,) * 3, (24,) * 3)
+    rows = [r for r in rows if not (r["mode"] == "card" and r["call"] == 3)]
+    rows.append(_row("card", "reviva", 65536, 3, completed=False, oom=True, error="OOM"))
+    c = bench_generate.analyse_card(rows, _settings())["checks"]["card24_64k"]
+    assert not c["pass"] and not c["calls"][2]["ok"]
+
+
+def test_card_256k_roofline_check() -> None:
+    ctx, tok = 262144, 1.77
+    rows = [
+        _row("no_card", "reviva_default", ctx, 1, decode_tok_s=20.0, reviva={"streamed_layers": 0})
+    ]
+    # 28 streamed layers: 28 * 4096 * 262160 / 55e9 = 0.547 s; 1.77 tok/s = 0.565 s: 1.03x.
+    for call in (1, 2, 3):
+        rows.append(
+            _row("card", "reviva", ctx, call, decode_tok_s=tok, reviva={"streamed_layers": 28})
+        )
+    c = bench_generate.analyse_card(rows, _settings())["checks"]["card24_256k"]
+    assert c["pass"], c
+    assert 1.0 < c["calls"][0]["ratio_to_roofline"] < 1.1
+
+
+# --- bench_train ----------------------------------------------------------------------------------
+
+
+def test_train_contender_names() -> None:
+    spec = bench_train.contender_spec
+    assert spec("reviva_all_min16K")["min_bytes"] == 16 << 10
+    assert spec("reviva_8GB")["budget"] == "8GB"
+    with pytest.raises(ValueError):
+        spec("reviva_lots")
+    with pytest.raises(ValueError):
+        spec("checkpointing")
+
+
+def test_train_card_check() -> None:
+    def r(name: str, mode: str = "card", **kw: object) -> dict:
+        return {
+            "contender": name,
+            "mode": mode,
+            "spec": bench_train.contender_spec(name),
+            "completed": True,
+            **kw,
+        }
+
+    rows = [
+        r("plain", "no_card", step_s=0.158, forward_s=0.05, backward_s=0.108, peak_gb=19.8),
+        r("save_on_cpu", step_s=1.07, peak_gb=5.4),
+        r("reviva_all", step_s=0.30, peak_gb=5.3, bytes_offloaded_per_step=14 * GB),
+        r("reviva_8GB", step_s=0.2, peak_gb=7.9, budget="8GB", bytes_offloaded_per_step=GB),
+    ]
+    info = bench_train.add_rooflines(rows)
+    assert info["pinned_copy_gbps_from"] == "DESIGN.md"
+    c = bench_train.train_card_check(rows, "24GB")
+    # roofline: max(0.05, 14/55.3) + max(0.108, 14/55.4) = 0.506 s: 0.30 s is below it
+    assert c["offload_all"]["time_ok"] and c["offload_all"]["peak_ok"]
+    assert c["offload_all"]["roofline_ok"] and c["budgets"]["reviva_8GB"]["ok"] and c["pass"]
+    rows[3]["peak_gb"] = 8.1
+    assert not bench_train.train_card_check(rows, "24GB")["pass"]
+
+
+# --- bench_lifetime helpers -----------------------------------------------------------------------
+
+
+def test_snapshot_sees_a_leftover_forward() -> None:
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    before = bench_lifetime.module_snapshot(m)
+    m[1].forward = lambda x: x
+    diffs = bench_lifetime.snapshot_differences(before, bench_lifetime.module_snapshot(m))
+    assert diffs and diffs[0].startswith("1: forward in __dict__ False -> True")
+    del m[1].forward
+    assert not bench_lifetime.snapshot_differences(before, bench_lifetime.module_snapshot(m))
+
+
+def test_pinned_figures_skip_traffic_counters() -> None:
+    st = {"host_mb": 1.5, "bytes_to_host": 10, "pinned_bytes": 4, "stall_ms": 1.0, "x": True}
+    assert bench_lifetime.pinned_figures(st) == {"host_mb": 1.5, "pinned_bytes": 4}
+    assert bench_lifetime.pinned_in_bytes("host_mb", 1.0) == 1 << 20
