@@ -1,0 +1,258 @@
+"""What a generate call leaves behind, the way users call it: the same call many times, an
+exception in the middle (a streamer that raises, an out-of-memory in a layer), options HF
+honours (hidden states), two managers or two threads on one model. Each test runs on the host
+backend and on CUDA (conftest.py)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.generation.streamers import BaseStreamer
+
+import reviva
+from reviva import RevivaConfig, RevivaManager
+from reviva.kv_cache import RevivaCache
+from reviva.planner import device_state, smallest_budget
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=211,
+    max_position_embeddings=2048,
+)
+
+
+def tiny_model(device: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**TINY)
+    cfg.pad_token_id, cfg.eos_token_id = 0, None
+    model = AutoModelForCausalLM.from_config(cfg).to(device).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # robust argmax (see test_generate.py)
+    return model
+
+
+def streaming_manager(model: torch.nn.Module, prompt: int, new: int) -> RevivaManager:
+    """A manager whose budget holds 3 of the 5 layers' K/V buffers: 2 layers stream."""
+    probe = RevivaManager(model, RevivaConfig())
+    budget = smallest_budget(
+        probe.layout,
+        probe.config,
+        device_state(probe.layout, probe.arena),
+        1,
+        prompt,
+        new,
+        lambda p: len(p.resident_layers) + p.slots >= 3,
+    )
+    return RevivaManager(model, RevivaConfig(vram_budget=budget))
+
+
+def ids_for(device: str, n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, 211, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def forwards(model: torch.nn.Module) -> dict[str, object]:
+    """Every instance-level `forward` in the model (the wrappers live there while installed)."""
+    return {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__}
+
+
+def held(manager: RevivaManager) -> tuple[int, int]:
+    """Device bytes the call could have left: the arena's (mapped + retiring) and torch's."""
+    st = manager.arena.stats()
+    torch_bytes = (
+        torch.cuda.memory_allocated(manager.layout.device)
+        if manager.layout.device.type == "cuda"
+        else 0
+    )
+    return st["mapped_bytes"] + st["retiring_bytes"], torch_bytes
+
+
+class RaiseAfter(BaseStreamer):
+    """A streamer that raises `error` when the `n`-th new token arrives."""
+
+    def __init__(self, n: int, error: BaseException) -> None:
+        self.n, self.error, self.seen = n, error, -1  # the prompt comes first
+
+    def put(self, value: torch.Tensor) -> None:
+        self.seen += 1
+        if self.seen == self.n:
+            raise self.error
+
+    def end(self) -> None:
+        pass
+
+
+def test_repeated_calls_leave_nothing_behind(device: str) -> None:
+    model = tiny_model(device)
+    ids = ids_for(device, 120)
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False)
+    manager = streaming_manager(model, 120, 12)
+    before = forwards(model)
+    levels = []
+    gc.disable()
+    try:
+        for _ in range(12):
+            seen: list[weakref.ReferenceType] = []
+            original = RevivaCache.__init__
+
+            def spy(self, *a, _orig=original, _seen=seen, **k) -> None:  # noqa: ANN001
+                _seen.append(weakref.ref(self))
+                _orig(self, *a, **k)
+
+            RevivaCache.__init__ = spy
+            try:
+                out = manager.generate(ids, max_new_tokens=12, do_sample=False)
+            finally:
+                RevivaCache.__init__ = original
+            assert torch.equal(out, ref)
+            assert manager.get_memory_stats()["streamed_layers"] > 0
+            assert len(seen) == 1 and seen[0]() is None, "the call's cache outlived it (a cycle)"
+            levels.append(held(manager))
+            pinned = manager.pool.stats()
+            assert pinned["bytes_in_use"] == 0, "host copies still held after the call"
+    finally:
+        gc.enable()
+    assert all(arena == 0 for arena, _ in levels), levels
+    assert len({t for _, t in levels[2:]}) == 1, f"torch's memory grows: {levels}"
+    assert forwards(model) == before
+
+
+@pytest.mark.parametrize("where", ["streamer", "layer"])
+def test_an_exception_mid_call_restores_everything(device: str, where: str) -> None:
+    model = tiny_model(device, seed=3)
+    ids = ids_for(device, 100, seed=4)
+    ref = model.generate(ids, max_new_tokens=10, do_sample=False)
+    manager = streaming_manager(model, 100, 10)
+    manager.generate(ids, max_new_tokens=10, do_sample=False)  # a first call of this shape
+    before_forwards = forwards(model)
+    before = held(manager)
+    if where == "streamer":
+        with pytest.raises(KeyboardInterrupt):
+            manager.generate(
+                ids, max_new_tokens=10, do_sample=False, streamer=RaiseAfter(4, KeyboardInterrupt())
+            )
+    else:
+        calls = {"n": 0}
+
+        def oom(module: torch.nn.Module, args: object) -> None:
+            calls["n"] += 1
+            if calls["n"] == 9:  # in decode (5 layers of prefill, then decode steps)
+                raise torch.OutOfMemoryError("injected out-of-memory")
+
+        handle = model.model.layers[3].register_forward_pre_hook(oom)
+        try:
+            with pytest.raises(torch.OutOfMemoryError, match="injected"):
+                manager.generate(ids, max_new_tokens=10, do_sample=False)
+        finally:
+            handle.remove()
+    assert forwards(model) == before_forwards, "a wrapper was left on the model"
+    assert held(manager) == before, "device memory not back to its level before the call"
+    assert manager.pool.stats()["bytes_in_use"] == 0
+    out = manager.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_hidden_states_are_plain_hfs(device: str) -> None:
+    model = tiny_model(device, seed=5)
+    ids = ids_for(device, 90, seed=6)
+    kwargs = dict(
+        max_new_tokens=4, do_sample=False, output_hidden_states=True, return_dict_in_generate=True
+    )
+    ref = model.generate(ids, **kwargs)
+    out = streaming_manager(model, 90, 4).generate(ids, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.hidden_states) == len(ref.hidden_states)
+    for step, (a, b) in enumerate(zip(out.hidden_states, ref.hidden_states, strict=True)):
+        assert len(a) == len(b) == TINY["num_hidden_layers"] + 1
+        for layer, (x, y) in enumerate(zip(a, b, strict=True)):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=f"step {step} {layer}")
+
+
+def test_options_it_cannot_honour_are_refused_by_name(device: str) -> None:
+    model = tiny_model(device)
+    manager = RevivaManager(model)
+    ids = ids_for(device, 20)
+    with pytest.raises(ValueError, match="output_attentions"):
+        manager.generate(ids, max_new_tokens=2, output_attentions=True)
+    with pytest.raises(ValueError, match="batch and prompt length must both be >= 1"):
+        manager.generate(ids[:0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="batch must be an int >= 1, got 0"):
+        manager.plan(0, 10, 2)
+    assert forwards(model) == {}
+
+
+def test_a_second_manager_on_a_wrapped_model_is_refused(device: str) -> None:
+    model = tiny_model(device)
+    ids = ids_for(device, 30)
+    first, second = RevivaManager(model), RevivaManager(model)
+    errors: list[BaseException] = []
+
+    class Nested(BaseStreamer):
+        def put(self, value: torch.Tensor) -> None:
+            if not errors:
+                try:
+                    second.generate(ids, max_new_tokens=2, do_sample=False)
+                except RuntimeError as e:
+                    errors.append(e)
+
+        def end(self) -> None:
+            pass
+
+    first.generate(ids, max_new_tokens=3, do_sample=False, streamer=Nested())
+    assert errors and "wrapped by another RevivaManager" in str(errors[0])
+    assert forwards(model) == {}
+    # Once the first is done, the second may wrap the model.
+    second.generate(ids, max_new_tokens=2, do_sample=False)
+    assert forwards(model) == {}
+
+
+def test_generate_from_two_threads_is_serialized(device: str) -> None:
+    model = tiny_model(device, seed=7)
+    ids = [ids_for(device, 60 + 10 * k, seed=k) for k in range(4)]
+    refs = [model.generate(x, max_new_tokens=6, do_sample=False) for x in ids]
+    manager = streaming_manager(model, 90, 6)
+    results: dict[int, torch.Tensor] = {}
+    failures: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            for _ in range(3):
+                results[k] = manager.generate(ids[k], max_new_tokens=6, do_sample=False)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    for k in range(4):
+        assert torch.equal(results[k], refs[k])
+    assert forwards(model) == {}
+    assert held(manager)[0] == 0
+
+
+def test_activation_offload_refuses_reentry(device: str) -> None:
+    model = tiny_model(device)
+    offload = reviva.ActivationOffload(model)
+    with offload:
+        with pytest.raises(RuntimeError, match="already active"):
+            offload.__enter__()
+    # Still usable, and no hook left installed for the process.
+    ids = ids_for(device, 16)
+    with offload:
+        model(ids, labels=ids).loss.backward()
+    saved = offload.stats.saved_tensors
+    assert saved > 0
+    model.zero_grad()
+    model(ids, labels=ids).loss.backward()  # outside `with`: no hook of Reviva's sees it
+    assert offload.stats.saved_tensors == saved
