@@ -9,6 +9,7 @@
 #include <reviva/error.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <list>
 #include <mutex>
@@ -17,6 +18,10 @@ namespace reviva {
 
 namespace {
 std::size_t round_up_to(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
 }  // namespace
 
 struct DeviceArena::Impl {
@@ -42,6 +47,8 @@ struct DeviceArena::Impl {
   std::uint64_t unmaps = 0;            // guarded by mutex
   std::uint64_t failed_maps = 0;       // guarded by mutex
   std::uint64_t reclaim_calls = 0;     // guarded by mutex
+  double map_ms = 0.0;                 // guarded by mutex
+  double unmap_ms = 0.0;               // guarded by mutex
   std::list<Retired> retired;          // guarded by mutex
 
   void note_peak() { peak = std::max(peak, mapped + retiring); }  // requires mutex
@@ -194,7 +201,11 @@ void DeviceArena::map(ArenaBuffer& buffer, std::size_t bytes) {
   bool tried_retiring = false, tried_hook = false;
   for (;;) {
     try {
+      const auto t0 = std::chrono::steady_clock::now();
       backend_->map_memory(at, bytes);
+      const double ms = ms_since(t0);
+      std::lock_guard<std::mutex> lock(m.mutex);
+      m.map_ms += ms;
       break;
     } catch (const OutOfMemory& e) {
       // The device has no memory: our own retiring memory first, then whatever the hook frees.
@@ -287,9 +298,12 @@ void DeviceArena::reclaim(bool wait) {
         break;
       }
     }
+    double ms = 0.0;
     if (done) {
+      const auto t0 = std::chrono::steady_clock::now();
       for (const auto& [ptr, bytes] : it->mappings) backend_->unmap_memory(ptr, bytes);
       if (it->address) backend_->release_address(it->address, it->address_bytes);
+      ms = ms_since(t0);
     }
     std::vector<std::unique_ptr<Event>> dead;  // destroyed without the mutex (backend calls)
     std::lock_guard<std::mutex> lock(m.mutex);
@@ -299,6 +313,7 @@ void DeviceArena::reclaim(bool wait) {
     }
     m.retiring -= it->bytes;
     m.unmaps += it->mappings.size();
+    m.unmap_ms += ms;
     if (it->address) m.reserved_address -= it->address_bytes;
     dead = std::move(it->guards);
     m.retired.erase(it);
@@ -321,6 +336,8 @@ DeviceArenaStats DeviceArena::stats() {
   s.unmaps = m.unmaps;
   s.failed_maps = m.failed_maps;
   s.reclaim_calls = m.reclaim_calls;
+  s.map_ms = m.map_ms;
+  s.unmap_ms = m.unmap_ms;
   return s;
 }
 

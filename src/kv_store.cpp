@@ -12,6 +12,7 @@
 #include <reviva/kv_store.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 
@@ -287,7 +288,10 @@ void KVStore::prefetch_after(int layer) {
 // never pins any). A new slab may synchronize the device: PinnedHostPool::reserve ahead of the
 // call avoids that (the pool then serves this from its cache).
 void KVStore::allocate_host_copy(Layer& l) {
+  const auto t0 = std::chrono::steady_clock::now();
   l.host = engine_->pool().allocate(layer_bytes());
+  stats_.host_copy_wait_ms +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   stats_.host_bytes += l.host.size();
 }
 

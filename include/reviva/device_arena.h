@@ -56,6 +56,8 @@ struct DeviceArenaStats {
   std::uint64_t unmaps = 0;
   std::uint64_t failed_maps = 0;  // mappings refused: over the limit, or the device had none
   std::uint64_t reclaim_calls = 0;
+  double map_ms = 0.0;    // host time in the backend's map calls (all, since the arena was made)
+  double unmap_ms = 0.0;  // the same for unmapping
 };
 
 class DeviceArena;

@@ -61,8 +61,9 @@ struct KVStoreStats {
   double compute_stall_ms = 0.0;                // compute waiting at acquire for a fill (measured)
   std::uint64_t stalls = 0;                     // acquires that waited longer than timer noise
   std::size_t host_bytes = 0;                   // pinned bytes of the host copies
-  std::size_t device_bytes = 0;                 // arena bytes mapped for this store now
-  std::size_t peak_device_bytes = 0;            // the most at once
+  double host_copy_wait_ms = 0.0;     // host time taking host copies from the pool (pinning)
+  std::size_t device_bytes = 0;       // arena bytes mapped for this store now
+  std::size_t peak_device_bytes = 0;  // the most at once
 };
 
 class REVIVA_API KVStore {

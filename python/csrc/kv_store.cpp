@@ -29,6 +29,8 @@ py::dict arena_stats(DeviceArena& arena) {
   d["unmaps"] = s.unmaps;
   d["failed_maps"] = s.failed_maps;
   d["reclaim_calls"] = s.reclaim_calls;
+  d["map_ms"] = s.map_ms;
+  d["unmap_ms"] = s.unmap_ms;
   return d;
 }
 
@@ -138,6 +140,7 @@ class PyKVStore {
     r["compute_stall_ms"] = st.compute_stall_ms;
     r["stalls"] = st.stalls;
     r["host_bytes"] = st.host_bytes;
+    r["host_copy_wait_ms"] = st.host_copy_wait_ms;
     r["device_bytes"] = st.device_bytes;
     r["peak_device_bytes"] = st.peak_device_bytes;
     return r;

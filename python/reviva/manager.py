@@ -224,8 +224,22 @@ class RevivaManager:
     def _mark_decode_step(self) -> None:
         if "prefill_end" not in self._phase:
             self._phase["prefill_end"] = self._event()
+            self._phase["prefill_peak"] = self._phase_peak()
             self._promote_after_prefill()
         self._phase["decode_steps"] = self._phase.get("decode_steps", 0) + 1
+
+    def _phase_peak(self) -> int | None:
+        """The device bytes a phase (prefill, then decode) held at most: torch's peak plus the
+        arena's peak within it, and starts the next phase's peaks. A sum of two peaks bounds
+        the true one; within one phase they nearly coincide (prefill's K/V grows to the end of
+        the phase, where the last layer's working set peaks; decode's barely moves)."""
+        if self.layout.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(self.layout.device)
+        peak += self.arena.stats()["peak_bytes"]
+        torch.cuda.reset_peak_memory_stats(self.layout.device)
+        self.arena.reset_peak()
+        return peak
 
     @staticmethod
     def _elapsed_s(a: Any, b: Any) -> float:
@@ -366,7 +380,7 @@ class RevivaManager:
         self.engine.reset_stats()
         pinning = self._pin_ahead(plan)
         cache: RevivaCache | None = None
-        self._phase = {"start": self._event()}
+        self._phase = {"start": self._event(), "map_ms": self.arena.stats()["map_ms"]}
         self._copy_hidden = bool(gen.output_hidden_states)
         try:
             cache = RevivaCache(
@@ -441,18 +455,22 @@ class RevivaManager:
         kv_total = plan.num_layers * plan.capacity * plan.kv_token_bytes
         copy_ms = eng["h2d"]["busy_ms"]
         stall_ms = st["compute_stall_ms"]
-        cuda = self.layout.device.type == "cuda"
-        torch_peak = torch.cuda.max_memory_allocated(self.layout.device) if cuda else None
+        prefill_peak = ph.get("prefill_peak")
+        decode_peak = self._phase_peak()
+        peaks = [p for p in (prefill_peak, decode_peak) if p is not None]
         return {
             "device": str(self.layout.device),
             "backend": self.runtime.backend,
             "budget_mb": plan.budget / _MiB,
             "requested_budget_mb": plan.requested_budget / _MiB,
             "device_limit_mb": plan.device_limit / _MiB,
-            "torch_peak_mb": torch_peak / _MiB if torch_peak is not None else None,
             "kv_device_peak_mb": st["peak_device_bytes"] / _MiB,
-            # Torch's peak and the arena's peak need not coincide: their sum bounds the call's.
-            "peak_vram_mb": (torch_peak + arena["peak_bytes"]) / _MiB if cuda else None,
+            # Torch's tensors and the arena's K/V, at most, by phase (_phase_peak).
+            "peak_vram_mb": max(peaks) / _MiB if peaks else None,
+            "prefill_peak_vram_mb": prefill_peak / _MiB if prefill_peak is not None else None,
+            "decode_peak_vram_mb": decode_peak / _MiB if decode_peak is not None else None,
+            "arena_map_ms": arena["map_ms"] - ph["map_ms"],
+            "host_copy_wait_ms": st["host_copy_wait_ms"],
             "kv_cache_mb": kv_total / _MiB,
             "kv_device_mb": st["device_bytes"] / _MiB,
             "vram_saved_mb": max(kv_total - st["device_bytes"], 0) / _MiB,
