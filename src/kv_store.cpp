@@ -207,6 +207,40 @@ void KVStore::add_slot() {
 // Takes a free slot for a layer whose prefix needs `need` bytes: the least recently released
 // one whose memory already holds that much, else the least recently released one (which must
 // map more). -1 when none is free.
+bool KVStore::drop_slot() {
+  check_open("drop_slot");
+  if (stats_.slots <= 1 && !streamed_.empty()) return false;
+  int s = -1;
+  if (!free_slots_.empty()) {
+    s = take_free_slot(0);
+  } else {  // a slot a prefetch filled for a layer not acquired yet: that layer is filled again
+    s = take_prefetched_slot();
+    if (s < 0) return false;
+  }
+  Slot& slot = slots_[static_cast<std::size_t>(s)];
+  // Whatever still reads or writes it (a fill, an append) is ordered before the memory goes:
+  // the buffer's recorded uses (rule 2), and the transfers the slot remembers are waited for
+  // by the arena through those same streams.
+  slot.buffer.reset();
+  slot.fill = slot.previous_fill = slot.last_read = Transfer{};
+  --stats_.slots;
+  note_device_bytes();
+  return true;
+}
+
+// A slot holding a layer a prefetch filled and compute has not acquired yet (not on the free
+// list); its layer loses it. -1 when every slot is acquired.
+int KVStore::take_prefetched_slot() {
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    Slot& slot = slots_[i];
+    if (!slot.buffer || slot.acquired) continue;
+    if (slot.layer >= 0) layers_[static_cast<std::size_t>(slot.layer)].slot = -1;
+    slot.layer = -1;
+    return static_cast<int>(i);
+  }
+  return -1;
+}
+
 int KVStore::take_free_slot(std::size_t need) {
   if (free_slots_.empty()) return -1;
   auto chosen = std::find_if(free_slots_.begin(), free_slots_.end(), [&](int s) {
@@ -223,10 +257,14 @@ int KVStore::take_free_slot(std::size_t need) {
 
 // Puts `layer`'s valid prefix into a free slot, mapping the slot's memory for it if needed.
 int KVStore::fill(int layer, bool prefetch) {
-  if (free_slots_.empty()) return 0;
   Layer& l = layers_[static_cast<std::size_t>(layer)];
   const std::size_t need = l.length * options_.token_bytes;
-  const int s = take_free_slot(need);
+  // A layer compute needs now may take a slot a prefetch filled for a later one (out of the
+  // cycle's order, or after a slot was dropped); a prefetch never does.
+  const int s = !free_slots_.empty() ? take_free_slot(need)
+                : prefetch           ? -1
+                                     : take_prefetched_slot();
+  if (s < 0) return 0;
   Slot& slot = slots_[static_cast<std::size_t>(s)];
   // Memory before anything else changes: a slot that cannot be had narrows the window.
   bool mapped = true;
@@ -441,6 +479,7 @@ void KVStore::clear() {
   }
   free_slots_.clear();
   for (std::size_t s = 0; s < slots_.size(); ++s) {
+    if (!slots_[s].buffer) continue;  // dropped
     slots_[s].layer = -1;
     slots_[s].fill = Transfer{};
     slots_[s].last_read = Transfer{};

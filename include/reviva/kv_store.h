@@ -84,6 +84,11 @@ class REVIVA_API KVStore {
   bool promote(int layer);
   // A staging slot for streamed layers: an arena buffer, mapped as its layers need.
   void add_slot();
+  // Gives up a slot no layer is using (the least recently released, else one a prefetch filled;
+  // its layer is filled again when next needed): its memory goes back to the arena once the
+  // streams that used it pass. False when every slot is acquired, or only one is left while
+  // layers stream.
+  bool drop_slot();
 
   // Compute is about to use `layer`: returns its device buffer, holding its first length(layer)
   // tokens for work submitted to `compute` from now on (compute waits for their fill), until
@@ -128,6 +133,7 @@ class REVIVA_API KVStore {
   // 1: filled (or reserved), 0: no free slot, -1: no memory for the slot (prefetch only).
   int fill(int layer, bool prefetch);
   int take_free_slot(std::size_t need);
+  int take_prefetched_slot();
   void fold_stalls(bool wait);
   void allocate_host_copy(Layer& l);
   void become_resident(int layer, std::shared_ptr<ArenaBuffer> buffer);

@@ -187,6 +187,7 @@ void bind_kv_store(py::module_& m) {
           },
           py::arg("layer"))
       .def("add_slot", [](PyKVStore& s) { s.store().add_slot(); })
+      .def("drop_slot", [](PyKVStore& s) { return s.store().drop_slot(); })
       .def("acquire", &PyKVStore::acquire, py::arg("layer"))
       .def(
           "reserve",

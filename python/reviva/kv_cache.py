@@ -112,6 +112,10 @@ class RevivaCache(Cache):
         when the device has no memory for it (it stays streamed)."""
         return self.store.promote(layer_idx)
 
+    def drop_slot(self) -> bool:
+        """Gives up a staging slot no layer uses (its memory goes back); False if none."""
+        return self.store.drop_slot()
+
     def close(self) -> None:
         """Waits for the cache's copies and gives its device memory and pinned host copies back
         (device memory after compute's last use). Idempotent; the cache is unusable after."""

@@ -199,17 +199,35 @@ class RevivaManager:
         return forward
 
     def _promote_after_prefill(self) -> None:
-        """Prefill's working set is gone: streamed layers that now fit become resident. A layer
-        the device cannot take now (another part of the process holds the memory) stays
-        streamed; the stats count it."""
+        """Prefill's working set is gone: slots beyond the plan's decode_slots are given up and
+        streamed layers that now fit become resident (Plan.promotable_layers). On CUDA each
+        promotion also needs the memory to be on the device now, beside decode's working set:
+        torch's cached prefill blocks go back to the device first, and a layer the device cannot
+        take (another part of the process holds the memory) stays streamed; the stats count it."""
         plan, cache = self._plan, self._cache
         if plan is None or cache is None or plan.streamed_layers == 0:
             return
         count = plan.promotable_layers()
         if count <= 0:
             return
+        for _ in range(plan.slots - plan.decode_slots):
+            cache.drop_slot()
+        cuda = self.layout.device.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()  # prefill's cached working set: the device's again
         streamed = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
-        promoted = sum(cache.promote(streamed[k]) for k in spread(int(count), len(streamed)))
+        promoted = refused = 0
+        for k in spread(int(count), len(streamed)):
+            if cuda:
+                free = torch.cuda.mem_get_info(self.layout.device)[0]
+                if free < plan.layer_kv_bytes + plan.decode_working_set:
+                    refused += 1
+                    continue
+            if cache.promote(streamed[k]):
+                promoted += 1
+            else:
+                refused += 1
+        self._phase["promotions_refused_by_device"] = refused
         log.info("reviva: %d of %d planned promotions after prefill", promoted, count)
 
     # --- phases ----------------------------------------------------------------------------------
@@ -487,6 +505,8 @@ class RevivaManager:
             "promotion_failures": st["promotion_failures"],
             "prefetches_without_memory": st["prefetches_without_memory"],
             "slots": plan.slots,
+            "decode_slots": st["slots"],
+            "promotions_refused_by_device": ph.get("promotions_refused_by_device", 0),
             "prefetch_window": plan.prefetch_layers,
             "chunk_tokens": plan.chunk_tokens,
             "layer_kv_mb": layer_kv / _MiB,

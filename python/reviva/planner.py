@@ -49,6 +49,13 @@ class MemoryModel:
     decode_fixed: int = 4 * _MiB  # decode's small tensors (positions, masks, sampler state)
     margin_fixed: int = 8 * _MiB  # allocator rounding ...
     margin_fraction: float = 1 / 50  # ... and fragmentation, as a part of the budget
+    # Decode's working set is a token's tensors (small-pool blocks of torch's allocator): little
+    # to fragment. The prefill margin kept through decode left a layer's K/V unused on a 24 GB card.
+    decode_margin_fraction: float = 1 / 200
+    # Staging slots kept in decode when layers still stream: the one in use and one being filled
+    # keep the copy stream busy (a fill waits only for the release of the layer two streamed
+    # layers back), so a third slot's memory makes one more layer resident instead.
+    decode_slots: int = 2
     chunk_target_fraction: float = 1 / 10  # a chunk's transients take this part of the room
     chunk_min_bytes: int = 32 * _MiB
     chunk_max_bytes: int = 4096 * _MiB
@@ -108,8 +115,9 @@ class Plan:
     kv_token_bytes: int  # K and V of one token of one layer
     layer_kv_bytes: int  # K and V of one layer at full capacity, in arena granules
     working_set: int  # estimated transient peak (prefill or decode), margin included
-    decode_working_set: int  # the same for decode alone (after prefill), margin included
+    decode_working_set: int  # the same for decode alone (after prefill), its margin included
     margin: int  # part of the working set kept for allocator rounding and fragmentation
+    decode_slots: int  # staging slots kept in decode while layers stream (MemoryModel)
     num_layers: int
     resident_layers: tuple[int, ...]
     slots: int
@@ -125,8 +133,9 @@ class Plan:
         return self.streamed_layers * self.capacity * self.kv_token_bytes
 
     def promotable_layers(self) -> int:
-        """Streamed layers that fit once prefill's working set is gone."""
-        held = (len(self.resident_layers) + self.slots) * self.layer_kv_bytes
+        """Streamed layers that fit once prefill's working set is gone and the slots beyond
+        `decode_slots` are given up."""
+        held = (len(self.resident_layers) + self.decode_slots) * self.layer_kv_bytes
         room = self.budget - self.baseline - self.decode_working_set - held
         return min(max(room, 0) // self.layer_kv_bytes, self.streamed_layers)
 
@@ -216,7 +225,8 @@ def make_plan(
     else:
         prefill = base + score * chunk * prompt_tokens
     decode = logits + batch * capacity * 8 + per_token + model.decode_fixed
-    working = max(prefill, decode) + margin
+    decode_margin = model.margin_fixed + int(budget * model.decode_margin_fraction)
+    working = max(prefill + margin, decode + decode_margin)
     avail = budget - baseline - working
     prefetch = window
     if avail >= n * layer_kv:
@@ -255,8 +265,9 @@ def make_plan(
         kv_token_bytes=kv_token,
         layer_kv_bytes=layer_kv,
         working_set=working,
-        decode_working_set=decode + margin,
+        decode_working_set=decode + decode_margin,
         margin=margin,
+        decode_slots=min(slots, model.decode_slots),
         resident_layers=spread(int(resident), n),
         slots=slots,
         prefetch_layers=prefetch,

@@ -166,6 +166,25 @@ TEST_P(KVStoreTest, PromotedLayersKeepTheirContentsAndStopMoving) {
             3u * kTokenBytes * static_cast<std::size_t>(scaled(8)));
 }
 
+TEST_P(KVStoreTest, DroppedSlotsGiveTheirMemoryBackAndDecodeGoesOn) {
+  Rig rig(backend_, 6, 64, 2, 3, {0});
+  rig.step(30, 1, false);
+  rig.step(1, 2);
+  const std::size_t before = rig.store->stats().device_bytes;
+  EXPECT_TRUE(rig.store->drop_slot());
+  EXPECT_EQ(rig.store->stats().slots, 2);
+  EXPECT_LT(rig.store->stats().device_bytes, before);
+  EXPECT_TRUE(rig.store->drop_slot());
+  EXPECT_FALSE(rig.store->drop_slot()) << "the last slot of streamed layers stays";
+  for (int s = 0; s < scaled(6); ++s) rig.step(1, 10 + s);  // every layer still exact
+  rig.step(0, 99);
+  rig.store->clear();  // a cleared store does not bring dropped slots back
+  for (auto& e : rig.expected) e.clear();
+  rig.step(3, 200, false);
+  rig.step(0, 201);
+  EXPECT_EQ(rig.store->stats().slots, 1);
+}
+
 TEST_P(KVStoreTest, AllResidentMovesNothing) {
   Rig rig(backend_, 3, 32, 2, 0, {0, 1, 2});
   rig.step(10, 1, false);

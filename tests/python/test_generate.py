@@ -381,17 +381,19 @@ def test_promotion_after_prefill_and_own_decode_attention() -> None:
         max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True
     )
     ref = model.generate(ids, **kwargs)
-    budget = budget_for(model, 1, 1000, 24, 3)
-    manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+    # 512-token chunks: a prefill working set no larger than decode's, so that what frees up
+    # after prefill is the third slot (decode keeps two) and one layer is promoted.
+    budget = budget_for(model, 1, 1000, 24, 3, chunk=512)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget, chunk_tokens=512))
     plan = manager.plan(1, 1000, 24)
-    assert plan.resident_layers == () and plan.slots == 3
-    assert plan.decode_working_set < plan.working_set
+    assert plan.resident_layers == () and plan.slots == 3 and plan.decode_slots == 2
     manager._own_decode = True
     out = manager.generate(ids, **kwargs)
     st = manager.get_memory_stats()
     assert st["own_decode_attention"] and st["decode_steps"] == 23
     assert st["promoted_layers"] == plan.promotable_layers()
     assert 0 < st["promoted_layers"] < 5  # some promoted, some still streamed in decode
+    assert st["decode_slots"] == 2
     assert st["streamed_layers"] == 5 - st["promoted_layers"]
     for a, b in zip(ref.logits, out.logits, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
