@@ -13,11 +13,18 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
+
+#include <sys/mman.h>
 
 namespace reviva {
 namespace {
@@ -126,6 +133,10 @@ class CudaBackend final : public Backend {
     // holds the compute stream) and pass on the H200 with this preload; not rerun without it.
     REVIVA_CUDA_CHECK(kernels::preload_copy_segments());
     REVIVA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest_priority_, &highest_priority_));
+    int host_pointer = 0;
+    REVIVA_CUDA_CHECK(cudaDeviceGetAttribute(
+        &host_pointer, cudaDevAttrCanUseHostPointerForRegisteredMem, device_));
+    register_host_ = host_pointer != 0;
     if (driver_.load() && driver_.supported(device_)) {
       prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
       prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -215,23 +226,65 @@ class CudaBackend final : public Backend {
     return ms;
   }
 
+  // Note [Pinning by registration]
+  // Pinned memory is anonymous memory, asked for in huge pages and touched by a few threads, then
+  // registered (cudaHostRegister), not cudaHostAlloc'ed: measured on the H200 host
+  // (benchmarks/bench_pinning.py, pinning-2026-12-01-1de38c6.json) cudaHostAlloc pins 0.40 ms per
+  // MB and holds the driver while it does, so that a thread launching kernels meanwhile waits
+  // as long; populating took 0.028 ms per MB with no CUDA call and registering 0.027. Both
+  // CUDA calls wait for the device's queued work, so pinning belongs before a call's compute.
+  // Where the device cannot use a registered host pointer as its own, cudaHostAlloc it is.
   void* allocate_pinned_host(std::size_t bytes) override {
     REVIVA_CHECK_ARG(bytes > 0, "allocate_pinned_host: bytes must be > 0");
     DeviceGuard guard(device_);
-    void* p = nullptr;
+    if (!register_host_) return host_alloc(bytes);
+    const std::size_t size = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+    // Over-map by a huge page, then trim, so that the range starts on a huge-page boundary.
+    void* raw = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED)
+      throw OutOfMemory(detail::concat("mmap of ", size, " bytes of host memory failed"));
+    const auto base = reinterpret_cast<std::uintptr_t>(raw);
+    const std::uintptr_t start = (base + kHugePage - 1) / kHugePage * kHugePage;
+    if (start > base) munmap(raw, start - base);
+    if (const std::uintptr_t end = start + size; base + size + kHugePage > end)
+      munmap(reinterpret_cast<void*>(end), base + size + kHugePage - end);
+    char* p = reinterpret_cast<char*>(start);
+    madvise(p, size, MADV_HUGEPAGE);  // a hint: 4 KiB pages work too, only slower to pin
+    populate(p, size);
     const cudaError_t status =
-        cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
-    if (status == cudaErrorMemoryAllocation) {
+        cudaHostRegister(p, size, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    if (status != cudaSuccess) {
       (void)cudaGetLastError();
-      throw OutOfMemory(detail::concat("cudaHostAlloc of ", bytes,
-                                       " bytes of pinned host memory failed (out of memory)"));
+      munmap(p, size);
+      if (status == cudaErrorMemoryAllocation || status == cudaErrorHostMemoryAlreadyRegistered)
+        throw OutOfMemory(
+            detail::concat("cudaHostRegister of ", size,
+                           " bytes of host memory failed: ", cudaGetErrorString(status)));
+      REVIVA_CUDA_CHECK(status);
     }
-    REVIVA_CUDA_CHECK(status);
+    std::lock_guard<std::mutex> lock(mutex_);
+    registered_[p] = size;
     return p;
   }
 
   void free_pinned_host(void* ptr) noexcept override {
-    if (ptr) REVIVA_CUDA_WARN(cudaFreeHost(ptr));
+    if (!ptr) return;
+    std::size_t size = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = registered_.find(ptr);
+      if (it != registered_.end()) {
+        size = it->second;
+        registered_.erase(it);
+      }
+    }
+    if (size == 0) {
+      REVIVA_CUDA_WARN(cudaFreeHost(ptr));
+      return;
+    }
+    REVIVA_CUDA_WARN(cudaHostUnregister(ptr));
+    munmap(ptr, size);
   }
 
   void* allocate_device(std::size_t bytes, StreamHandle stream) override {
@@ -352,6 +405,40 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  static constexpr std::size_t kHugePage = std::size_t{2} << 20;
+
+  void* host_alloc(std::size_t bytes) {
+    void* p = nullptr;
+    const cudaError_t status =
+        cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+    if (status == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      throw OutOfMemory(detail::concat("cudaHostAlloc of ", bytes,
+                                       " bytes of pinned host memory failed (out of memory)"));
+    }
+    REVIVA_CUDA_CHECK(status);
+    return p;
+  }
+
+  // Touches every page (the kernel backs it now, in huge pages where it can), on a few threads
+  // for large ranges: page faults and zeroing are the cost, and they parallelize.
+  static void populate(char* p, std::size_t size) {
+    constexpr std::size_t kPage = 4096;
+    const std::size_t per_thread = std::size_t{64} << 20;
+    const std::size_t hw = std::max(1u, std::thread::hardware_concurrency());
+    const std::size_t n =
+        std::clamp<std::size_t>(size / per_thread, 1, std::min<std::size_t>(hw, 8));
+    const std::size_t chunk = (size / n + kPage - 1) / kPage * kPage;
+    auto touch = [p, size](std::size_t from, std::size_t to) {
+      for (std::size_t off = from; off < std::min(to, size); off += kPage)
+        static_cast<volatile char*>(p)[off] = 0;
+    };
+    std::vector<std::thread> threads;
+    for (std::size_t i = 1; i < n; ++i) threads.emplace_back(touch, i * chunk, (i + 1) * chunk);
+    touch(0, chunk);
+    for (auto& t : threads) t.join();
+  }
+
   void check_vmm(std::size_t bytes, const char* what) const {
     if (granularity_ == 0)
       throw BackendError(detail::concat(what, ": ", name(),
@@ -375,6 +462,10 @@ class CudaBackend final : public Backend {
   VmmDriver driver_;
   CUmemAllocationProp prop_{};
   std::size_t granularity_ = 0;  // 0: no virtual memory management
+  // Note [Pinning by registration]: whether the device uses a registered host pointer as is.
+  bool register_host_ = false;
+  std::mutex mutex_;
+  std::map<void*, std::size_t> registered_;  // guarded by mutex_: registered ranges and sizes
 };
 
 }  // namespace
