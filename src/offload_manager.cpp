@@ -918,6 +918,11 @@ BlockState OffloadManager::state(BlockId id) const {
   return b.drop_on_landing ? BlockState::Empty : b.state;  // its contents are already gone
 }
 
+bool OffloadManager::acquired(BlockId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->find(id).pins > 0;
+}
+
 std::size_t OffloadManager::bytes(BlockId id) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->find(id).bytes;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 
 namespace reviva {
@@ -64,8 +65,21 @@ std::size_t PrefetchScheduler::locate(std::span<const BlockId> group) {
 std::vector<void*> PrefetchScheduler::acquire_group(std::span<const BlockId> group,
                                                     const Stream& compute, Access access) {
   REVIVA_CHECK_ARG(!group.empty(), "acquire_group: the group is empty");
-  if (!declared_) recording_.emplace_back(group.begin(), group.end());
   const std::size_t p = locate(group);
+  // The current group first: prefetches must not take the room it needs. A call that fails part
+  // way (a block that does not fit beside the others, a failed copy) holds nothing afterwards:
+  // it releases what it acquired, and the access is neither recorded nor moves the cursor.
+  std::vector<void*> addresses;
+  addresses.reserve(group.size());
+  try {
+    for (BlockId id : group) addresses.push_back(manager_.acquire(id, compute, access));
+    if (p != kNowhere) prefetch_ahead(p);
+    if (options_.adaptive) adapt(compute);
+    if (!declared_) recording_.emplace_back(group.begin(), group.end());
+  } catch (...) {
+    release_after_failure(group.first(addresses.size()), compute);
+    throw;
+  }
   if (p == kNowhere) {
     ++stats_.off_schedule_accesses;
     on_schedule_ = false;
@@ -73,13 +87,23 @@ std::vector<void*> PrefetchScheduler::acquire_group(std::span<const BlockId> gro
     position_ = p;
     on_schedule_ = true;
   }
-  // The current group first: prefetches must not take the room it needs.
-  std::vector<void*> addresses;
-  addresses.reserve(group.size());
-  for (BlockId id : group) addresses.push_back(manager_.acquire(id, compute, access));
-  if (on_schedule_) prefetch_ahead(p);
-  if (options_.adaptive) adapt(compute);
   return addresses;
+}
+
+// Newest first; a release that fails too is reported, not thrown: the caller needs the error that
+// made the acquire fail.
+void PrefetchScheduler::release_after_failure(std::span<const BlockId> acquired,
+                                              const Stream& compute) noexcept {
+  for (std::size_t i = acquired.size(); i-- > 0;) {
+    try {
+      manager_.release(acquired[i], compute);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr,
+                   "reviva: warning: acquire_group: releasing block %llu after a failed "
+                   "acquire: %s\n",
+                   static_cast<unsigned long long>(acquired[i]), e.what());
+    }
+  }
 }
 
 void PrefetchScheduler::prefetch_ahead(std::size_t position) {
@@ -139,12 +163,18 @@ std::size_t PrefetchScheduler::distance_to_next_use(BlockId id, std::size_t posi
 void PrefetchScheduler::release_group(std::span<const BlockId> group, const Stream& compute,
                                       bool discard) {
   for (BlockId id : group) manager_.release(id, compute);
+  after_release(group, discard);
+}
+
+void PrefetchScheduler::after_release(std::span<const BlockId> group, bool discard) {
   if (discard) {
     for (BlockId id : group) manager_.discard(id);
   } else if (options_.eager_offload && on_schedule_) {
     for (BlockId id : group) {
+      // A block still acquired (by another group in use, or by a tensor that the Python binding
+      // keeps alive) stays; it leaves when room is next needed after its last release.
       if (distance_to_next_use(id, position_) > static_cast<std::size_t>(window_) &&
-          manager_.state(id) == BlockState::Device) {
+          manager_.state(id) == BlockState::Device && !manager_.acquired(id)) {
         manager_.offload(id);
         ++stats_.eager_offloads;
       }

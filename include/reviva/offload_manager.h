@@ -85,6 +85,9 @@ class REVIVA_API OffloadManager {
   void discard(BlockId id);
 
   BlockState state(BlockId id) const;
+  // Whether compute holds the block (acquired more often than released): it stays resident, and
+  // offload, discard and unregister refuse it.
+  bool acquired(BlockId id) const;
   std::size_t bytes(BlockId id) const;
   const std::string& name(BlockId id) const;
   std::vector<BlockId> blocks() const;

@@ -54,13 +54,18 @@ class REVIVA_API PrefetchScheduler {
   void declare_order(std::vector<std::vector<BlockId>> order);
 
   // Compute is about to use `group`: acquires its blocks (addresses in the group's order) and
-  // prefetches the next groups of the order.
+  // prefetches the next groups of the order. On failure nothing stays acquired (with WriteOnly,
+  // blocks acquired before the failure keep no contents: the access declared them dead).
   std::vector<void*> acquire_group(std::span<const BlockId> group, const Stream& compute,
                                    Access access = Access::ReadWrite);
   // Releases the group's blocks; with eager offload, starts moving out those needed far later.
   // With `discard`, their contents are dead (e.g. activations after their backward use): they
   // are dropped instead of copied out. Then retries prefetches that found no room before.
   void release_group(std::span<const BlockId> group, const Stream& compute, bool discard = false);
+  // release_group without the releases, for a caller that releases the blocks itself (the Python
+  // binding ends a block's use only once its tensors are gone too). Blocks still acquired are
+  // not offloaded; discarding one throws, as OffloadManager::discard does.
+  void after_release(std::span<const BlockId> group, bool discard = false);
   // Ends a step: a recorded order becomes the order of the next step.
   void end_step();
 
@@ -70,6 +75,7 @@ class REVIVA_API PrefetchScheduler {
 
  private:
   std::size_t locate(std::span<const BlockId> group);
+  void release_after_failure(std::span<const BlockId> acquired, const Stream& compute) noexcept;
   void prefetch_ahead(std::size_t position);
   bool make_room(std::size_t position);
   std::size_t distance_to_next_use(BlockId id, std::size_t position) const;

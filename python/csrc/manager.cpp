@@ -1,13 +1,19 @@
 // reviva._C: the OffloadManager and PrefetchScheduler on torch tensors.
 //
 // A managed block is a tensor's bytes plus its shape and dtype; acquire() returns a tensor viewing
-// the block's current device memory, valid until release(). Compute is torch's current stream on
-// CUDA; on the host runtime acquire() waits for the data before returning, since torch computes
-// on the CPU synchronously. On CUDA the blocks' device memory comes from PyTorch's caching
-// allocator (TorchDeviceAllocator), so Reviva and PyTorch share one pool.
+// the block's device memory, which stays there while the tensor lives (Note [Leases]). Compute is
+// torch's current stream on CUDA; on the host runtime acquire() waits for the data before
+// returning, since torch computes on the CPU synchronously. On CUDA the blocks' device memory
+// comes from PyTorch's caching allocator (TorchDeviceAllocator), so Reviva and PyTorch share one
+// pool.
 #include "runtime.h"
 
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <map>
 #include <mutex>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -81,6 +87,291 @@ struct TensorMeta {
   torch::ScalarType dtype;
 };
 
+// Note [Leases]
+// acquire() and acquire_group() return tensors viewing a block's device memory. Python keeps
+// tensors past release() (a loop variable, a view saved for later), and the manager moves or frees
+// the memory of a released block; a tensor that outlived its block read garbage, and writing to
+// one after unregister() corrupted the heap. So each acquire of a block opens a lease, which holds
+// the core pin (the block stays resident at the same address) until both
+//   - the caller has called release() for it, and
+//   - the tensor it returned is gone: its storage's deleter ran (views share that storage).
+// Whichever comes second releases the pin, on the compute stream captured at acquire time: the
+// stream's work queued by then covers every use of the tensor on it. While a block has a lease,
+// offload, discard and unregister refuse it, saying what holds it.
+// A deleter runs on whatever thread drops the last reference, possibly without the GIL and after
+// the Python manager is gone. So it needs neither: it holds the LeaseTable, which holds the core
+// manager (and through it the engine and backend), and the lease holds its stream. It never
+// throws; a failure to release is reported on stderr.
+class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
+ public:
+  explicit LeaseTable(std::shared_ptr<OffloadManager> manager) : manager_(std::move(manager)) {}
+  LeaseTable(const LeaseTable&) = delete;
+  LeaseTable& operator=(const LeaseTable&) = delete;
+
+  OffloadManager& manager() const { return *manager_; }
+
+  // Tensors viewing `ptrs[i]`, the address the caller's acquire of `blocks[i]` on `compute`
+  // returned: each takes over that acquire's pin as a lease. On failure no lease and no pin is
+  // left (pins not yet leased are released).
+  std::vector<torch::Tensor> open(std::span<const BlockId> blocks, std::span<void* const> ptrs,
+                                  std::span<const TensorMeta* const> metas,
+                                  const torch::Device& device,
+                                  const std::shared_ptr<const Stream>& compute) {
+    std::vector<torch::Tensor> tensors;
+    std::vector<LeaseId> ids;
+    try {
+      tensors.reserve(blocks.size());
+      ids.reserve(blocks.size());
+      for (std::size_t i = 0; i < blocks.size(); ++i) {
+        const std::size_t bytes = manager_->bytes(blocks[i]);
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          const LeaseId id = next_id_++;
+          leases_.emplace(
+              id, Lease{blocks[i], compute, reinterpret_cast<std::uintptr_t>(ptrs[i]), bytes});
+          ids.push_back(id);
+        }
+        tensors.push_back(tensor_of(ids.back(), ptrs[i], *metas[i], device));
+      }
+    } catch (...) {
+      // The caller gets no tensor: its part of each lease ends now, the tensors' part as
+      // `tensors` unwinds.
+      for (LeaseId id : ids) release_quietly(id);
+      for (std::size_t i = ids.size(); i < blocks.size(); ++i) {
+        try {
+          manager_->release(blocks[i], *compute);
+        } catch (const std::exception& e) {
+          warn("releasing block", blocks[i], e);
+        }
+      }
+      throw;
+    }
+    return tensors;
+  }
+
+  // The caller's release() of `block`: ends its part of one lease, preferably one whose tensor is
+  // gone already (that pin ends now, not later).
+  void release(BlockId block) {
+    release_group(std::span<const BlockId>(&block, 1), false, "release");
+  }
+
+  // The caller's part of one lease per entry of `group`. Checks everything first, so that a
+  // refused call changes nothing; with `discard`, refuses unless every block is then free.
+  void release_group(std::span<const BlockId> group, bool discard, const char* what) {
+    std::vector<Lease> ended;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      std::map<BlockId, std::size_t> count;
+      for (BlockId id : group) ++count[id];
+      for (const auto& [block, n] : count) {
+        const Use use = use_of(block);
+        REVIVA_CHECK_ARG(use.unreleased >= n, what, ": block ", block, " (", manager_->name(block),
+                         ") is not acquired", n > 1 ? " that many times" : "",
+                         use.tensors_alive > 0 ? " (every acquire of it was released already; its "
+                                                 "tensors from acquire() keep it resident until "
+                                                 "they are gone)"
+                                               : "");
+        // Free afterwards only if no other lease holds it and no tensor of these leases lives.
+        const bool free_after = use.leases == n && use.tensors_alive == 0;
+        REVIVA_CHECK_ARG(!discard || free_after, what, "(discard=True): block ", block, " (",
+                         manager_->name(block), ") is still in use: ", describe(use, n),
+                         "; del those tensors before discarding it");
+      }
+      for (BlockId id : group) {
+        auto it = choose_unreleased(id);
+        it->second.released = true;
+        if (!it->second.tensor_alive) {
+          ended.push_back(std::move(it->second));
+          leases_.erase(it);
+        }
+      }
+    }
+    // Every ended lease gives back its pin, even if one release fails; the first error is raised.
+    std::exception_ptr error;
+    for (const Lease& lease : ended) {
+      try {
+        manager_->release(lease.block, *lease.compute);
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
+  }
+
+  // Refuses an operation that would move or drop `block`'s memory while a lease holds it.
+  void check_unleased(BlockId block, const char* what) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Use use = use_of(block);
+    REVIVA_CHECK_ARG(use.leases == 0, what, ": block ", block, " (", manager_->name(block),
+                     ") is acquired: ", describe(use, 0), "; ",
+                     use.unreleased > 0 ? "release() it" : "",
+                     use.unreleased > 0 && use.tensors_alive > 0 ? " and " : "",
+                     use.tensors_alive > 0 ? "del those tensors" : "", " first");
+  }
+
+  // Refuses memory of a lease: a block adopting it would hold it after its lease ended.
+  void check_not_leased(const void* ptr, std::size_t bytes, const char* what) const {
+    const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, lease] : leases_) {
+      REVIVA_CHECK_ARG(begin + bytes <= lease.begin || lease.begin + lease.bytes <= begin, what,
+                       ": the tensor views block ", lease.block,
+                       " of this manager (a tensor from acquire()); adopt a clone of it");
+    }
+  }
+
+  // The Python manager is gone, so no release() can come any more: the caller's part of every
+  // lease ends, with a warning as the core manager gives for a block still acquired.
+  void abandon() noexcept {
+    std::vector<Lease> ended;
+    std::map<BlockId, int> unreleased;  // acquires per block
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto it = leases_.begin(); it != leases_.end();) {
+        if (!it->second.released) ++unreleased[it->second.block];
+        it->second.released = true;
+        if (it->second.tensor_alive) {
+          ++it;
+        } else {
+          ended.push_back(std::move(it->second));
+          it = leases_.erase(it);
+        }
+      }
+    }
+    for (const auto& [block, n] : unreleased)
+      std::fprintf(stderr,
+                   "reviva: warning: OffloadManager deleted while block %llu is still acquired "
+                   "(%d time(s)); releasing it\n",
+                   static_cast<unsigned long long>(block), n);
+    for (const Lease& lease : ended) end_quietly(lease);
+  }
+
+ private:
+  using LeaseId = std::uint64_t;
+  struct Lease {
+    BlockId block = kInvalidBlock;
+    std::shared_ptr<const Stream> compute;  // captured at acquire: the pin is released on it
+    std::uintptr_t begin = 0;               // the block's device memory, for adopt's check
+    std::size_t bytes = 0;
+    bool released = false;     // the caller called release() for it
+    bool tensor_alive = true;  // its tensor's storage exists
+  };
+  struct Use {  // the leases of one block
+    std::size_t leases = 0, unreleased = 0, tensors_alive = 0;
+  };
+  // Owned (through the deleter) by a tensor's storage: its destruction is the tensor's end.
+  struct TensorRef {
+    std::shared_ptr<LeaseTable> table;
+    LeaseId id;
+    TensorRef(std::shared_ptr<LeaseTable> t, LeaseId i) noexcept : table(std::move(t)), id(i) {}
+    ~TensorRef() { table->tensor_gone(id); }
+    TensorRef(const TensorRef&) = delete;
+    TensorRef& operator=(const TensorRef&) = delete;
+  };
+
+  // The tensor part of lease `id` ends when the last copy of the deleter (holding `ref`) goes:
+  // with the tensor's storage, or at once if the tensor cannot be made.
+  torch::Tensor tensor_of(LeaseId id, void* ptr, const TensorMeta& meta,
+                          const torch::Device& device) {
+    std::shared_ptr<TensorRef> ref;
+    try {
+      ref = std::make_shared<TensorRef>(shared_from_this(), id);
+    } catch (...) {
+      tensor_gone(id);
+      throw;
+    }
+    return torch::from_blob(
+        ptr, meta.shape, [ref](void*) {}, torch::TensorOptions().dtype(meta.dtype).device(device));
+  }
+
+  // The deleter's half (any thread, no GIL).
+  void tensor_gone(LeaseId id) noexcept {
+    Lease ended;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = leases_.find(id);
+      REVIVA_ASSERT(it != leases_.end(), "lease ", id, " ended twice");
+      it->second.tensor_alive = false;
+      if (!it->second.released) return;
+      ended = std::move(it->second);
+      leases_.erase(it);
+    }
+    end_quietly(ended);
+  }
+
+  // Ends the caller's part of lease `id` on a failure path.
+  void release_quietly(LeaseId id) noexcept {
+    Lease ended;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = leases_.find(id);
+      REVIVA_ASSERT(it != leases_.end() && !it->second.released, "lease ", id, " released twice");
+      it->second.released = true;
+      if (it->second.tensor_alive) return;
+      ended = std::move(it->second);
+      leases_.erase(it);
+    }
+    end_quietly(ended);
+  }
+
+  void end_quietly(const Lease& lease) noexcept {
+    try {
+      manager_->release(lease.block, *lease.compute);
+    } catch (const std::exception& e) {
+      warn("releasing block", lease.block, e);
+    }
+  }
+
+  static void warn(const char* doing, BlockId block, const std::exception& e) noexcept {
+    std::fprintf(stderr, "reviva: warning: %s %llu at the end of its lease: %s\n", doing,
+                 static_cast<unsigned long long>(block), e.what());
+  }
+
+  Use use_of(BlockId block) const {  // requires mutex_
+    Use use;
+    for (const auto& [id, lease] : leases_) {
+      if (lease.block != block) continue;
+      ++use.leases;
+      if (!lease.released) ++use.unreleased;
+      if (lease.tensor_alive) ++use.tensors_alive;
+    }
+    return use;
+  }
+
+  // What holds a block, leaving out `releasing` acquires that this very call releases.
+  static std::string describe(const Use& use, std::size_t releasing) {
+    std::string out;
+    if (use.unreleased > releasing)
+      out = std::to_string(use.unreleased - releasing) + " acquire(s) not yet released";
+    if (use.tensors_alive > 0) {
+      if (!out.empty()) out += ", ";
+      out += "tensors from acquire() still alive (from " + std::to_string(use.tensors_alive) +
+             " acquire(s))";
+    }
+    return out;
+  }
+
+  // An unreleased lease of `block` (one exists: checked by the caller), whose tensor is gone if
+  // there is one, else the oldest. Requires mutex_.
+  std::map<LeaseId, Lease>::iterator choose_unreleased(BlockId block) {
+    auto chosen = leases_.end();
+    for (auto it = leases_.begin(); it != leases_.end(); ++it) {
+      if (it->second.block != block || it->second.released) continue;
+      if (!it->second.tensor_alive) return it;
+      if (chosen == leases_.end()) chosen = it;
+    }
+    REVIVA_ASSERT(chosen != leases_.end(), "block ", block, " has no lease to release");
+    return chosen;
+  }
+
+  std::shared_ptr<OffloadManager> manager_;
+  // Lock order: mutex_ before the core manager's (messages name blocks under mutex_). Neither
+  // is held while the other side waits for the GIL.
+  mutable std::mutex mutex_;
+  std::map<LeaseId, Lease> leases_;  // guarded by mutex_; oldest first
+  LeaseId next_id_ = 1;              // guarded by mutex_
+};
+
 class PyOffloadManager {
  public:
   PyOffloadManager(py::object py_engine, std::size_t budget_bytes, double budget_fraction,
@@ -104,18 +395,30 @@ class PyOffloadManager {
       throw InvalidArgument("unknown allocator '" + allocator + "': use 'torch' or 'backend'");
     }
     allocator_name_ = device_allocator->name();
-    manager_ = std::make_unique<OffloadManager>(engine_of(py_engine_), device_allocator, o);
+    manager_ = std::make_shared<OffloadManager>(engine_of(py_engine_), device_allocator, o);
+    leases_ = std::make_shared<LeaseTable>(manager_);
   }
+
+  // Tensors of this manager's blocks may outlive it (Note [Leases]): they keep the core manager.
+  ~PyOffloadManager() { leases_->abandon(); }
+  PyOffloadManager(const PyOffloadManager&) = delete;
+  PyOffloadManager& operator=(const PyOffloadManager&) = delete;
 
   BlockId register_tensor(const std::vector<int64_t>& shape, py::object dtype) {
     const torch::ScalarType st = torch::python::detail::py_object_to_dtype(dtype);
+    // Element count and byte count are checked for overflow: a product that wrapped registered
+    // a block of a few bytes behind a tensor of billions of elements.
     int64_t numel = 1;
+    std::size_t bytes = c10::elementSize(st);
     for (int64_t d : shape) {
       REVIVA_CHECK_ARG(d >= 0, "register: negative dimension ", d, " in shape ",
                        c10::IntArrayRef(shape));
-      numel *= d;
+      REVIVA_CHECK_ARG(!__builtin_mul_overflow(numel, d, &numel) &&
+                           !__builtin_mul_overflow(bytes, static_cast<std::size_t>(d), &bytes),
+                       "register: a tensor of shape ", c10::IntArrayRef(shape), " and dtype ",
+                       py::str(dtype).cast<std::string>(),
+                       " has more elements or bytes than 64 bits can count");
     }
-    const std::size_t bytes = static_cast<std::size_t>(numel) * c10::elementSize(st);
     REVIVA_CHECK_ARG(bytes > 0, "register: the shape ", c10::IntArrayRef(shape), " holds no bytes");
     const BlockId id = manager_->register_block(bytes);
     meta_[id] = TensorMeta{shape, st};
@@ -124,6 +427,7 @@ class PyOffloadManager {
 
   BlockId adopt(const torch::Tensor& t) {
     check_on_runtime_device(*rt_, t, "adopt");
+    leases_->check_not_leased(t.data_ptr(), t.nbytes(), "adopt");
     auto stream = rt_->compute_stream();
     // The block owns a reference to the tensor's storage until it leaves the device; then
     // torch frees it, after the freeing stream's work (record_stream).
@@ -144,27 +448,58 @@ class PyOffloadManager {
   }
 
   torch::Tensor acquire(BlockId id, const std::string& access) {
-    const TensorMeta& meta = lookup(id);
+    const TensorMeta* meta = &lookup(id);
+    const Access mode = parse_access(access);
     auto stream = rt_->compute_stream();
     void* ptr;
     {
       py::gil_scoped_release nogil;
-      ptr = manager_->acquire(id, *stream, parse_access(access));
-      if (!rt_->is_cuda()) stream->synchronize();  // CPU compute starts right away
+      ptr = manager_->acquire(id, *stream, mode);
+      wait_on_host({&id, 1}, *stream);
     }
-    return torch::from_blob(
-        ptr, meta.shape, [](void*) {},
-        torch::TensorOptions().dtype(meta.dtype).device(rt_->device()));
+    return leases_->open({&id, 1}, {&ptr, 1}, {&meta, 1}, rt_->device(), stream).front();
+  }
+
+  // The host runtime computes on the CPU at once: the data must be there before acquire returns.
+  // If waiting fails, the pins just taken are given back.
+  void wait_on_host(std::span<const BlockId> acquired, const Stream& stream) {
+    if (rt_->is_cuda()) return;
+    try {
+      stream.synchronize();
+    } catch (...) {
+      for (BlockId id : acquired) manager_->release(id, stream);
+      throw;
+    }
   }
 
   void release(BlockId id) {
     lookup(id);
-    auto stream = rt_->compute_stream();
-    manager_->release(id, *stream);
+    leases_->release(id);
+  }
+
+  void release_group(std::span<const BlockId> group, bool discard) {
+    for (BlockId id : group) lookup(id);
+    leases_->release_group(group, discard, "release_group");
+  }
+
+  // offload, discard and unregister move or drop the block's memory (Note [Leases]).
+  void offload(BlockId id) {
+    lookup(id);
+    leases_->check_unleased(id, "offload");
+    py::gil_scoped_release nogil;
+    manager_->offload(id);
+  }
+
+  void discard(BlockId id) {
+    lookup(id);
+    leases_->check_unleased(id, "discard");
+    py::gil_scoped_release nogil;
+    manager_->discard(id);
   }
 
   void unregister(BlockId id) {
     lookup(id);
+    leases_->check_unleased(id, "unregister");
     {
       py::gil_scoped_release nogil;
       manager_->unregister(id);
@@ -230,13 +565,16 @@ class PyOffloadManager {
   }
 
   OffloadManager& manager() { return *manager_; }
+  LeaseTable& leases() { return *leases_; }
   const std::shared_ptr<Runtime>& runtime() const { return rt_; }
 
  private:
   std::shared_ptr<Runtime> rt_;
   py::object py_engine_;  // keeps the engine (and its streams) alive as long as the manager
   std::string allocator_name_;
-  std::unique_ptr<OffloadManager> manager_;
+  // Shared with the leases (Note [Leases]): tensors from acquire() may outlive this object.
+  std::shared_ptr<OffloadManager> manager_;
+  std::shared_ptr<LeaseTable> leases_;
   std::unordered_map<BlockId, TensorMeta> meta_;
 };
 
@@ -262,30 +600,26 @@ class PyPrefetchScheduler {
 
   std::vector<torch::Tensor> acquire_group(const std::vector<BlockId>& group,
                                            const std::string& access) {
-    for (BlockId id : group) manager_->lookup(id);
+    std::vector<const TensorMeta*> metas;
+    for (BlockId id : group) metas.push_back(&manager_->lookup(id));
+    const Access mode = parse_access(access);
     const auto& rt = manager_->runtime();
     auto stream = rt->compute_stream();
     std::vector<void*> ptrs;
     {
       py::gil_scoped_release nogil;
-      ptrs = scheduler_->acquire_group(group, *stream, parse_access(access));
-      if (!rt->is_cuda()) stream->synchronize();
+      ptrs = scheduler_->acquire_group(group, *stream, mode);
+      manager_->wait_on_host(group, *stream);
     }
-    std::vector<torch::Tensor> out;
-    for (std::size_t i = 0; i < group.size(); ++i) {
-      const TensorMeta& meta = manager_->lookup(group[i]);
-      out.push_back(torch::from_blob(
-          ptrs[i], meta.shape, [](void*) {},
-          torch::TensorOptions().dtype(meta.dtype).device(rt->device())));
-    }
-    return out;
+    return manager_->leases().open(group, ptrs, metas, rt->device(), stream);
   }
 
+  // The leases are released here (a block's pin ends only once its tensors are gone too); the
+  // scheduler then discards, or moves out what nobody holds any more, and prefetches.
   void release_group(const std::vector<BlockId>& group, bool discard) {
-    for (BlockId id : group) manager_->lookup(id);
-    auto stream = manager_->runtime()->compute_stream();
+    manager_->release_group(group, discard);
     py::gil_scoped_release nogil;
-    scheduler_->release_group(group, *stream, discard);
+    scheduler_->after_release(group, discard);
   }
 
   py::dict stats() const {
@@ -326,16 +660,11 @@ void bind_manager(py::module_& m) {
       .def("adopt", &PyOffloadManager::adopt, py::arg("tensor"),
            "Takes over a device tensor's memory as a block (state Device).")
       .def("acquire", &PyOffloadManager::acquire, py::arg("block"), py::arg("access") = "readwrite",
-           "A tensor on the block's device memory for the current stream, valid until release.")
-      .def("release", &PyOffloadManager::release, py::arg("block"))
-      .def(
-          "offload",
-          [](PyOffloadManager& self, BlockId id) {
-            self.lookup(id);
-            py::gil_scoped_release nogil;
-            self.manager().offload(id);
-          },
-          py::arg("block"))
+           "A tensor on the block's device memory for the current stream. The block stays "
+           "resident until release() is called for this acquire and the tensor is gone.")
+      .def("release", &PyOffloadManager::release, py::arg("block"),
+           "Ends one acquire of the block; its tensor keeps the block resident while it lives.")
+      .def("offload", &PyOffloadManager::offload, py::arg("block"))
       .def(
           "prefetch",
           [](PyOffloadManager& self, BlockId id) {
@@ -344,14 +673,7 @@ void bind_manager(py::module_& m) {
             return self.manager().prefetch(id);
           },
           py::arg("block"))
-      .def(
-          "discard",
-          [](PyOffloadManager& self, BlockId id) {
-            self.lookup(id);
-            py::gil_scoped_release nogil;
-            self.manager().discard(id);
-          },
-          py::arg("block"))
+      .def("discard", &PyOffloadManager::discard, py::arg("block"))
       .def("unregister", &PyOffloadManager::unregister, py::arg("block"))
       .def(
           "state",

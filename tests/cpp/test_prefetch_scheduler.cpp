@@ -307,6 +307,48 @@ TEST(PrefetchScheduler, ReleaseWithDiscardDropsTheContentsWithoutCopying) {
   rig.manager->check_invariants();
 }
 
+TEST(PrefetchScheduler, FailedGroupAcquireReleasesWhatItAcquired) {
+  // `big` fits the budget alone but not beside a and b: acquire_group([a, b, big]) throws. The
+  // call must give back a and b (before the fix they stayed acquired: never evictable, and
+  // offload() refused them), and leave no trace in the recorded order.
+  Rig rig(256 * kKiB, 2, 1, 64 * kKiB);
+  const BlockId a = rig.order[0][0];
+  const BlockId b = rig.order[1][0];
+  const BlockId big = rig.manager->register_block(160 * kKiB);
+  PrefetchScheduler scheduler(*rig.manager);  // recording: no declared order
+  const Group group{a, b, big};
+  EXPECT_THROW(scheduler.acquire_group(group, *rig.compute), OutOfMemory);
+  for (BlockId id : {a, b}) {
+    EXPECT_NO_THROW(rig.manager->offload(id)) << "block " << id << " is still acquired";
+  }
+  // `big` alone fits once a and b can leave; then a and b come back with their contents.
+  const auto ptrs = scheduler.acquire_group(Group{big}, *rig.compute, Access::WriteOnly);
+  ASSERT_EQ(ptrs.size(), 1u);
+  rig.write(big, ptrs[0]);
+  scheduler.release_group(Group{big}, *rig.compute);
+  ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, Group{a, b}));
+  scheduler.end_step();
+  EXPECT_EQ(scheduler.order(), (std::vector<Group>{{big}, {a, b}}));
+  rig.manager->check_invariants();
+}
+
+TEST(PrefetchScheduler, ReleaseLeavesABlockStillAcquiredElsewhereResident) {
+  // A block acquired twice (by two groups in use at once) and released by one of them is still in
+  // use: eager offload must pass it by, not fail the release (it threw InvalidArgument before).
+  const std::size_t block = 64 * kKiB;
+  Rig rig(64 * kMiB, 4, 1, block);
+  PrefetchScheduler scheduler(*rig.manager);  // window 2, eager offload
+  scheduler.declare_order(rig.order);
+  const BlockId held = rig.order[0][0];
+  void* p = rig.manager->acquire(held, *rig.compute);  // e.g. a second user of the block
+  ASSERT_NO_FATAL_FAILURE(rig.use(scheduler, rig.order[0]));
+  EXPECT_EQ(rig.manager->state(held), BlockState::Device);
+  EXPECT_TRUE(rig.matches(held, p));
+  rig.manager->release(held, *rig.compute);
+  EXPECT_NO_THROW(rig.manager->offload(held));
+  rig.manager->check_invariants();
+}
+
 TEST(PrefetchScheduler, OffScheduleAccessesAreCountedAndStillCorrect) {
   Rig rig(64 * kMiB, 4, 2, 64 * kKiB);
   PrefetchScheduler scheduler(*rig.manager);

@@ -1,0 +1,409 @@
+"""Randomized test of reviva._C's OffloadManager and PrefetchScheduler on the host backend.
+
+Thousands of random operations (register, adopt, acquire in each access mode, acquire_group,
+release, release_group with and without discard, offload, prefetch, discard, unregister, end of
+step) under a budget of a few blocks, so that eviction happens all the time, while tensors from
+acquire() are kept past release and read and written later, some through views. A model kept
+here predicts every outcome: the bytes of every block (a shadow copy, checked at each acquire and
+each read of a kept tensor), which blocks are pinned (Note [Leases] in python/csrc/manager.cpp:
+released or not, a block stays while a tensor of it lives), and so which calls must fail.
+
+Bytes move through libc's memmove (ctypes), which AddressSanitizer checks: scripts/test runs this
+file against a build of reviva._C with -fsanitize=address,undefined, where a tensor that outlived
+its memory is reported as a heap-use-after-free instead of a wrong byte.
+
+The seeds are fixed; REVIVA_FUZZ_SEED=<n> runs that seed alone, REVIVA_FUZZ_OPS the number of
+operations per seed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import reviva
+
+SEEDS = [int(os.environ["REVIVA_FUZZ_SEED"])] if "REVIVA_FUZZ_SEED" in os.environ else [1, 2, 3]
+OPS = int(os.environ.get("REVIVA_FUZZ_OPS", "5000"))
+BUDGET = 8 << 10  # a handful of blocks: nearly every acquire evicts
+MAX_BLOCK_BYTES = 2 << 10
+MAX_BLOCKS = 16
+MAX_KEPT = 4  # tensors kept past their acquire
+DTYPES = [torch.uint8, torch.int16, torch.int32, torch.float32, torch.float64, torch.bfloat16]
+ACCESSES = ["readwrite", "read", "write"]
+
+
+# --- bytes in and out of tensors, visible to AddressSanitizer ----------------------------------
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def read_bytes(t: torch.Tensor) -> bytes:
+    buf = ctypes.create_string_buffer(nbytes(t))
+    ctypes.memmove(buf, t.data_ptr(), nbytes(t))
+    return buf.raw
+
+
+def write_bytes(t: torch.Tensor, data: bytes) -> None:
+    assert len(data) == nbytes(t)
+    ctypes.memmove(t.data_ptr(), data, len(data))
+
+
+def as_uint8(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+@dataclass
+class Block:
+    shape: list[int]
+    dtype: torch.dtype
+    nbytes: int
+    shadow: bytes | None = None  # None: contents undefined (never written, or discarded)
+    unreleased: int = 0  # acquires not yet released
+
+
+@dataclass
+class Kept:
+    """A tensor from acquire() (or a uint8 view of it) that the test holds on to."""
+
+    block: int
+    tensor: torch.Tensor
+    writable: bool  # from a readwrite or write acquire: the contract allows writing it
+
+
+@dataclass
+class Fuzzer:
+    rng: random.Random
+    m: reviva.OffloadManager
+    sched: reviva.PrefetchScheduler
+    blocks: dict[int, Block] = field(default_factory=dict)
+    kept: list[Kept] = field(default_factory=list)
+    gone: list[int] = field(default_factory=list)  # unregistered ids
+    order: list[list[int]] = field(default_factory=list)  # declared to the scheduler
+    cursor: int = 0  # the next group of `order`
+    counts: dict[str, int] = field(default_factory=dict)
+
+    # Pinned: a block stays resident while an acquire of it is unreleased or a tensor of it lives.
+    def pinned(self, b: int) -> bool:
+        return self.blocks[b].unreleased > 0 or any(k.block == b for k in self.kept)
+
+    def fits(self, new: set[int], extra_bytes: int = 0) -> bool:
+        """Whether every pinned block and `new` fit the budget together: the one condition
+        under which an acquire (or adopt) of `new` must succeed, and otherwise must fail."""
+        wanted = {b for b in self.blocks if self.pinned(b)} | new
+        return sum(self.blocks[b].nbytes for b in wanted) + extra_bytes <= BUDGET
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def check(self, b: int, t: torch.Tensor, via_torch: bool = False) -> None:
+        want = self.blocks[b].shadow
+        if want is None:
+            return
+        if via_torch:  # torch's own kernels read the tensor too
+            expected = torch.frombuffer(bytearray(want), dtype=torch.uint8)
+            assert torch.equal(as_uint8(t), expected), f"block {b} lost its bytes"
+        else:
+            assert read_bytes(t) == want, f"block {b} lost its bytes"
+
+    def write(self, b: int, t: torch.Tensor) -> None:
+        data = self.rng.randbytes(self.blocks[b].nbytes)
+        if self.rng.random() < 0.3:
+            as_uint8(t).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        else:
+            write_bytes(t, data)
+        self.blocks[b].shadow = data
+
+    def take(self, b: int, t: torch.Tensor, access: str) -> None:
+        """A tensor just acquired: check it, write it if allowed, keep it or let it go."""
+        assert tuple(t.shape) == tuple(self.blocks[b].shape) and t.dtype == self.blocks[b].dtype
+        assert t.device.type == "cpu"
+        assert self.m.state(b) == "Device"
+        if access == "write":
+            self.blocks[b].shadow = None  # nothing was fetched
+        else:
+            self.check(b, t, via_torch=self.rng.random() < 0.3)
+        if access == "write" or (access == "readwrite" and self.rng.random() < 0.7):
+            self.write(b, t)
+        if len(self.kept) < MAX_KEPT and self.rng.random() < 0.4:
+            view = self.rng.random() < 0.3  # the view alone keeps the storage
+            self.kept.append(Kept(b, as_uint8(t) if view else t, access != "read"))
+
+    # --- operations ---------------------------------------------------------------------------
+
+    def op_register(self) -> None:
+        if len(self.blocks) >= MAX_BLOCKS:
+            return
+        dtype = self.rng.choice(DTYPES)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = self.rng.randint(1, MAX_BLOCK_BYTES // itemsize)
+        shape = self.rng.choice([[numel], [1, numel], []] if numel == 1 else [[numel], [1, numel]])
+        b = self.m.register(shape, dtype)
+        assert b not in self.blocks and self.m.state(b) == "Empty"
+        assert self.m.nbytes(b) == numel * itemsize
+        self.blocks[b] = Block(shape, dtype, numel * itemsize)
+
+    def op_adopt(self) -> None:
+        if len(self.blocks) >= MAX_BLOCKS:
+            return
+        numel = self.rng.randint(1, MAX_BLOCK_BYTES // 4)
+        data = self.rng.randbytes(numel * 4)
+        src = torch.frombuffer(bytearray(data), dtype=torch.int32).clone()
+        if not self.fits(set(), extra_bytes=len(data)):
+            with pytest.raises(reviva.RevivaOutOfMemoryError):
+                self.m.adopt(src)
+            return
+        b = self.m.adopt(src)
+        del src  # the block holds the storage now
+        self.blocks[b] = Block([numel], torch.int32, len(data), shadow=data)
+        assert self.m.state(b) == "Device"
+
+    def op_acquire(self) -> None:
+        b = self.rng.choice(list(self.blocks))
+        access = self.rng.choice(ACCESSES)
+        if not self.fits({b}):
+            with pytest.raises(reviva.RevivaOutOfMemoryError):
+                self.m.acquire(b, access)
+            self.count("acquire refused")
+            return
+        t = self.m.acquire(b, access)
+        self.blocks[b].unreleased += 1
+        self.take(b, t, access)
+
+    def op_acquire_group(self, group: list[int] | None = None) -> None:
+        if group is None:
+            k = min(len(self.blocks), self.rng.randint(1, 3))
+            group = self.rng.sample(list(self.blocks), k=k)
+        access = self.rng.choice(ACCESSES)
+        if not self.fits(set(group)):
+            with pytest.raises(reviva.RevivaOutOfMemoryError):
+                self.sched.acquire_group(group, access)
+            self.count("acquire_group refused")
+            if access == "write":  # declared dead: those acquired before the failure lost them
+                for b in group:
+                    self.blocks[b].shadow = None
+            return
+        tensors = self.sched.acquire_group(group, access)
+        assert len(tensors) == len(group)
+        for b in group:
+            self.blocks[b].unreleased += 1
+        for b, t in zip(group, tensors, strict=True):
+            self.take(b, t, access)
+
+    def op_release(self) -> None:
+        held = [b for b in self.blocks if self.blocks[b].unreleased > 0]
+        if not held or self.rng.random() < 0.1:
+            b = self.rng.choice(list(self.blocks))
+            if self.blocks[b].unreleased == 0:
+                with pytest.raises(ValueError, match="is not acquired"):
+                    self.m.release(b)
+                return
+        else:
+            b = self.rng.choice(held)
+        self.m.release(b)
+        self.blocks[b].unreleased -= 1
+
+    def op_release_group(self, group: list[int] | None = None) -> None:
+        if group is None:
+            held = [b for b in self.blocks if self.blocks[b].unreleased > 0]
+            if not held:
+                return
+            group = self.rng.sample(held, k=min(len(held), self.rng.randint(1, 3)))
+        discard = self.rng.random() < 0.2
+        # With discard, every block must be free afterwards: no other acquire, no tensor left.
+        in_use = [b for b in group if self.blocks[b].unreleased > 1 or self.pinned_by_tensor(b)]
+        if discard and in_use:
+            with pytest.raises(ValueError, match="discard=True"):
+                self.sched.release_group(group, discard=True)
+            self.count("discard refused")
+            discard = False
+        self.sched.release_group(group, discard=discard)
+        for b in group:
+            self.blocks[b].unreleased -= 1
+            if discard:
+                self.blocks[b].shadow = None
+                assert self.m.state(b) == "Empty"
+
+    def op_declare_order(self) -> None:
+        """A step of 4 to 8 groups that op_scheduled_access then walks through, so that the
+        scheduler prefetches ahead and offloads eagerly."""
+        ids = list(self.blocks)
+        order = [
+            self.rng.sample(ids, k=min(len(ids), self.rng.randint(1, 2)))
+            for _ in range(self.rng.randint(4, 8))
+        ]
+        self.sched.declare_order(order)
+        self.order, self.cursor = order, 0
+
+    def op_scheduled_access(self) -> None:
+        """The next group of the declared order, acquired and (mostly) released at once."""
+        if not self.order:
+            return
+        group = self.order[self.cursor]
+        self.cursor = (self.cursor + 1) % len(self.order)
+        if self.cursor == 0:
+            self.sched.end_step()
+        gone = [b for b in group if b not in self.blocks]
+        if gone:
+            with pytest.raises(ValueError, match="unknown block id"):
+                self.sched.acquire_group(group, "read")
+            return
+        acquired = sum(self.blocks[b].unreleased for b in group)
+        self.op_acquire_group(group)
+        if sum(self.blocks[b].unreleased for b in group) > acquired and self.rng.random() < 0.8:
+            self.op_release_group(group)
+
+    def pinned_by_tensor(self, b: int) -> bool:
+        return any(k.block == b for k in self.kept)
+
+    def op_use_kept(self) -> None:
+        """A tensor kept past its acquire (maybe past release): read it, maybe write it."""
+        if not self.kept:
+            return
+        k = self.rng.choice(self.kept)
+        assert self.m.state(k.block) == "Device"
+        self.check(k.block, k.tensor, via_torch=self.rng.random() < 0.3)
+        if k.writable and self.rng.random() < 0.5:
+            self.write(k.block, k.tensor)
+
+    def op_drop_kept(self) -> None:
+        if self.kept:
+            self.kept.pop(self.rng.randrange(len(self.kept)))
+
+    def op_offload(self) -> None:
+        self.refused_while_pinned(self.m.offload, "offload")
+
+    def op_discard(self) -> None:
+        b = self.refused_while_pinned(self.m.discard, "discard")
+        if b is not None:
+            self.blocks[b].shadow = None
+            assert self.m.state(b) == "Empty"
+
+    def op_unregister(self) -> None:
+        b = self.refused_while_pinned(self.m.unregister, "unregister")
+        if b is not None:
+            del self.blocks[b]
+            self.gone.append(b)
+
+    def refused_while_pinned(self, op: Callable[[int], object], name: str) -> int | None:
+        """Calls `op` on a random block: refused while it is pinned, else done (returns it)."""
+        b = self.rng.choice(list(self.blocks))
+        if self.pinned(b):
+            with pytest.raises(ValueError, match=rf"{name}: block {b} .*is acquired"):
+                op(b)
+            self.count(f"{name} refused")
+            return None
+        before = self.m.state(b)
+        op(b)
+        if name == "offload" and before == "Device":
+            assert self.m.state(b) in ("ToHost", "Host"), self.m.state(b)
+        return b
+
+    def op_prefetch(self) -> None:
+        b = self.rng.choice(list(self.blocks))
+        on_the_way = self.m.prefetch(b)
+        if self.pinned(b):
+            assert on_the_way
+        if on_the_way:
+            assert self.m.state(b) in ("Device", "ToDevice")
+
+    def op_unknown_block(self) -> None:
+        if not self.gone:
+            return
+        b = self.rng.choice(self.gone)
+        op = self.rng.choice(
+            [self.m.acquire, self.m.release, self.m.offload, self.m.discard, self.m.unregister]
+        )
+        with pytest.raises(ValueError, match=f"unknown block id {b}"):
+            op(b)
+
+    def op_end_step(self) -> None:
+        self.sched.end_step()
+
+    def step(self) -> None:
+        if not self.blocks:
+            self.op_register()
+            return
+        ops = [
+            (self.op_register, 4),
+            (self.op_adopt, 1),
+            (self.op_acquire, 10),
+            (self.op_acquire_group, 5),
+            (self.op_release, 12),
+            (self.op_release_group, 5),
+            (self.op_declare_order, 1),
+            (self.op_scheduled_access, 12),
+            (self.op_use_kept, 10),
+            (self.op_drop_kept, 8),
+            (self.op_offload, 4),
+            (self.op_prefetch, 4),
+            (self.op_discard, 2),
+            (self.op_unregister, 2),
+            (self.op_unknown_block, 1),
+            (self.op_end_step, 1),
+        ]
+        op = self.rng.choices([o for o, _ in ops], weights=[w for _, w in ops])[0]
+        self.count(op.__name__)
+        op()
+        for b in self.blocks:  # a pinned block is never moved
+            if self.pinned(b):
+                assert self.m.state(b) == "Device", f"pinned block {b} is {self.m.state(b)}"
+        assert self.m.device_bytes <= BUDGET
+
+    def check_all(self) -> None:
+        """Releases everything, then reads every block back through acquire."""
+        self.kept.clear()
+        for b, blk in self.blocks.items():
+            for _ in range(blk.unreleased):
+                self.m.release(b)
+            blk.unreleased = 0
+        for b in self.blocks:
+            self.check(b, self.m.acquire(b, "read"))
+            self.m.release(b)
+        self.m.synchronize()
+        self.m.check_invariants()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_operations_keep_every_byte(seed: int) -> None:
+    rt = reviva.Runtime("cpu")
+    engine = reviva.TransferEngine(rt, reviva.PinnedHostPool(rt))
+    m = reviva.OffloadManager(engine, budget_bytes=BUDGET, policy="lru")
+    sched = reviva.PrefetchScheduler(m, prefetch_groups=2)
+    fz = Fuzzer(random.Random(seed), m, sched)
+    for i in range(OPS):
+        fz.step()
+        if i % 500 == 499:
+            m.check_invariants()
+    fz.check_all()
+    met = m.metrics()
+    # The run did what it is for: constant eviction, refusals of pinned blocks, prefetches.
+    assert met["evictions"] > OPS // 20, (met, fz.counts)
+    assert met["peak_device_bytes"] <= BUDGET
+    assert fz.counts.get("acquire refused", 0) + fz.counts.get("acquire_group refused", 0) > 0
+    assert fz.counts.get("offload refused", 0) > 0, fz.counts
+
+    # Tensors outlive the manager: they keep its blocks (and the core manager) until they go.
+    survivors = []
+    for b in list(fz.blocks)[:3]:
+        survivors.append((m.acquire(b, "read"), fz.blocks[b].shadow))
+    del fz, sched, m, engine, rt
+    gc.collect()
+    for t, shadow in survivors:
+        if shadow is not None:
+            assert read_bytes(t) == shadow
+        write_bytes(t, bytes(nbytes(t)))
+    survivors.clear()
+    gc.collect()
