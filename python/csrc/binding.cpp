@@ -322,7 +322,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &cuda_device_count);
 
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
-      .def(py::init<const std::optional<std::string>&>(), py::arg("device") = py::none())
+      .def(py::init([](const std::optional<std::string>& device) {
+             auto rt = std::make_shared<Runtime>(device);
+             // Torch initializes CUDA (its caching allocator among the rest) lazily, at its first
+             // CUDA op; Reviva may allocate through that allocator before any (seen on the H200:
+             // "Allocator not initialized for device" in a fresh process).
+             if (rt->is_cuda()) py::module_::import("torch.cuda").attr("init")();
+             return rt;
+           }),
+           py::arg("device") = py::none())
       .def_property_readonly("device", [](const Runtime& r) { return r.device().str(); })
       .def_property_readonly("backend", [](const Runtime& r) { return r.backend()->name(); })
       .def_property_readonly("kind",
