@@ -18,11 +18,6 @@
 
 namespace reviva {
 
-namespace {
-// A stall shorter than this is timer noise, not compute waiting for a copy (as in the manager).
-constexpr double kStallThresholdMs = 0.01;
-}  // namespace
-
 struct KVStore::Slot {
   std::shared_ptr<ArenaBuffer> buffer;
   int layer = -1;  // the layer whose prefix it holds (or is being filled with)
@@ -44,11 +39,6 @@ struct KVStore::Layer {
   std::size_t length = 0;
   int slot = -1;         // streamed layers: the slot holding it, if any
   Transfer last_append;  // last D2H into its host copy
-};
-
-struct KVStore::Stall {
-  std::shared_ptr<Event> before;
-  std::shared_ptr<Event> after;
 };
 
 KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceArena> arena,
@@ -85,7 +75,6 @@ void KVStore::close() {
   closed_ = true;
   // Copies in flight read or write the buffers and host copies given back below.
   engine_->synchronize();
-  fold_stalls(/*wait=*/true);
   for (Slot& s : slots_) s.buffer.reset();  // retired after their recorded uses
   for (Layer& l : layers_) {
     l.buffer.reset();
@@ -358,14 +347,8 @@ void* KVStore::acquire(int layer, const Stream& compute) {
     slot.previous_fill.enqueue_wait(compute);
     slot.previous_fill = Transfer{};
   }
-  if (slot.fill.valid()) {  // rule 3, with timing events around the wait
-    Stall stall{std::make_shared<Event>(backend_, true), std::make_shared<Event>(backend_, true)};
-    stall.before->record(compute);
-    slot.fill.enqueue_wait(compute);
-    stall.after->record(compute);
-    stalls_.push_back(std::move(stall));
-    if (stalls_.size() > 256) fold_stalls(/*wait=*/false);
-  }
+  // Rule 3; the engine measures how long compute waits (the one stall meter).
+  if (slot.fill.valid()) engine_->wait_on(slot.fill, compute);
   slot.acquired = true;
   l.acquired = true;
   prefetch_after(layer);
@@ -439,32 +422,9 @@ void KVStore::release(int layer, const Stream& compute) {
 std::size_t KVStore::length(int layer) const { return layer_at(layer, "length").length; }
 bool KVStore::resident(int layer) const { return layer_at(layer, "resident").resident; }
 
-void KVStore::fold_stalls(bool wait) {
-  std::vector<Stall> pending;
-  for (Stall& s : stalls_) {
-    if (wait) s.after->synchronize();
-    if (!s.after->query()) {
-      pending.push_back(std::move(s));
-      continue;
-    }
-    const double ms = Event::elapsed_ms(*s.before, *s.after);
-    if (ms > kStallThresholdMs) {
-      stats_.compute_stall_ms += ms;
-      ++stats_.stalls;
-    }
-  }
-  stalls_ = std::move(pending);
-}
+void KVStore::synchronize() { engine_->synchronize(); }
 
-void KVStore::synchronize() {
-  engine_->synchronize();
-  fold_stalls(/*wait=*/true);
-}
-
-KVStoreStats KVStore::stats() {
-  fold_stalls(/*wait=*/false);
-  return stats_;
-}
+KVStoreStats KVStore::stats() { return stats_; }
 
 void KVStore::clear() {
   check_open("clear");

@@ -989,8 +989,7 @@ ManagerMetrics OffloadManager::metrics() {
   const double copy_ms = r.to_host_busy_ms + r.to_device_busy_ms;
   // Host waits are not counted: the GPU may be busy with queued work while the caller waits.
   // Their cost shows in end-to-end time, and host_wait_ms reports them on their own.
-  const double exposed = r.compute_stall_ms;
-  r.overlap_ratio = copy_ms > 0 ? std::clamp(1.0 - exposed / copy_ms, 0.0, 1.0) : 1.0;
+  r.overlap_ratio = overlap_ratio(r.compute_stall_ms, copy_ms);
   return r;
 }
 

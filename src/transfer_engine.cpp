@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -48,6 +49,9 @@ const char* to_string(Direction direction) noexcept {
 // --- Transfer --------------------------------------------------------------------------------
 
 namespace {
+
+// A wait shorter than this is timer noise, not compute waiting for a copy.
+constexpr double kStallThresholdMs = 0.01;
 const TransferState& checked(const std::shared_ptr<TransferState>& state) {
   REVIVA_CHECK_ARG(state != nullptr, "Transfer: this handle is empty (default-constructed)");
   return *state;
@@ -75,6 +79,12 @@ struct TransferEngine::Impl {
   std::vector<Event> idle_events;                           // guarded by mutex
   std::atomic<std::uint64_t> next_id{1};
   std::atomic<bool> folding{false};  // Note [Per-direction FIFO accounting]
+  struct Stall {
+    Event before, after;
+  };
+  std::deque<Stall> stalls;       // guarded by mutex: waits not measured yet, in submission order
+  double compute_stall_ms = 0;    // guarded by mutex
+  std::uint64_t stall_count = 0;  // guarded by mutex
 
   // A timing event, recycled from completed transfers when possible: creating and destroying
   // two events per transfer is a large part of the fixed cost of a small copy.
@@ -121,6 +131,28 @@ struct TransferEngine::Impl {
           st.busy_ms += ms;
         }
       }
+      // Stalls of compute streams complete in the order they were enqueued only per stream;
+      // the front one not done yet ends this pass (the rest are folded later).
+      for (;;) {
+        std::optional<Stall> front;
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          if (stalls.empty()) break;
+          if (!stalls.front().after.query()) break;
+          front.emplace(std::move(stalls.front()));
+          stalls.pop_front();
+        }
+        const double ms = Event::elapsed_ms(front->before, front->after);
+        std::lock_guard<std::mutex> lock(mutex);
+        if (ms > kStallThresholdMs) {
+          compute_stall_ms += ms;
+          ++stall_count;
+        }
+        if (idle_events.size() < 256) {
+          idle_events.push_back(std::move(front->before));
+          idle_events.push_back(std::move(front->after));
+        }
+      }
     } catch (...) {
       folding.store(false, std::memory_order_release);
       throw;
@@ -128,6 +160,27 @@ struct TransferEngine::Impl {
     folding.store(false, std::memory_order_release);
   }
 };
+
+double TransferStats::overlap_ratio() const noexcept {
+  return ::reviva::overlap_ratio(compute_stall_ms, d2h.busy_ms + h2d.busy_ms);
+}
+
+void TransferEngine::wait_on(const Transfer& transfer, const Stream& compute) {
+  if (!transfer.valid()) return;
+  REVIVA_CHECK_ARG(compute.backend().kind() == backend_->kind(),
+                   "TransferEngine::wait_on: the stream belongs to another kind of backend");
+  Impl::Stall stall{impl_->take_event(backend_), impl_->take_event(backend_)};
+  stall.before.record(compute);
+  transfer.enqueue_wait(compute);
+  stall.after.record(compute);
+  bool fold = false;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->stalls.push_back(std::move(stall));
+    fold = impl_->stalls.size() > 256;
+  }
+  if (fold) impl_->fold_completed(/*wait_for_turn=*/false);
+}
 
 TransferEngine::TransferEngine(std::shared_ptr<PinnedHostPool> pool, TransferEngineOptions options)
     : pool_(std::move(pool)), options_(options), impl_(std::make_unique<Impl>()) {
@@ -290,7 +343,10 @@ void TransferEngine::synchronize() {
 TransferStats TransferEngine::stats() {
   impl_->fold_completed(/*wait_for_turn=*/true);
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  return TransferStats{impl_->stats[0], impl_->stats[1]};
+  TransferStats st{impl_->stats[0], impl_->stats[1]};
+  st.compute_stall_ms = impl_->compute_stall_ms;
+  st.stalls = impl_->stall_count;
+  return st;
 }
 
 void TransferEngine::reset_stats() {
@@ -306,6 +362,9 @@ void TransferEngine::reset_stats() {
     }
     impl_->stats[d] = fresh;
   }
+  // Waits still unmeasured count after the reset.
+  impl_->compute_stall_ms = 0;
+  impl_->stall_count = 0;
 }
 
 }  // namespace reviva

@@ -58,8 +58,6 @@ struct KVStoreStats {
   std::uint64_t prefetches_without_memory = 0;  // prefetches skipped: no memory for the slot
   std::uint64_t bytes_to_device = 0;            // H2D bytes submitted
   std::uint64_t bytes_to_host = 0;              // D2H bytes submitted (appends to host copies)
-  double compute_stall_ms = 0.0;                // compute waiting at acquire for a fill (measured)
-  std::uint64_t stalls = 0;                     // acquires that waited longer than timer noise
   std::size_t host_bytes = 0;                   // pinned bytes of the host copies
   double host_copy_wait_ms = 0.0;     // host time taking host copies from the pool (pinning)
   std::size_t device_bytes = 0;       // arena bytes mapped for this store now
@@ -112,7 +110,8 @@ class REVIVA_API KVStore {
   bool resident(int layer) const;
   std::size_t layer_bytes() const noexcept;  // capacity_tokens * token_bytes
   const KVStoreOptions& options() const noexcept { return options_; }
-  // Waits for every copy in flight and folds stall measurements into stats().
+  // Waits for every copy in flight. (How long compute waited for fills is the engine's stall
+  // meter: TransferEngine::stats().)
   void synchronize();
   KVStoreStats stats();
   // Forgets all contents (lengths 0), keeping buffers and host copies, after its copies land.
@@ -125,7 +124,6 @@ class REVIVA_API KVStore {
  private:
   struct Slot;
   struct Layer;
-  struct Stall;
   Layer& layer_at(int layer, const char* what);
   const Layer& layer_at(int layer, const char* what) const;
   ArenaBuffer& acquired_buffer(int layer, const char* what) const;
@@ -134,7 +132,6 @@ class REVIVA_API KVStore {
   int fill(int layer, bool prefetch);
   int take_free_slot(std::size_t need);
   int take_prefetched_slot();
-  void fold_stalls(bool wait);
   void allocate_host_copy(Layer& l);
   void become_resident(int layer, std::shared_ptr<ArenaBuffer> buffer);
   void unpark(int slot);
@@ -151,7 +148,6 @@ class REVIVA_API KVStore {
   std::vector<Slot> slots_;
   std::deque<int> free_slots_;  // slots not acquired, least recently released first
   std::vector<int> streamed_;   // streamed layers in cycle order
-  std::vector<Stall> stalls_;   // waits whose duration is not measured yet
   KVStoreStats stats_;
   bool started_ = false;  // a layer was acquired: residency is fixed (promotion aside)
   bool closed_ = false;

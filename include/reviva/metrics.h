@@ -11,6 +11,15 @@
 
 namespace reviva {
 
+// Note [Overlap ratio]
+// The one definition of how well copies hid under compute, used by every figure Reviva reports
+// (the transfer engine's, the offload manager's, RevivaManager's and the training offload's):
+// the part of the copy streams' busy time (both directions) that compute did not wait for,
+//     overlap_ratio = 1 - compute_stall_ms / copy_busy_ms, clamped to [0, 1]; 1 with no copies.
+// A stall is compute waiting for a copy it needs (measured on the compute stream, between two
+// events around the wait); host-side waits are reported apart (the device may be busy then).
+REVIVA_API double overlap_ratio(double compute_stall_ms, double copy_busy_ms) noexcept;
+
 struct ManagerMetrics {
   std::uint64_t bytes_to_host = 0;    // completed D2H copies
   std::uint64_t bytes_to_device = 0;  // completed H2D copies
@@ -21,9 +30,7 @@ struct ManagerMetrics {
   double compute_stall_ms = 0.0;
   // Time the calling thread blocked waiting for device memory to be freed (evictions in flight).
   double host_wait_ms = 0.0;
-  // Copy time hidden under compute / total copy time: 1 - compute stall / copy time, clamped
-  // to [0, 1]; 1 when nothing was copied. (Host waits are reported apart: the GPU may still be
-  // busy with queued work while the caller waits.)
+  // Note [Overlap ratio], over this manager's copies and stalls.
   double overlap_ratio = 1.0;
   std::size_t budget_bytes = 0;
   std::size_t device_bytes = 0;  // held now (resident, in flight, being freed)

@@ -13,6 +13,7 @@
 
 #include <reviva/backend.h>
 #include <reviva/export.h>
+#include <reviva/metrics.h>
 #include <reviva/pinned_host_pool.h>
 #include <reviva/stream.h>
 
@@ -64,9 +65,15 @@ struct DirectionStats {
   }
 };
 
-struct TransferStats {
+struct REVIVA_API TransferStats {
   DirectionStats d2h;
   DirectionStats h2d;
+  // Compute waiting for transfers it needs (wait_on), measured on the compute stream; waits
+  // shorter than timer noise (0.01 ms) are not stalls.
+  double compute_stall_ms = 0.0;
+  std::uint64_t stalls = 0;
+  // Note [Overlap ratio] (metrics.h), over both directions.
+  double overlap_ratio() const noexcept;
 };
 
 namespace detail {
@@ -115,6 +122,11 @@ class REVIVA_API TransferEngine {
                    const Event* producer = nullptr);
   Transfer restore(const PinnedBlock& src, void* device_dst, std::size_t bytes,
                    const Event* producer = nullptr);
+
+  // Later work on `compute` waits for `transfer` (lifetime rule 3), with timing events around
+  // the wait: the time compute spends waiting counts as a stall in stats(). The one stall meter
+  // of every path that copies through this engine.
+  void wait_on(const Transfer& transfer, const Stream& compute);
 
   const Stream& stream(Direction direction) const noexcept;
   const std::shared_ptr<const Stream>& stream_ptr(Direction direction) const noexcept;

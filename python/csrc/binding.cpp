@@ -144,12 +144,13 @@ class PyTransferEngine {
 
   // Later work on torch's current stream waits for `transfer` (rule 3); on the host runtime the
   // calling thread waits, since torch computes on the CPU synchronously.
+  // The engine measures the wait (its stall meter: stats()["compute_stall_ms"]).
   void wait_for(const Transfer& transfer) {
-    if (auto current = rt_->current_stream()) {
-      transfer.enqueue_wait(*current);
-    } else {
+    auto compute = rt_->compute_stream();
+    engine_->wait_on(transfer, *compute);
+    if (!rt_->is_cuda()) {
       py::gil_scoped_release release;
-      transfer.wait();
+      compute->synchronize();
     }
   }
 
@@ -244,6 +245,9 @@ class PyTransferEngine {
     py::dict r;
     r["d2h"] = dir(st.d2h);
     r["h2d"] = dir(st.h2d);
+    r["compute_stall_ms"] = st.compute_stall_ms;
+    r["stalls"] = st.stalls;
+    r["overlap_ratio"] = st.overlap_ratio();
     return r;
   }
 
@@ -318,6 +322,8 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("version", &version_string);
+  m.def("overlap_ratio", &overlap_ratio, py::arg("compute_stall_ms"), py::arg("copy_busy_ms"),
+        "Note [Overlap ratio] (include/reviva/metrics.h): 1 - stall / copy busy time, in [0, 1].");
   m.def("cuda_available", &cuda_available);
   m.def("cuda_device_count", &cuda_device_count);
 

@@ -137,8 +137,6 @@ class PyKVStore {
     r["prefetches_without_memory"] = st.prefetches_without_memory;
     r["bytes_to_device"] = st.bytes_to_device;
     r["bytes_to_host"] = st.bytes_to_host;
-    r["compute_stall_ms"] = st.compute_stall_ms;
-    r["stalls"] = st.stalls;
     r["host_bytes"] = st.host_bytes;
     r["host_copy_wait_ms"] = st.host_copy_wait_ms;
     r["device_bytes"] = st.device_bytes;

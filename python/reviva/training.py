@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from reviva._C import TransferEngine
+from reviva._C import TransferEngine, overlap_ratio
 from reviva.resources import device_resources
 from reviva.sizes import format_bytes, parse_bytes
 
@@ -82,9 +82,9 @@ class ActivationStats:
     demand_fetched: int = 0  # storages fetched at unpack (no prefetch reached them)
     offloaded_layers: list[int] = field(default_factory=list)  # last step (budget mode)
     layer_saved_bytes: dict[int, int] = field(default_factory=dict)  # recorded on step 1
-    stall_ms: float = 0.0  # compute waiting at unpack for an H2D (CUDA: events; CPU: wall)
+    stall_ms: float = 0.0  # compute waiting at unpack for an H2D (the engine's stall meter)
     forward_wait_ms: float = 0.0  # the Python thread waiting for D2H copies (window full)
-    overlap_ratio: float = 1.0  # 1 - stall / copy time of both directions, over all steps
+    overlap_ratio: float = 1.0  # Note [Overlap ratio] (reviva._C.overlap_ratio), all steps
     peak_device_bytes: int | None = None  # last step (CUDA)
     step_s: float | None = None  # wall time of the last step (enter to exit)
 
@@ -195,7 +195,8 @@ class ActivationOffload:
         self._hooks_ctx: Any = None
         self._t0 = 0.0
         self._recorded: dict[tuple[int, int], StorageWeakRef] = {}  # counted on the first step
-        self._waits: list[tuple[Any, Any]] = []  # CUDA events around waits at unpack
+        self._engine_start: dict[str, Any] = {}  # the engine's stats when the step began
+        self._copy_ms = 0.0  # copy-stream busy time of this offload's steps
         self._held = 0  # device bytes allocated when the step began (CUDA)
         self._extra_all: int | None = None  # CUDA: the offload-all step's peak above _held
         # Budget mode: the bytes the budget leaves above the offload-all floor, and what the
@@ -248,6 +249,7 @@ class ActivationOffload:
             self._handles.append(layer.register_forward_hook(self._make_post_hook(i)))
         if self.head is not None:
             self._handles.append(self.head.register_forward_hook(self._head_post_hook))
+        self._engine_start = self.engine.stats()
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         self._t0 = time.perf_counter()
@@ -273,12 +275,13 @@ class ActivationOffload:
             if self._offload_layers is None:  # everything offloaded: the floor of budget mode
                 self._extra_all = self.stats.peak_device_bytes - self._held
             torch.cuda.synchronize(self.device)
-            self.stats.stall_ms += sum(a.elapsed_time(b) for a, b in self._waits)
-            self._waits.clear()
-        eng = self.engine.stats()
-        copy_ms = eng["d2h"]["busy_ms"] + eng["h2d"]["busy_ms"]
-        if copy_ms > 0:
-            self.stats.overlap_ratio = min(max(1.0 - self.stats.stall_ms / copy_ms, 0.0), 1.0)
+        # The engine is the process's (shared with other users): this step's part of its stall
+        # meter and copy time, and the one overlap ratio (Note [Overlap ratio]) over all steps.
+        eng, start = self.engine.stats(), self._engine_start
+        self.stats.stall_ms += max(eng["compute_stall_ms"] - start["compute_stall_ms"], 0.0)
+        for d in ("d2h", "h2d"):
+            self._copy_ms += max(eng[d]["busy_ms"] - start[d]["busy_ms"], 0.0)
+        self.stats.overlap_ratio = overlap_ratio(self.stats.stall_ms, self._copy_ms)
         self.stats.step_s = time.perf_counter() - self._t0
         self.stats.steps += 1
 
@@ -490,17 +493,8 @@ class ActivationOffload:
             self._ahead -= stored.nbytes
         self._prefetch()  # the window has room again: keep the H2D stream busy
         if stored.transfer is not None:
-            if self._cuda:
-                before = torch.cuda.Event(enable_timing=True)
-                after = torch.cuda.Event(enable_timing=True)
-                before.record()
-                self.engine.wait_for(stored.transfer)  # rule 3: compute after the H2D
-                after.record()
-                self._waits.append((before, after))
-            else:
-                t = time.perf_counter()
-                self.engine.wait_for(stored.transfer)
-                self.stats.stall_ms += (time.perf_counter() - t) * 1e3
+            # Rule 3: compute after the H2D; the engine measures the wait (its stall meter).
+            self.engine.wait_for(stored.transfer)
             stored.transfer = None
             if stored.widen:  # on the compute stream, after the H2D
                 stored.restored = stored.restored.to(packed.dtype)

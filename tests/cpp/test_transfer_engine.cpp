@@ -3,6 +3,7 @@
 // input checks.
 #include "test_util.h"
 
+#include <chrono>
 #include <thread>
 
 namespace reviva::test {
@@ -200,6 +201,48 @@ TEST_P(EngineTest, ComputeStreamWaitsOnRestore) {
   gate.open();
   used.synchronize();
   EXPECT_EQ(download(*pool_, *compute_, copy.data(), n), data);
+}
+
+TEST_P(EngineTest, WaitOnMeasuresHowLongComputeWaited) {
+  const std::size_t n = kMiB;
+  PinnedBlock src = pool_->allocate(n);
+  DeviceBuffer dev(*backend_, *compute_, n);
+  compute_->synchronize();
+  // A transfer already done: compute does not wait, no stall.
+  Transfer done = engine_->restore(src, dev.data(), n);
+  done.wait();
+  engine_->wait_on(done, *compute_);
+  compute_->synchronize();
+  TransferStats st = engine_->stats();
+  EXPECT_EQ(st.stalls, 0u);
+  EXPECT_DOUBLE_EQ(st.compute_stall_ms, 0.0);
+  EXPECT_DOUBLE_EQ(st.overlap_ratio(), 1.0);
+  // A transfer held back ~30 ms behind a gate: compute waits about that long.
+  StreamGate gate;
+  gate.block(engine_->stream(Direction::HostToDevice));
+  Transfer late = engine_->restore(src, dev.data(), n);
+  engine_->wait_on(late, *compute_);
+  Event after(backend_);
+  after.record(*compute_);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_FALSE(after.query()) << "compute ran on before the transfer it waits for";
+  gate.open();
+  compute_->synchronize();
+  st = engine_->stats();
+  EXPECT_EQ(st.stalls, 1u);
+  EXPECT_GE(st.compute_stall_ms, 20.0);
+  EXPECT_LT(st.overlap_ratio(), 1.0);
+  EXPECT_DOUBLE_EQ(st.overlap_ratio(),
+                   overlap_ratio(st.compute_stall_ms, st.d2h.busy_ms + st.h2d.busy_ms));
+  engine_->reset_stats();
+  EXPECT_EQ(engine_->stats().stalls, 0u);
+}
+
+TEST(OverlapRatio, IsOneDefinition) {
+  EXPECT_DOUBLE_EQ(overlap_ratio(0.0, 0.0), 1.0);
+  EXPECT_DOUBLE_EQ(overlap_ratio(5.0, 0.0), 1.0);
+  EXPECT_DOUBLE_EQ(overlap_ratio(25.0, 100.0), 0.75);
+  EXPECT_DOUBLE_EQ(overlap_ratio(200.0, 100.0), 0.0);
 }
 
 TEST_P(EngineTest, BothDirectionsAtOnce) {

@@ -672,3 +672,25 @@ def test_native_libraries_share_the_process_libstdcxx() -> None:
         assert any(n.startswith("libstdc++.so") for n in needed), (
             f"{lib.name} does not link the shared libstdc++ (NEEDED: {needed})"
         )
+
+
+def test_one_overlap_ratio_and_the_engines_stall_meter(
+    engine: reviva.TransferEngine, device: str
+) -> None:
+    """Note [Overlap ratio]: one definition in the core, and the engine's stall meter counts the
+    waits of wait_for (the one every path uses)."""
+    from reviva._C import overlap_ratio
+
+    assert overlap_ratio(25.0, 100.0) == 0.75
+    assert overlap_ratio(0.0, 0.0) == 1.0 and overlap_ratio(300.0, 100.0) == 0.0
+    x = torch.arange(1 << 20, dtype=torch.float32, device=device)
+    h = engine.offload(x, record_stream=False)
+    h.wait()
+    y, t = engine.restore_async(h, record_stream=False)
+    engine.wait_for(t)
+    st = engine.stats()
+    assert {"compute_stall_ms", "stalls", "overlap_ratio"} <= st.keys()
+    assert st["overlap_ratio"] == overlap_ratio(
+        st["compute_stall_ms"], st["d2h"]["busy_ms"] + st["h2d"]["busy_ms"]
+    )
+    assert torch.equal(y, x)
