@@ -1,6 +1,7 @@
 // Umbrella header of the Reviva core library.
 #pragma once
 
+#include <reviva/arena_device_allocator.h>
 #include <reviva/backend.h>
 #include <reviva/device_allocator.h>
 #include <reviva/device_arena.h>

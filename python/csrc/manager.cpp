@@ -376,7 +376,7 @@ class PyOffloadManager {
  public:
   PyOffloadManager(py::object py_engine, std::size_t budget_bytes, double budget_fraction,
                    const std::string& policy, const std::string& allocator,
-                   std::size_t timeline_capacity)
+                   std::size_t timeline_capacity, std::shared_ptr<DeviceArena> arena)
       : rt_(runtime_of(py_engine)), py_engine_(std::move(py_engine)) {
     OffloadManagerOptions o;
     o.budget_bytes = budget_bytes;
@@ -384,7 +384,15 @@ class PyOffloadManager {
     o.policy = parse_policy(policy);
     o.timeline_capacity = timeline_capacity;
     std::shared_ptr<DeviceAllocator> device_allocator;
-    if (allocator == "torch" && rt_->is_cuda()) {
+    REVIVA_CHECK_ARG((allocator == "arena") == (arena != nullptr),
+                     "OffloadManager: allocator='arena' takes the arena (arena=...), and only it "
+                     "does; got allocator='",
+                     allocator, "' with", arena ? "" : "out", " an arena");
+    if (allocator == "arena") {
+      REVIVA_CHECK_ARG(arena->backend().kind() == rt_->backend()->kind(),
+                       "OffloadManager: the arena belongs to another kind of device");
+      device_allocator = std::make_shared<ArenaDeviceAllocator>(std::move(arena));
+    } else if (allocator == "torch" && rt_->is_cuda()) {
 #if defined(REVIVA_TORCH_CUDA)
       device_allocator = std::make_shared<TorchDeviceAllocator>(rt_->device().index());
 #endif
@@ -392,7 +400,8 @@ class PyOffloadManager {
       device_allocator = make_backend_device_allocator(rt_->backend());  // host runtime: torch
                                                                          // CPU memory is plain
     } else {
-      throw InvalidArgument("unknown allocator '" + allocator + "': use 'torch' or 'backend'");
+      throw InvalidArgument("unknown allocator '" + allocator +
+                            "': use 'torch', 'backend' or 'arena'");
     }
     allocator_name_ = device_allocator->name();
     manager_ = std::make_shared<OffloadManager>(engine_of(py_engine_), device_allocator, o);
@@ -651,10 +660,13 @@ void bind_manager(py::module_& m) {
   py::class_<PyOffloadManager>(m, "OffloadManager",
                                "Residency of registered tensors under a device memory budget.")
       .def(py::init<py::object, std::size_t, double, const std::string&, const std::string&,
-                    std::size_t>(),
+                    std::size_t, std::shared_ptr<DeviceArena>>(),
            py::arg("engine"), py::arg("budget_bytes") = 0, py::arg("budget_fraction") = 0.8,
            py::arg("policy") = "lru", py::arg("allocator") = "torch",
-           py::arg("timeline_capacity") = std::size_t{1} << 16)
+           py::arg("timeline_capacity") = std::size_t{1} << 16, py::arg("arena") = nullptr,
+           "allocator: where blocks' device memory comes from: 'torch' (PyTorch's caching "
+           "allocator), 'backend' (cudaMallocAsync), or 'arena' (Reviva's DeviceArena, given as "
+           "arena=..., e.g. reviva.device_resources(device).arena).")
       .def("register", &PyOffloadManager::register_tensor, py::arg("shape"), py::arg("dtype"),
            "A block for a tensor of this shape and dtype, with no contents yet (state Empty).")
       .def("adopt", &PyOffloadManager::adopt, py::arg("tensor"),

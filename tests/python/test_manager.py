@@ -306,3 +306,32 @@ def test_failed_acquire_group_holds_nothing(
     del t
     sched.release_group([c])
     m.check_invariants()
+
+
+def test_blocks_on_the_device_arena_round_trip_exactly(device: str) -> None:
+    """allocator='arena': blocks' device memory from Reviva's DeviceArena (outside torch's
+    allocator), reused in stream order; contents survive trips to the host bit for bit."""
+    res = reviva.device_resources(device)
+    gen = torch.Generator().manual_seed(7)
+    budget = 3 * MIB
+    m = reviva.OffloadManager(res.engine, budget_bytes=budget, allocator="arena", arena=res.arena)
+    assert "arena" in m.metrics()["allocator"]
+    ids = [m.register([MIB // 4], torch.float32) for _ in range(6)]
+    shadow: dict[int, torch.Tensor] = {}
+    for step in range(3):
+        for i in ids:
+            t = m.acquire(i, "readwrite" if step else "write")
+            if step:
+                assert torch.equal(read(t), shadow[i]), f"block {i} changed on its way"
+            shadow[i] = fill(t, gen)
+            del t
+            m.release(i)
+            assert m.device_bytes <= budget
+    m.synchronize()
+    assert m.metrics()["evictions"] > 0
+    for i in ids:
+        m.unregister(i)
+    with pytest.raises(ValueError, match="allocator='arena' takes the arena"):
+        reviva.OffloadManager(res.engine, allocator="arena")
+    with pytest.raises(ValueError, match="allocator='torch' with an arena"):
+        reviva.OffloadManager(res.engine, allocator="torch", arena=res.arena)

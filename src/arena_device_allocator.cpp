@@ -1,0 +1,131 @@
+// ArenaDeviceAllocator (see arena_device_allocator.h). The lifetime protocol here:
+//   rule 2: a freed buffer is reused only by a stream that first waits on the event recorded
+//           where it was freed, and goes back to the arena only after every stream that used
+//           it (ArenaBuffer::record_use at each free);
+//   rule 5: the cache and the live map change under `mutex`; events, waits and arena calls are
+//           made without it (buffers taken out of the maps first).
+#include <reviva/arena_device_allocator.h>
+#include <reviva/error.h>
+#include <reviva/stream.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace reviva {
+
+struct ArenaDeviceAllocator::Impl {
+  struct Cached {
+    std::shared_ptr<ArenaBuffer> buffer;
+    std::unique_ptr<Event> freed;  // where its last user freed it
+  };
+  mutable std::mutex mutex;
+  std::multimap<std::size_t, Cached> cache;                      // by mapped bytes; mutex
+  std::unordered_map<void*, std::shared_ptr<ArenaBuffer>> live;  // guarded by mutex
+  ArenaAllocatorStats stats;                                     // guarded by mutex
+};
+
+ArenaDeviceAllocator::ArenaDeviceAllocator(std::shared_ptr<DeviceArena> arena)
+    : arena_(std::move(arena)), impl_(std::make_unique<Impl>()) {
+  REVIVA_CHECK_ARG(arena_ != nullptr, "ArenaDeviceAllocator: arena is null");
+}
+
+ArenaDeviceAllocator::~ArenaDeviceAllocator() {
+  trim();
+  // Buffers still handed out go back with their last recorded uses (the manager frees every
+  // block before it is destroyed; this is the path of a caller that did not).
+  std::unordered_map<void*, std::shared_ptr<ArenaBuffer>> live;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    live.swap(impl_->live);
+  }
+}
+
+std::string ArenaDeviceAllocator::name() const {
+  return "Reviva device arena (" + arena_->backend().name() + ")";
+}
+
+void* ArenaDeviceAllocator::allocate(std::size_t bytes, StreamHandle stream) {
+  REVIVA_CHECK_ARG(bytes > 0, "ArenaDeviceAllocator::allocate: bytes must be > 0");
+  const std::size_t rounded = arena_->round_up(bytes);
+  Impl::Cached taken;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    ++impl_->stats.allocations;
+    // The smallest cached buffer that holds the request, if not more than twice its size.
+    auto it = impl_->cache.lower_bound(bytes);
+    if (it != impl_->cache.end() && it->first <= 2 * rounded) {
+      taken = std::move(it->second);
+      impl_->cache.erase(it);
+      impl_->stats.cached_bytes -= taken.buffer->mapped_bytes();
+      ++impl_->stats.cache_hits;
+    }
+  }
+  if (taken.buffer) {
+    // Rule 2: this stream's work after the call comes after the work that freed it.
+    arena_->backend().stream_wait_event(stream, taken.freed->handle());
+  } else {
+    taken.buffer = arena_->allocate(rounded, "ArenaDeviceAllocator block");
+    if (!taken.buffer->try_grow_to(bytes)) {
+      trim();  // cached memory of other sizes makes room
+      taken.buffer->grow_to(bytes);
+    }
+  }
+  void* ptr = taken.buffer->data();
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->stats.live_bytes += taken.buffer->mapped_bytes();
+  impl_->live.emplace(ptr, std::move(taken.buffer));
+  return ptr;
+}
+
+void ArenaDeviceAllocator::deallocate(void* ptr, std::size_t, StreamHandle stream) noexcept {
+  if (!ptr) return;
+  try {
+    std::shared_ptr<ArenaBuffer> buffer;
+    {
+      std::lock_guard<std::mutex> lock(impl_->mutex);
+      auto it = impl_->live.find(ptr);
+      if (it == impl_->live.end()) {
+        std::fprintf(stderr, "reviva: warning: ArenaDeviceAllocator: %p was not allocated here\n",
+                     ptr);
+        return;
+      }
+      buffer = std::move(it->second);
+      impl_->live.erase(it);
+      impl_->stats.live_bytes -= buffer->mapped_bytes();
+    }
+    const Stream on = Stream::wrap(arena_->backend_ptr(), stream);
+    auto freed = std::make_unique<Event>(arena_->backend_ptr());
+    freed->record(on);
+    buffer->record_use(on);
+    const std::size_t mapped = buffer->mapped_bytes();
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->stats.cached_bytes += mapped;
+    impl_->cache.emplace(mapped, Impl::Cached{std::move(buffer), std::move(freed)});
+  } catch (const std::exception& e) {
+    // Out of memory for an event: the buffer was dropped above with the uses recorded so far.
+    std::fprintf(stderr, "reviva: warning: ArenaDeviceAllocator::deallocate: %s\n", e.what());
+  }
+}
+
+void ArenaDeviceAllocator::trim() {
+  std::multimap<std::size_t, Impl::Cached> cache;  // destroyed after the lock: arena calls
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (impl_->cache.empty()) return;
+    cache.swap(impl_->cache);
+    impl_->stats.cached_bytes = 0;
+    ++impl_->stats.trims;
+  }
+}
+
+ArenaAllocatorStats ArenaDeviceAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->stats;
+}
+
+}  // namespace reviva

@@ -1,0 +1,155 @@
+// ArenaDeviceAllocator: freed buffers reused in stream order (a gated stream proves that a
+// reuse on another stream waits for the free, on the device), best fit within twice the size,
+// trim and out-of-memory give the cache back, many threads at once, and the OffloadManager's
+// blocks kept exact on arena memory under a tight budget.
+#include "test_util.h"
+
+#include <reviva/arena_device_allocator.h>
+
+#include <thread>
+
+namespace reviva::test {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+class ArenaAllocatorTest : public BackendTest {
+ protected:
+  void SetUp() override {
+    BackendTest::SetUp();
+    if (IsSkipped()) return;
+    if (backend_->vmm_granularity() == 0) GTEST_SKIP() << "no virtual memory management here";
+    arena_ = DeviceArena::create(backend_);
+    g_ = arena_->granularity();
+    alloc_ = std::make_shared<ArenaDeviceAllocator>(arena_);
+    pool_ = PinnedHostPool::create(backend_, {});
+  }
+  std::shared_ptr<DeviceArena> arena_;
+  std::size_t g_ = 0;
+  std::shared_ptr<ArenaDeviceAllocator> alloc_;
+  std::shared_ptr<PinnedHostPool> pool_;
+};
+
+TEST_P(ArenaAllocatorTest, AFreedBufferIsReusedOnlyAfterTheStreamThatFreedIt) {
+  Stream a(backend_), b(backend_);
+  void* p = alloc_->allocate(g_, a.handle());
+  StreamGate gate;
+  gate.block(a);
+  backend_->memset_async(p, 1, g_, a.handle());  // still to run when freed
+  alloc_->deallocate(p, g_, a.handle());
+  void* q = alloc_->allocate(g_ / 2, b.handle());
+  EXPECT_EQ(q, p) << "a cached buffer of the same granule serves the request";
+  backend_->memset_async(q, 2, g_ / 2, b.handle());
+  Event done(backend_);
+  done.record(b);
+  EXPECT_FALSE(done.query()) << "stream b used the memory before stream a's free";
+  gate.open();
+  done.synchronize();
+  const auto bytes = download(*pool_, b, q, g_);
+  EXPECT_EQ(bytes[0], 2);
+  EXPECT_EQ(bytes[g_ - 1], 1) << "a's write, ordered before the free, came first";
+  alloc_->deallocate(q, g_ / 2, b.handle());
+  const ArenaAllocatorStats st = alloc_->stats();
+  EXPECT_EQ(st.allocations, 2u);
+  EXPECT_EQ(st.cache_hits, 1u);
+  EXPECT_EQ(st.live_bytes, 0u);
+  EXPECT_EQ(st.cached_bytes, g_);
+}
+
+TEST_P(ArenaAllocatorTest, BestFitWithinTwiceTheSizeAndTrimGivesTheCacheBack) {
+  Stream s(backend_);
+  void* small = alloc_->allocate(g_, s.handle());
+  void* large = alloc_->allocate(8 * g_, s.handle());
+  alloc_->deallocate(small, g_, s.handle());
+  alloc_->deallocate(large, 8 * g_, s.handle());
+  EXPECT_EQ(alloc_->allocate(g_ / 4, s.handle()), small);
+  void* fresh = alloc_->allocate(2 * g_, s.handle());  // 8 granules is more than twice 2
+  EXPECT_NE(fresh, large);
+  EXPECT_EQ(alloc_->stats().cached_bytes, 8 * g_);
+  alloc_->trim();
+  s.synchronize();
+  arena_->reclaim(/*wait=*/true);
+  EXPECT_EQ(alloc_->stats().cached_bytes, 0u);
+  EXPECT_EQ(arena_->stats().mapped_bytes, 3 * g_) << "the two live buffers alone";
+  alloc_->deallocate(small, g_, s.handle());
+  alloc_->deallocate(fresh, 2 * g_, s.handle());
+}
+
+TEST_P(ArenaAllocatorTest, AFullArenaGivesTheCacheBackBeforeFailing) {
+  arena_->set_limit_bytes(6 * g_);
+  Stream s(backend_);
+  void* a = alloc_->allocate(2 * g_, s.handle());
+  void* b = alloc_->allocate(2 * g_, s.handle());
+  void* c = alloc_->allocate(2 * g_, s.handle());
+  alloc_->deallocate(a, 2 * g_, s.handle());
+  alloc_->deallocate(b, 2 * g_, s.handle());
+  // 4 granules fit only once the two cached buffers go back to the arena.
+  void* d = alloc_->allocate(4 * g_, s.handle());
+  EXPECT_NE(d, nullptr);
+  EXPECT_GE(alloc_->stats().trims, 1u);
+  EXPECT_THROW(alloc_->allocate(g_, s.handle()), OutOfMemory);
+  alloc_->deallocate(c, 2 * g_, s.handle());
+  alloc_->deallocate(d, 4 * g_, s.handle());
+  EXPECT_LE(arena_->stats().peak_bytes, 6 * g_);
+}
+
+TEST_P(ArenaAllocatorTest, ManyThreadsAllocateAndFree) {
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      Stream s(backend_);
+      for (int i = 0; i < scaled(50); ++i) {
+        const std::size_t bytes = g_ * static_cast<std::size_t>(1 + (i + t) % 3);
+        void* p = alloc_->allocate(bytes, s.handle());
+        backend_->memset_async(p, t, bytes, s.handle());
+        alloc_->deallocate(p, bytes, s.handle());
+      }
+      s.synchronize();
+    });
+  }
+  for (auto& th : threads) th.join();
+  const ArenaAllocatorStats st = alloc_->stats();
+  EXPECT_EQ(st.live_bytes, 0u);
+  EXPECT_GT(st.cache_hits, 0u);
+  alloc_->trim();
+  arena_->reclaim(/*wait=*/true);
+  EXPECT_EQ(arena_->stats().mapped_bytes, 0u);
+}
+
+TEST_P(ArenaAllocatorTest, OffloadManagerBlocksStayExactOnArenaMemory) {
+  auto engine = std::make_shared<TransferEngine>(pool_);
+  OffloadManagerOptions o;
+  o.budget_bytes = 3 * g_;
+  OffloadManager m(engine, alloc_, o);
+  Stream compute(backend_);
+  std::vector<BlockId> ids;
+  std::vector<std::vector<std::uint8_t>> expected;
+  for (int i = 0; i < 6; ++i) {
+    ids.push_back(m.register_block(g_));
+    expected.push_back(random_bytes(g_, 100 + static_cast<std::uint64_t>(i)));
+  }
+  for (int round = 0; round < scaled(3); ++round) {
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      void* p = m.acquire(ids[i], compute, round == 0 ? Access::WriteOnly : Access::ReadWrite);
+      if (round == 0) {
+        upload(*pool_, compute, p, expected[i]);
+      } else {
+        ASSERT_EQ(download(*pool_, compute, p, g_), expected[i]) << "block " << i;
+      }
+      m.release(ids[i], compute);
+      EXPECT_LE(m.device_bytes(), 3 * g_);
+    }
+  }
+  m.synchronize();
+  EXPECT_GT(m.metrics().evictions, 0u);
+  EXPECT_GT(alloc_->stats().cache_hits, 0u) << "evicted blocks' memory served later fetches";
+  for (BlockId id : ids) m.unregister(id);
+  m.synchronize();
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, ArenaAllocatorTest,
+                         ::testing::Values(BackendKind::Host, BackendKind::Cuda),
+                         backend_param_name);
+
+}  // namespace
+}  // namespace reviva::test
