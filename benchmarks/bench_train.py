@@ -415,10 +415,12 @@ def run_contender(
             stall_ms_total=getattr(st, "stall_ms", None),
             overlap_ratio=getattr(st, "overlap_ratio", None),
             offloaded_layers=getattr(st, "offloaded_layers", None),
-            forward_wait_ms_total=getattr(st, "forward_wait_ms", None),
+            host_wait_ms_total=getattr(st, "host_wait_ms", None),
             narrowed_tensors_total=getattr(st, "narrowed_tensors", None),
             prefetched=getattr(st, "prefetched", None),
             demand_fetched=getattr(st, "demand_fetched", None),
+            manager=safe(off.manager.metrics) if hasattr(off, "manager") else None,
+            scheduler=safe(off.scheduler.stats) if hasattr(off, "scheduler") else None,
         )
     low = sampler.min_free
     row["card_min_free_gb"] = gb(low)

@@ -345,8 +345,15 @@ struct OffloadManager::Impl {
       std::lock_guard<std::mutex> lock(mutex);
       if (!freeing.empty()) guard = freeing.front().guard;
       if (!guard) {  // a D2H landing frees memory; an H2D landing makes a block evictable
+        // The oldest D2H (copies run in order on the one D2H stream): waiting for a later one
+        // would hold the caller until more memory is free than it needs (a training forward
+        // adopting activations behind the copies waited for the newest).
+        BlockId oldest = kInvalidBlock;
         for (const auto& [id, b] : blocks)
-          if (!b->busy && b->state == BlockState::ToHost) transfer = b->transfer;
+          if (!b->busy && b->state == BlockState::ToHost && (!transfer.valid() || id < oldest)) {
+            transfer = b->transfer;
+            oldest = id;
+          }
         for (const auto& [id, b] : blocks)
           if (!transfer.valid() && !b->busy && b->transfer.valid()) transfer = b->transfer;
       }

@@ -451,7 +451,13 @@ class PyOffloadManager {
       rt->record_stream(*holder, stream);
       *holder = torch::Tensor();
     };
-    const BlockId id = manager_->adopt(t.data_ptr(), t.nbytes(), release, *stream);
+    BlockId id;
+    {
+      // Making room may wait for copies to land (a training forward adopting behind its D2H
+      // copies): without the GIL, and `release` takes it when it runs.
+      py::gil_scoped_release nogil;
+      id = manager_->adopt(t.data_ptr(), t.nbytes(), release, *stream);
+    }
     meta_[id] = TensorMeta{t.sizes().vec(), t.scalar_type()};
     return id;
   }

@@ -1,26 +1,29 @@
 """Activation offload for the backward pass: `reviva.offload_activations(model, ...)`.
 
-Saved-tensor hooks move what autograd saves for backward into pinned host memory on the D2H
-copy stream during forward (each copy starts after an event on the compute stream, so compute
-never waits for it), and bring it back during backward in reverse order of saving, ahead of the
-autograd node that needs it; compute waits on a tensor's copy only when autograd unpacks it.
-
-Device memory is bounded in both directions by `window_bytes`:
-- forward: a saved tensor's device memory returns to torch's allocator only when its D2H has read
-  it, and D2H (~55 GB/s) is slower than forward compute; when more than `window_bytes` wait for
-  their D2H, the Python thread waits for the oldest (the device still has queued work), so the
-  activations do not pile up on the device behind the copy;
-- backward: at most `window_bytes` are brought back ahead of their use, and no further ahead than
-  `prefetch_layers` layers before the layer whose gradient is being computed (the gradient of
-  layer i's output arriving, a tensor hook, starts layer i's backward). The window is topped up
-  at every unpack, so the H2D stream stays busy.
-A storage brought back is allocated on the compute stream without record_stream: compute waits
-for its H2D at unpack, so the allocator may reuse its memory in stream order when autograd drops
-it. With record_stream (train-2026-11-29-6f8d6c0.json) torch's reserved memory grew through
-backward to 13.7 GB beside 5.6 GB allocated: a freed block waited for an event on the H2D stream,
-recorded when the host (far ahead of the device) freed it, so it was not reused for as long as
-the device lagged.
-Budget mode widens both windows into what the budget leaves beside the kept layers (`_window`).
+The saved tensors are blocks of the core's OffloadManager under its PrefetchScheduler, the same
+engine that moves everything else (reviva._C; one pinned pool and one transfer engine per
+process, reviva.resources):
+- forward: a saved-tensor hook adopts each storage as a block (the block holds the storage) and
+  offloads it at once: the D2H starts on the copy stream after an event on the compute stream,
+  so compute never waits for it, and the storage goes back to torch's allocator when the copy
+  has read it. The manager's budget bounds the device bytes still waiting for their D2H: when it
+  is full, adopting the next storage waits (on the host) for the oldest copy to land, so that
+  activations do not pile up on the device behind the copy (~55 GB/s D2H is slower than forward
+  compute).
+- backward: the blocks of one layer are a group; the order of the groups (the last layer first)
+  is declared to the scheduler when backward starts. When the gradient of layer i's output
+  arrives (a tensor hook: layer i's backward starts) the scheduler acquires layer i's group
+  (compute waits for copies still in flight) and prefetches the next `prefetch_layers` groups
+  into the room the budget leaves; each unpack tops the prefetch up again, as the blocks used
+  before it go. A block is unregistered (its device memory and host copy freed) once autograd
+  dropped the saved tensor and every tensor viewing it is gone (the binding's leases, Note
+  [Leases] in python/csrc/manager.cpp).
+The budget is `window_bytes` beside what compute holds: in backward the manager's budget is the
+window plus the bytes of the groups in use, so a layer larger than the window still runs (what
+it needs is never refused) and at most a window is brought back ahead. Budget mode widens the
+window into what the budget leaves beside the kept layers (`_window`).
+Stalls, copy times and host waits are the manager's metrics; the overlap ratio is the core's one
+definition (Note [Overlap ratio], reviva._C.overlap_ratio).
 
 What is offloaded: tensors saved inside the layers and, when the layers were found (an HF
 model), between the last layer and the output head's result (final norm, the head's input: one
@@ -46,8 +49,6 @@ layers (needed last, so their copies hide under the most backward compute).
 
 from __future__ import annotations
 
-import bisect
-import collections
 import contextlib
 import logging
 import time
@@ -60,7 +61,13 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from reviva._C import TransferEngine, overlap_ratio
+from reviva._C import (
+    OffloadManager,
+    PrefetchScheduler,
+    RevivaOutOfMemoryError,
+    TransferEngine,
+    overlap_ratio,
+)
 from reviva.resources import device_resources
 from reviva.sizes import format_bytes, parse_bytes
 
@@ -77,48 +84,42 @@ class ActivationStats:
     kept_tensors: int = 0  # parameters, small tensors, other devices, layers kept by the budget
     bytes_offloaded: int = 0  # D2H bytes (each storage once; narrowed ones at 16 bits)
     narrowed_tensors: int = 0  # fp32 storages moved as the 16-bit values they were cast from
-    bytes_restored: int = 0  # H2D bytes
-    prefetched: int = 0  # storages brought back ahead of their unpack
-    demand_fetched: int = 0  # storages fetched at unpack (no prefetch reached them)
+    bytes_restored: int = 0  # H2D bytes (the manager's)
+    prefetched: int = 0  # blocks the scheduler started bringing back ahead of their use
+    demand_fetched: int = 0  # blocks fetched when needed (no prefetch reached them)
     offloaded_layers: list[int] = field(default_factory=list)  # last step (budget mode)
     layer_saved_bytes: dict[int, int] = field(default_factory=dict)  # recorded on step 1
-    stall_ms: float = 0.0  # compute waiting at unpack for an H2D (the engine's stall meter)
-    forward_wait_ms: float = 0.0  # the Python thread waiting for D2H copies (window full)
+    stall_ms: float = 0.0  # compute waiting for an H2D (the manager's stall meter)
+    host_wait_ms: float = 0.0  # the Python thread waiting for copies to land (budget full)
     overlap_ratio: float = 1.0  # Note [Overlap ratio] (reviva._C.overlap_ratio), all steps
     peak_device_bytes: int | None = None  # last step (CUDA)
     step_s: float | None = None  # wall time of the last step (enter to exit)
 
 
 class _Stored:
-    """One offloaded storage: its pinned copy, and the device copy while it is back."""
+    """One offloaded storage: its block, and while it is back, a tensor viewing the block."""
 
-    __slots__ = (
-        "handle",
-        "nbytes",
-        "layer",
-        "restored",
-        "transfer",
-        "ahead",
-        "widen",
-        "__weakref__",
-    )
+    __slots__ = ("block", "nbytes", "layer", "restored", "widen", "owner", "__weakref__")
 
-    def __init__(self, handle: Any, nbytes: int, layer: int, widen: bool = False) -> None:
-        self.handle = handle
-        self.widen = widen  # moved at 16 bits: widened back to fp32 on the compute stream
+    def __init__(
+        self, owner: ActivationOffload, block: int, nbytes: int, layer: int, widen: bool
+    ) -> None:
+        self.owner = weakref.ref(owner)
+        self.block = block
         self.nbytes = nbytes
         self.layer = layer
-        self.restored: torch.Tensor | None = None  # the storage on the device (1-D)
-        self.transfer: Any = None  # its H2D, until compute was ordered after it
-        self.ahead = False  # brought back by prefetch and not unpacked yet
+        self.widen = widen  # moved at 16 bits: widened back to fp32 on the compute stream
+        # A tensor on the block's device memory (a lease: the block stays there while it lives),
+        # or after widening, torch's fp32 copy of it.
+        self.restored: torch.Tensor | None = None
 
     def __del__(self) -> None:
-        # The device copy was allocated on the compute stream without record_stream: its memory
-        # is reused in that stream's order, which is safe once compute waited for the H2D (at
-        # unpack). Brought back but never unpacked (a node backward did not run): the H2D may
-        # still write it, so wait before the memory goes back to torch's allocator.
-        if self.transfer is not None and self.restored is not None:
-            self.transfer.wait()
+        # Autograd dropped the saved tensor: the block is dead. It is unregistered at the next
+        # hook (no manager call here: this runs wherever the last reference goes).
+        self.restored = None
+        owner = self.owner()
+        if owner is not None:
+            owner._dead.append(self.block)
 
 
 @dataclass(frozen=True)
@@ -181,21 +182,31 @@ class ActivationOffload:
         # key is (data pointer, bytes); the storage's weak reference tells a live storage from a
         # new one that the caching allocator placed at the address of a freed one.
         self._by_storage: dict[tuple[int, int], tuple[StorageWeakRef, weakref.ReferenceType]] = {}
-        self._order: list[weakref.ReferenceType[_Stored]] = []  # offloaded, in saving order
-        self._order_layers: list[int] = []  # the layers with offloaded storages, ascending
-        self._cursor = -1  # backward: the next entry of _order to bring back (downwards)
+        # The step's blocks: each region's in saving order, and each block's storage record.
+        self._groups: dict[int, list[int]] = {}
+        self._stored_of: dict[int, weakref.ReferenceType[_Stored]] = {}
+        self._dead: list[int] = []  # blocks whose saved tensors autograd dropped (_Stored)
+        # Blocks compute holds (a tensor on them was handed out) until they are unregistered:
+        # the budget in backward is the window beside these.
+        self._using: dict[int, int] = {}
+        self._in_use = 0
+        self._declared_of: dict[int, list[int]] = {}  # backward: region -> its group
+        self._next_group = -1  # backward: the regions from here down are still to be acquired
         self._grad_layer = 0  # backward: the layer whose gradient is being computed
         self._in_backward = False
-        self._ahead = 0  # bytes brought back ahead and not unpacked yet
-        self._pending: collections.deque[_Stored] = collections.deque()  # D2H not known done
-        self._pending_bytes = 0
         self._layer = 0  # the region whose forward runs now
         self._offload_layers: set[int] | None = None  # None: all
         self._handles: list[Any] = []
         self._hooks_ctx: Any = None
         self._t0 = 0.0
+        # The core's manager (the budget, the blocks' states and copies, the metrics) and its
+        # scheduler (the backward order, the prefetch window); the offload's for its lifetime.
+        self.manager = OffloadManager(engine, budget_bytes=self.window_bytes, timeline_capacity=0)
+        self.scheduler = PrefetchScheduler(
+            self.manager, prefetch_groups=prefetch_layers, eager_offload=False
+        )
+        self._metrics_start: dict[str, Any] = {}  # the manager's metrics when the step began
         self._recorded: dict[tuple[int, int], StorageWeakRef] = {}  # counted on the first step
-        self._engine_start: dict[str, Any] = {}  # the engine's stats when the step began
         self._copy_ms = 0.0  # copy-stream busy time of this offload's steps
         self._held = 0  # device bytes allocated when the step began (CUDA)
         self._extra_all: int | None = None  # CUDA: the offload-all step's peak above _held
@@ -223,14 +234,13 @@ class ActivationOffload:
     def _begin(self) -> ActivationOffload:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self._by_storage.clear()
-        self._order.clear()
-        self._order_layers.clear()
-        self._cursor = -1
+        self._reap()  # blocks of an earlier step whose graph has gone since
+        self._groups = {}
+        self._stored_of = {}
+        self._declared_of = {}
+        self._next_group = -1
         self._grad_layer = self._regions
         self._in_backward = False
-        self._ahead = 0
-        self._pending.clear()
-        self._pending_bytes = 0
         self._recorded.clear()
         # What is saved before the first layer (the embedding's indices) is needed last, with
         # layer 0's activations: it belongs to region 0.
@@ -249,7 +259,8 @@ class ActivationOffload:
             self._handles.append(layer.register_forward_hook(self._make_post_hook(i)))
         if self.head is not None:
             self._handles.append(self.head.register_forward_hook(self._head_post_hook))
-        self._engine_start = self.engine.stats()
+        self._set_budget(self._window(0))
+        self._metrics_start = self.manager.metrics()
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         self._t0 = time.perf_counter()
@@ -268,22 +279,31 @@ class ActivationOffload:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._pending.clear()
-        self._pending_bytes = 0
+        self.scheduler.end_step()
+        self._reap()
+        self.manager.synchronize()  # every copy landed: the step's metrics are complete
         if self._cuda:
             self.stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
             if self._offload_layers is None:  # everything offloaded: the floor of budget mode
                 self._extra_all = self.stats.peak_device_bytes - self._held
             torch.cuda.synchronize(self.device)
-        # The engine is the process's (shared with other users): this step's part of its stall
-        # meter and copy time, and the one overlap ratio (Note [Overlap ratio]) over all steps.
-        eng, start = self.engine.stats(), self._engine_start
-        self.stats.stall_ms += max(eng["compute_stall_ms"] - start["compute_stall_ms"], 0.0)
-        for d in ("d2h", "h2d"):
-            self._copy_ms += max(eng[d]["busy_ms"] - start[d]["busy_ms"], 0.0)
-        self.stats.overlap_ratio = overlap_ratio(self.stats.stall_ms, self._copy_ms)
-        self.stats.step_s = time.perf_counter() - self._t0
-        self.stats.steps += 1
+        # This step's part of the manager's metrics, and the one overlap ratio (Note [Overlap
+        # ratio]) over all steps.
+        now, start = self.manager.metrics(), self._metrics_start
+        st = self.stats
+
+        def delta(key: str) -> Any:
+            return max(now[key] - start[key], 0)
+
+        st.bytes_restored += delta("bytes_to_device")
+        st.prefetched += delta("prefetches")
+        st.demand_fetched += delta("prefetch_misses")
+        st.stall_ms += delta("compute_stall_ms")
+        st.host_wait_ms += delta("host_wait_ms")
+        self._copy_ms += delta("to_host_busy_ms") + delta("to_device_busy_ms")
+        st.overlap_ratio = overlap_ratio(st.stall_ms, self._copy_ms)
+        st.step_s = time.perf_counter() - self._t0
+        st.steps += 1
 
     def _choose_layers(self) -> set[int] | None:
         """Budget mode: the layers to offload this step (None: all).
@@ -348,6 +368,8 @@ class ActivationOffload:
     def _make_pre_hook(self, i: int) -> Any:
         def pre_hook(module: nn.Module, args: Any) -> None:
             self._layer = i
+            if not self._in_backward:  # not a recomputation under checkpointing
+                self._set_budget(self._window(i))
 
         return pre_hook
 
@@ -369,41 +391,81 @@ class ActivationOffload:
             output.register_hook(lambda grad: self._backward_reached(self._regions - 1))
 
     def _backward_reached(self, i: int) -> None:
-        self._in_backward = True
+        """Layer i's backward starts: its group is acquired (and every higher region's not
+        acquired yet), the scheduler prefetching the next groups behind it."""
+        if not self._in_backward:
+            self._in_backward = True
+            self._next_group = self._regions - 1
+            # The declared order: the groups the last region first, each in reverse saving
+            # order (needed first is saved last).
+            regions = sorted(self._groups, reverse=True)
+            self._declared_of = {r: list(reversed(self._groups[r])) for r in regions}
+            if regions:
+                self.scheduler.declare_order([self._declared_of[r] for r in regions])
         self._grad_layer = min(self._grad_layer, i)
-        self._prefetch()
+        self._reap()
+        while self._next_group >= i:
+            group = self._declared_of.get(self._next_group)
+            self._next_group -= 1
+            if group is not None:
+                self._acquire(group)
 
-    def _prefetch(self) -> None:
-        """Brings storages back in reverse saving order while the window has room and they
-        belong to the next `prefetch_layers` + 1 layers with offloaded storages, counted from the
-        one in backward down (in budget mode the last layers keep theirs: the first offloaded
-        layer's copies start while their backward runs)."""
-        self._retire_copied(limit=None)  # forward's last copies
-        if self._cursor < 0:
-            self._cursor = len(self._order) - 1
-        layers = self._order_layers
-        k = bisect.bisect_right(layers, self._grad_layer) - 1
-        if k < 0:
+    def _acquire(self, group: list[int]) -> None:
+        """Acquires a group's live blocks: each storage record gets a tensor on its block (its
+        lease), then the caller's part of the acquire ends at once (release_group): the block
+        stays on the device while that tensor or a view of it lives."""
+        live = [b for b in group if (ref := self._stored_of.get(b)) is not None and ref()]
+        if not live:
             return
-        lowest = layers[max(k - self.prefetch_layers, 0)]
-        window = self._window(self._grad_layer)
-        while self._cursor >= 0 and self._ahead < window:
-            stored = self._order[self._cursor]()
+        need = sum(self.manager.nbytes(b) for b in live)
+        self._raise_budget(self._window(self._grad_layer) + self._in_use + need)
+        try:
+            tensors = self.scheduler.acquire_group(live, "read")
+        except RevivaOutOfMemoryError:
+            # What compute still holds was undercounted (a view of a used block still alive):
+            # room for this group beside everything the manager holds now.
+            self._raise_budget(self.manager.device_bytes + need)
+            tensors = self.scheduler.acquire_group(live, "read")
+        for block, t in zip(live, tensors, strict=True):
+            ref = self._stored_of.get(block)
+            stored = ref() if ref is not None else None
             if stored is not None and stored.restored is None:
-                if stored.layer < lowest:
-                    break
-                self._bring_back(stored)
-                stored.ahead = True
-                self._ahead += stored.nbytes
-                self.stats.prefetched += 1
-            self._cursor -= 1
+                stored.restored = t
+                self._hold(block, stored.nbytes)
+        tensors = None  # the leases now live in the storage records alone
+        self.scheduler.release_group(live, False)
 
-    def _bring_back(self, stored: _Stored) -> None:
-        """Starts the H2D of a storage; compute is ordered after it when it is unpacked."""
-        stored.restored, stored.transfer = self.engine.restore_async(
-            stored.handle, record_stream=False
-        )
-        self.stats.bytes_restored += stored.nbytes
+    def _hold(self, block: int, nbytes: int) -> None:
+        if block not in self._using:
+            self._using[block] = nbytes
+            self._in_use += nbytes
+
+    def _set_budget(self, nbytes: int) -> None:
+        nbytes = max(int(nbytes), 1)
+        if nbytes != self.manager.budget_bytes:
+            self.manager.budget_bytes = nbytes  # lowering it waits until the held bytes fit
+
+    def _raise_budget(self, nbytes: int) -> None:
+        """Backward: the budget only grows until the step ends (lowered as blocks go, it would
+        push out blocks prefetched into the room they left, to be fetched again, or make the
+        host wait for their memory). So at most the window plus the most compute held at once
+        (a layer and what is left of the one before) is on the device for this offload."""
+        if nbytes > self.manager.budget_bytes:
+            self.manager.budget_bytes = int(nbytes)
+
+    def _reap(self) -> None:
+        """Unregisters the dead blocks that nothing views any more (the rest stay for later)."""
+        if not self._dead:
+            return
+        dead, self._dead = self._dead, []
+        for block in dead:
+            try:
+                self.manager.unregister(block)
+            except ValueError:  # a tensor viewing it is still alive: at the next hook
+                self._dead.append(block)
+                continue
+            self._stored_of.pop(block, None)
+            self._in_use -= self._using.pop(block, 0)
 
     # --- pack / unpack ---------------------------------------------------------------------------
 
@@ -436,38 +498,25 @@ class ActivationOffload:
                 whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
                 moved = whole.to(narrow)
                 self.stats.narrowed_tensors += 1
-            # record_stream: torch's allocator reuses the memory once the D2H stream passed it.
-            handle = self.engine.offload(moved, record_stream=True)
-            stored = _Stored(handle, moved.nbytes, self._layer, widen=narrow is not None)
+            # A storage larger than the window still goes (alone).
+            if moved.nbytes > self.manager.budget_bytes:
+                self._set_budget(moved.nbytes)
+            # The block holds `moved` until its D2H has read it; then torch's allocator reuses
+            # the memory after the copy stream's work (record_stream).
+            block = self.manager.adopt(moved)
+            self.manager.offload(block)
+            del moved
+            self._reap()
+            widen = narrow is not None
+            stored = _Stored(self, block, self.manager.nbytes(block), self._layer, widen)
             self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
-            self._order.append(weakref.ref(stored))
-            if self._layer not in self._order_layers:
-                bisect.insort(self._order_layers, self._layer)
+            self._stored_of[block] = weakref.ref(stored)
+            self._groups.setdefault(self._layer, []).append(block)
             self.stats.bytes_offloaded += stored.nbytes
-            self._throttle(stored)
             if self.stats.steps == 0:
                 self._record(storage)
         self.stats.offloaded_tensors += 1
         return _Packed(stored, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-
-    def _throttle(self, stored: _Stored) -> None:
-        """Forward: at most a window (`_window`) of device memory waiting for D2H copies."""
-        self._pending.append(stored)
-        self._pending_bytes += stored.nbytes
-        self._retire_copied(limit=self._window(self._layer))
-
-    def _retire_copied(self, limit: int | None) -> None:
-        """Drops pending storages whose D2H is done, oldest first, and (with `limit`) waits for
-        the oldest while more than `limit` bytes are pending."""
-        while self._pending and (
-            (limit is not None and self._pending_bytes > limit) or self._pending[0].handle.ready()
-        ):
-            oldest = self._pending.popleft()
-            if not oldest.handle.ready():
-                t = time.perf_counter()
-                oldest.handle.wait()
-                self.stats.forward_wait_ms += (time.perf_counter() - t) * 1e3
-            self._pending_bytes -= oldest.nbytes
 
     def _record(self, storage: torch.UntypedStorage) -> None:
         # Step 1 records each layer's saved bytes (each storage once) for the budget plan.
@@ -486,18 +535,19 @@ class ActivationOffload:
             return packed
         stored = packed.stored
         if stored.restored is None:
-            self._bring_back(stored)
-            self.stats.demand_fetched += 1
-        elif stored.ahead:
-            stored.ahead = False
-            self._ahead -= stored.nbytes
-        self._prefetch()  # the window has room again: keep the H2D stream busy
-        if stored.transfer is not None:
-            # Rule 3: compute after the H2D; the engine measures the wait (its stall meter).
-            self.engine.wait_for(stored.transfer)
-            stored.transfer = None
-            if stored.widen:  # on the compute stream, after the H2D
-                stored.restored = stored.restored.to(packed.dtype)
+            # Not in a group acquired yet (saved in a region whose backward comes later, e.g.
+            # a storage saved again by a later layer): this block alone, now.
+            self._raise_budget(self._window(self._grad_layer) + self._in_use + stored.nbytes)
+            stored.restored = self.manager.acquire(stored.block, "read")
+            self.manager.release(stored.block)
+            self._hold(stored.block, stored.nbytes)
+        if stored.widen and stored.restored.dtype != packed.dtype:
+            # On the compute stream, which waited for the H2D when the block was acquired. The
+            # block's tensor goes: its lease ends once autograd is done with it.
+            stored.restored = stored.restored.to(packed.dtype)
+        self._reap()
+        if self._in_backward:  # room may have been freed: keep the H2D stream busy
+            self.scheduler.release_group([], False)
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
         out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         return out
