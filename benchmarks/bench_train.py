@@ -184,11 +184,21 @@ def copy_bandwidths(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
 
 
 def timed_steps(
-    model: Any, ids: torch.Tensor, steps: int, wrap: Any, out: dict, cuda: bool, probe: Any = None
+    model: Any,
+    ids: torch.Tensor,
+    steps: int,
+    wrap: Any,
+    out: dict,
+    cuda: bool,
+    probe: Any = None,
+    arena: Any = None,
 ) -> None:
     """Fills `out` as it goes (a failed step leaves what came before): median step, forward and
     backward times after one warm-up step (whose time is first_step_s), the last step's peak;
-    `probe()` (a counter) is read around each step and its median increase reported."""
+    `probe()` (a counter) is read around each step and its median increase reported.
+    peak_gb is torch's max_memory_allocated plus, with `arena` (Reviva's device memory, outside
+    torch's allocator: the activations brought back), the most the arena mapped in the step:
+    an upper bound of their sum at any instant (both also reported alone)."""
     clock = Clock(cuda)
     times, fwd, bwd, deltas = [], [], [], []
     out["step_times_s"] = times
@@ -198,6 +208,8 @@ def timed_steps(
         clock.sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        if arena is not None:
+            arena.reset_peak()
         with wrap():
             e0 = clock.mark()
             loss = model(input_ids=ids, labels=ids).loss
@@ -216,7 +228,14 @@ def timed_steps(
         step_s=statistics.median(times[1:]),
         forward_s=statistics.median(fwd[1:]),
         backward_s=statistics.median(bwd[1:]),
-        peak_gb=gb(torch.cuda.max_memory_allocated()) if cuda else None,
+        torch_peak_gb=gb(torch.cuda.max_memory_allocated()) if cuda else None,
+        arena_peak_gb=gb(arena.stats()["peak_bytes"]) if arena is not None else None,
+        peak_gb=gb(
+            torch.cuda.max_memory_allocated()
+            + (arena.stats()["peak_bytes"] if arena is not None else 0)
+        )
+        if cuda
+        else None,
         max_reserved_timed_gb=gb(torch.cuda.max_memory_reserved()) if cuda else None,
     )
     if not cuda:
@@ -398,6 +417,7 @@ def run_contender(
                     row,
                     cuda,
                     probe=lambda: off.stats.bytes_offloaded,
+                    arena=getattr(off, "arena", None),
                 )
         row.update(error=None, oom=False, completed=True)
     except Exception as e:  # a failure is a result too: recorded, not hidden

@@ -19,6 +19,18 @@
 //      block `busy` while it is in transition), makes its backend calls unlocked, and records the
 //      outcome under the mutex again. Objects whose destructors call the backend (events,
 //      transfers, pinned blocks) are moved into a Graveyard that dies after the lock is released.
+//
+// Note [Stream-ordered frees]
+// Rule 2 keeps a freed block's bytes counted against the budget until the host sees the free
+// complete (`freeing`), so a block that needs room waits on the host for the device to pass the
+// free. When the allocator reuses freed memory only after the allocating stream waits for the
+// free on the device (DeviceAllocator::reuses_in_stream_order: the arena's allocator), that
+// wait is already on the device: the bytes of memory the allocator owns count as free at once,
+// and the next copy into them is ordered after the free by the allocator. This is what keeps a
+// copy stream fed when the host runs ahead of the device (a training backward): the host makes
+// room as it frees and the copies wait on the device, instead of the host waiting for each
+// free. Memory adopted from the caller is given back through its release function and stays
+// counted until the free is seen.
 #include <reviva/error.h>
 #include <reviva/offload_manager.h>
 
@@ -201,6 +213,14 @@ struct OffloadManager::Impl {
     changed.notify_all();
   }
 
+  // Bytes that left_device() marked as on their way out, free at once (Note [Stream-ordered
+  // frees]). Requires mutex.
+  void free_now(std::size_t bytes) {
+    freeing_bytes -= bytes;
+    held -= bytes;
+    changed.notify_all();
+  }
+
   // Frees a block's device memory stream-ordered on `stream` (the caller's, or the allocator).
   void free_device(void* ptr, std::size_t bytes, std::function<void(StreamHandle)> release,
                    StreamHandle stream) {
@@ -231,6 +251,7 @@ struct OffloadManager::Impl {
       release = std::move(b.release_adopted);
       b.release_adopted = nullptr;
     }
+    const bool free_at_once = !release && allocator->reuses_in_stream_order();
     std::shared_ptr<Event> guard;
     Transfer transfer;
     try {
@@ -249,7 +270,7 @@ struct OffloadManager::Impl {
       // Rule 2: the memory is freed on the D2H stream after the copy (or after the waits).
       free_device(ptr, bytes, std::move(release), d2h().handle());
       release = nullptr;
-      if (clean) {
+      if (clean && !free_at_once) {
         guard = std::make_shared<Event>(backend);
         guard->record(d2h());
       }
@@ -270,7 +291,10 @@ struct OffloadManager::Impl {
     if (clean) {
       ++metrics.clean_evictions;
       b.state = BlockState::Host;
-      freeing.push_back({next_freeing_id++, bytes, std::move(guard)});
+      if (free_at_once)  // Note [Stream-ordered frees]
+        free_now(bytes);
+      else
+        freeing.push_back({next_freeing_id++, bytes, std::move(guard)});
     } else {
       b.state = BlockState::ToHost;
       b.transfer = std::move(transfer);  // its bytes are freed when this D2H lands
@@ -894,12 +918,17 @@ void OffloadManager::discard(BlockId id) {
       m.poll(/*wait_for_turn=*/true);
       continue;
     }
-    // Device: free after every use (rule 2), counted until then.
-    auto guard = std::make_shared<Event>(m.backend);
+    // Device: free after every use (rule 2), counted until then (or not: Note [Stream-ordered
+    // frees]).
+    const bool free_at_once = !release && m.allocator->reuses_in_stream_order();
+    std::shared_ptr<Event> guard;
     try {
       for (const UseGuard& u : uses) m.d2h().wait(u.point());
       m.free_device(ptr, bytes, std::move(release), m.d2h().handle());
-      guard->record(m.d2h());
+      if (!free_at_once) {
+        guard = std::make_shared<Event>(m.backend);
+        guard->record(m.d2h());
+      }
     } catch (...) {
       std::lock_guard<std::mutex> lock(m.mutex);
       m.find(id).busy = false;
@@ -914,7 +943,10 @@ void OffloadManager::discard(BlockId id) {
     b.host = PinnedBlock();
     b.host_valid = false;
     b.state = BlockState::Empty;
-    m.freeing.push_back({m.next_freeing_id++, bytes, std::move(guard)});
+    if (free_at_once)
+      m.free_now(bytes);
+    else
+      m.freeing.push_back({m.next_freeing_id++, bytes, std::move(guard)});
     return;
   }
 }

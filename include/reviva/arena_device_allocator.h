@@ -44,6 +44,8 @@ class REVIVA_API ArenaDeviceAllocator final : public DeviceAllocator {
   void* allocate(std::size_t bytes, StreamHandle stream) override;
   void deallocate(void* ptr, std::size_t bytes, StreamHandle stream) noexcept override;
   std::string name() const override;
+  // A cached buffer is taken only after the allocating stream waits for its free (rule 2).
+  bool reuses_in_stream_order() const noexcept override { return true; }
 
   // Gives every cached buffer back to the arena (unmapped once its streams pass).
   void trim();

@@ -24,6 +24,12 @@ class REVIVA_API DeviceAllocator {
   virtual void* allocate(std::size_t bytes, StreamHandle stream) = 0;
   virtual void deallocate(void* ptr, std::size_t bytes, StreamHandle stream) noexcept = 0;
   virtual std::string name() const = 0;
+  // Whether memory freed on one stream is given to a later allocation on another stream only
+  // after that stream waits, on the device, for the free (never while the free is pending): the
+  // OffloadManager then counts a freed block's bytes as free at once instead of holding them
+  // against its budget until the host sees the free complete (Note [Stream-ordered frees] in
+  // offload_manager.cpp). False unless the allocator guarantees it.
+  virtual bool reuses_in_stream_order() const noexcept { return false; }
 };
 
 // The backend's own stream-ordered allocator (cudaMallocAsync on CUDA).

@@ -404,6 +404,9 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("runtime"), py::arg("pool"), py::arg("chunk_bytes") = std::size_t{64} << 20,
            py::arg("coalesce_below") = std::size_t{256} << 10)
+      .def_property_readonly(
+          "runtime", [](py::object self) { return runtime_of(self); },
+          "The runtime (device and backend) whose streams this engine copies on.")
       .def("offload", &PyTransferEngine::offload, py::arg("tensor"), py::kw_only(),
            py::arg("record_stream") = true,
            "Copies a device tensor into a pinned block (D2H stream, after the current stream's "

@@ -62,6 +62,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from reviva._C import (
+    DeviceArena,
     OffloadManager,
     PrefetchScheduler,
     RevivaOutOfMemoryError,
@@ -114,12 +115,12 @@ class _Stored:
         self.restored: torch.Tensor | None = None
 
     def __del__(self) -> None:
-        # Autograd dropped the saved tensor: the block is dead. It is unregistered at the next
-        # hook (no manager call here: this runs wherever the last reference goes).
+        # Autograd dropped the saved tensor: the block is dead. Its tensor goes first (ending
+        # the lease unless a view of it lives on), then the block (its memory and host copy).
         self.restored = None
         owner = self.owner()
         if owner is not None:
-            owner._dead.append(self.block)
+            owner._retire(self.block)
 
 
 @dataclass(frozen=True)
@@ -171,9 +172,13 @@ class ActivationOffload:
         self._regions = len(self.layers) + (1 if self.head is not None else 0)
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
-        if engine is None:  # the process's engine and pinned pool (reviva.resources)
-            engine = device_resources(self.device).engine
+        if engine is None:  # the process's engine, pinned pool and arena (reviva.resources)
+            shared = device_resources(self.device)
+            engine, arena = shared.engine, shared.arena
+        else:  # the blocks' device memory on the given engine's runtime
+            arena = DeviceArena(engine.runtime)
         self.engine = engine
+        self.arena = arena  # where the blocks brought back in backward live
         self._active = False  # inside `with`: a second entry is refused
         self.stats = ActivationStats()
         self._cuda = self.device.type == "cuda"
@@ -201,7 +206,18 @@ class ActivationOffload:
         self._t0 = 0.0
         # The core's manager (the budget, the blocks' states and copies, the metrics) and its
         # scheduler (the backward order, the prefetch window); the offload's for its lifetime.
-        self.manager = OffloadManager(engine, budget_bytes=self.window_bytes, timeline_capacity=0)
+        # The blocks brought back live in the arena (Reviva's device memory, outside torch's
+        # allocator), whose allocator reuses freed memory in stream order: the manager counts a
+        # used block's bytes as free as soon as it is dropped, and the next copy into that memory
+        # waits on the device (Note [Stream-ordered frees] in src/offload_manager.cpp), so the
+        # H2D stream stays fed while the host runs ahead of the device in backward.
+        self.manager = OffloadManager(
+            engine,
+            budget_bytes=self.window_bytes,
+            allocator="arena",
+            arena=arena,
+            timeline_capacity=0,
+        )
         self.scheduler = PrefetchScheduler(
             self.manager, prefetch_groups=prefetch_layers, eager_offload=False
         )
@@ -452,6 +468,15 @@ class ActivationOffload:
         (a layer and what is left of the one before) is on the device for this offload."""
         if nbytes > self.manager.budget_bytes:
             self.manager.budget_bytes = int(nbytes)
+
+    def _retire(self, block: int) -> None:
+        """A block whose saved tensor autograd dropped: unregistered now, so that its memory is
+        room for the next prefetch at once (the scheduler is topped up in backward), or at a
+        later hook while a view of it is still alive."""
+        self._dead.append(block)
+        self._reap()
+        if self._hooks_ctx is not None and self._in_backward and self._declared_of:
+            self.scheduler.release_group([], False)
 
     def _reap(self) -> None:
         """Unregisters the dead blocks that nothing views any more (the rest stay for later)."""

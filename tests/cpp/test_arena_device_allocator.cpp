@@ -6,6 +6,8 @@
 
 #include <reviva/arena_device_allocator.h>
 
+#include <chrono>
+#include <future>
 #include <thread>
 
 namespace reviva::test {
@@ -145,6 +147,67 @@ TEST_P(ArenaAllocatorTest, OffloadManagerBlocksStayExactOnArenaMemory) {
   EXPECT_GT(alloc_->stats().cache_hits, 0u) << "evicted blocks' memory served later fetches";
   for (BlockId id : ids) m.unregister(id);
   m.synchronize();
+}
+
+// Note [Stream-ordered frees]: on arena memory a discarded block's bytes are free at once, while
+// its last use still waits on a gated stream, and the next block takes its memory with its
+// stream waiting on the device (no host wait); with an allocator that does not promise that, the
+// bytes stay counted until the free is seen.
+TEST_P(ArenaAllocatorTest, OffloadManagerCountsArenaFreesAtOnce) {
+  auto engine = std::make_shared<TransferEngine>(pool_);
+  OffloadManagerOptions o;
+  o.budget_bytes = g_;
+  OffloadManager m(engine, alloc_, o);
+  Stream compute(backend_), other(backend_);
+  const BlockId a = m.register_block(g_), b = m.register_block(g_);
+  StreamGate gate;
+  std::promise<void> finished;
+  std::thread watchdog([&gate, done = finished.get_future()] {
+    // A host wait below would otherwise never end.
+    if (done.wait_for(std::chrono::seconds(10)) == std::future_status::timeout) gate.open();
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  void* pa = m.acquire(a, compute, Access::WriteOnly);
+  gate.block(compute);
+  backend_->memset_async(pa, 1, g_, compute.handle());  // still to run when discarded
+  m.release(a, compute);
+  m.discard(a);
+  EXPECT_EQ(m.device_bytes(), 0u) << "the arena orders reuse after the free on the device";
+  void* pb = m.acquire(b, other, Access::WriteOnly);
+  const double host_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(host_s, 5.0) << "the host waited for the gated stream";
+  EXPECT_EQ(pb, pa) << "b took a's cached buffer";
+  backend_->memset_async(pb, 2, g_ / 2, other.handle());
+  Event done(backend_);
+  done.record(other);
+  EXPECT_FALSE(done.query()) << "b's stream used the memory before a's free";
+  gate.open();
+  done.synchronize();
+  const auto bytes = download(*pool_, other, pb, g_);
+  EXPECT_EQ(bytes[0], 2);
+  EXPECT_EQ(bytes[g_ - 1], 1) << "a's write, ordered before the free, came first";
+  m.release(b, other);
+  m.unregister(a);
+  m.unregister(b);
+  m.synchronize();
+  finished.set_value();
+  watchdog.join();
+  m.check_invariants();
+
+  // The backend's allocator promises nothing: the freed bytes stay counted until seen free.
+  OffloadManager plain(engine, make_backend_device_allocator(backend_), o);
+  const BlockId c = plain.register_block(g_);
+  StreamGate gate2;
+  plain.acquire(c, compute, Access::WriteOnly);
+  gate2.block(compute);
+  plain.release(c, compute);
+  plain.discard(c);
+  EXPECT_EQ(plain.device_bytes(), g_);
+  gate2.open();
+  plain.synchronize();
+  EXPECT_EQ(plain.device_bytes(), 0u);
+  plain.unregister(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, ArenaAllocatorTest,
