@@ -6,7 +6,9 @@ Model: Llama-shaped, hidden 2048, 16 layers, MLP 8192, 32 heads, 8 K/V heads, vo
     plain              no offload
     save_on_cpu        torch.autograd.graph.save_on_cpu(pin_memory=True)
     reviva_all         reviva.offload_activations with one ActivationOffload (offload-all,
-                       default min_bytes); reviva_all_min16K / reviva_all_min0K: smaller tensors too
+                       default min_bytes); reviva_all_min16K / reviva_all_min0K: smaller tensors
+                       too; reviva_all_arena: the blocks brought back in Reviva's arena
+                       (memory="arena") instead of torch's pool
     reviva_<budget>    ActivationOffload(budget=<budget>), e.g. reviva_6GB
     growth             offload-all for --growth-steps steps on one engine: device and pinned
                        memory after each (a leak shows as growth)
@@ -29,7 +31,9 @@ fraction). A thread polls torch.cuda.mem_get_info every ~2 ms during the steps: 
 Checks (the JSON's `checks`):
     train_card     on the card: reviva_all's step <= 0.5x save_on_cpu's, its peak (allocated)
                    <= save_on_cpu's, its step <= 1.05x the roofline; every reviva_<budget>'s
-                   peak (allocated) <= its budget.
+                   peak (allocated) <= its budget. A contender whose blocks live in Reviva's
+                   arena adds the arena's peak mapped bytes to torch's peak allocated (an upper
+                   bound of the two at once); card_peak_used_gb counts everything.
     offload_all*, reviva_<budget>, no_growth   the earlier figures, from the card runs.
 Reproduce: python benchmarks/bench_train.py --out $OUT --max-wall-s 540 (12 workers, ~4.5 min
 estimated on the H200; printed first). CPU dry run of every path (tiny model): --dry-run.
@@ -115,6 +119,8 @@ def contender_spec(name: str) -> dict[str, Any]:
         return {"kind": name}
     if name == "reviva_all":
         return {"kind": "reviva", "budget": None, "min_bytes": None}
+    if name == "reviva_all_arena":  # the blocks brought back in Reviva's arena
+        return {"kind": "reviva", "budget": None, "min_bytes": None, "memory": "arena"}
     if name.startswith("reviva_all_min") and name.endswith("K"):
         kib = name[len("reviva_all_min") : -1]
         if kib.isdigit():
@@ -125,7 +131,7 @@ def contender_spec(name: str) -> dict[str, Any]:
         return {"kind": "reviva", "budget": budget, "min_bytes": None}
     raise ValueError(
         f"unknown contender {name!r}: use plain, save_on_cpu, growth, reviva_all, "
-        "reviva_all_min<N>K or reviva_<budget> (e.g. reviva_8GB)"
+        "reviva_all_arena, reviva_all_min<N>K or reviva_<budget> (e.g. reviva_8GB)"
     )
 
 
@@ -401,11 +407,14 @@ def run_contender(
                 growth_run(model, ids, args.growth_steps, cuda, growth)
             else:
                 kwargs = {} if spec["min_bytes"] is None else {"min_bytes": spec["min_bytes"]}
+                if "memory" in spec:
+                    kwargs["memory"] = spec["memory"]
                 off = reviva.ActivationOffload(model, budget=spec["budget"], **kwargs)
                 say(f"  reviva: budget {spec['budget']}, min_bytes {off.min_bytes}")
                 row.update(
                     budget=spec["budget"],
                     min_bytes=off.min_bytes,
+                    memory=getattr(off, "memory", None),
                     window_bytes=getattr(off, "window_bytes", None),
                     engine_before=safe(off.engine.stats),
                 )

@@ -121,9 +121,12 @@ void PrefetchScheduler::prefetch_ahead(std::size_t position) {
         ++stats_.prefetches_issued;
         continue;
       }
-      // No free room: move out what is needed later than the window (e.g. at the start of a
-      // replayed step, the budget is full of the groups the order needs last), then try again.
-      if (make_room(position) && manager_.prefetch(id)) {
+      // No free room: with eager offload, move out what is needed later than the window (e.g.
+      // at the start of a replayed step, the budget is full of the groups the order needs
+      // last), then try again. (Without it, no scan: a training backward tops the window up
+      // after every block it drops, and a scan of the whole order each time cost the host
+      // more than the copies, H200 at 35c0d1e.)
+      if (options_.eager_offload && make_room(position) && manager_.prefetch(id)) {
         ++stats_.prefetches_issued;
         continue;
       }

@@ -27,7 +27,8 @@ struct PrefetchSchedulerOptions {
   bool adaptive = false;
   int min_window = 1;
   int max_window = 16;
-  // Offload blocks on release whose next use is farther than the window.
+  // Offload blocks on release whose next use is farther than the window, and when a prefetch
+  // finds no room.
   bool eager_offload = true;
 };
 

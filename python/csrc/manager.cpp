@@ -73,6 +73,82 @@ class TorchDeviceAllocator final : public DeviceAllocator {
   std::mutex mutex_;
   std::unordered_map<void*, c10::DataPtr> live_;  // guarded by mutex_
 };
+
+// Note [Compute-ordered torch memory]
+// TorchDeviceAllocator hands each block memory of the pool of the stream it names (the H2D
+// stream for a fetch) and frees it with record_stream: torch reuses such memory only once the
+// host sees the event, and a pool per copy stream keeps memory that compute's allocations cannot
+// use (a training backward on the H200 reserved 9.0 GB where save_on_cpu reserved 6.9). This one
+// allocates on torch's current (compute) stream, as torch's own ops do, so that Reviva's blocks
+// and torch's tensors share one pool in one order:
+//   - the stream that writes the memory first (the H2D copy) waits, on the device, for compute's
+//     work queued at allocation: the memory's earlier users are done before it is overwritten;
+//   - at the free, compute waits, on the device, for the work queued on the freeing stream (which
+//     the manager ordered after every use of the block), and the memory goes back to torch with
+//     no event: the next compute-stream allocation reuses it in compute's order, and a copy into
+//     it waits for compute again (the first rule).
+// So freed memory is reused only in stream order (reuses_in_stream_order(): the manager counts
+// it free at once, Note [Stream-ordered frees] in src/offload_manager.cpp) and the host never
+// waits to see a free.
+class TorchComputeOrderedAllocator final : public DeviceAllocator {
+ public:
+  explicit TorchComputeOrderedAllocator(std::shared_ptr<Runtime> rt) : rt_(std::move(rt)) {}
+
+  void* allocate(std::size_t bytes, StreamHandle stream) override {
+    auto compute = rt_->current_stream();
+    c10::DataPtr data;
+    try {
+      data = c10::cuda::CUDACachingAllocator::get()->allocate(bytes);  // on the current stream
+    } catch (const c10::OutOfMemoryError& e) {
+      throw OutOfMemory(std::string("torch's CUDA allocator: ") + e.what_without_backtrace());
+    }
+    if (stream != compute->handle()) {
+      Event ready(rt_->backend());
+      ready.record(*compute);
+      rt_->backend()->stream_wait_event(stream, ready.handle());
+    }
+    void* ptr = data.get();
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_.emplace(ptr, Live{std::move(data), compute->handle()});
+    return ptr;
+  }
+
+  void deallocate(void* ptr, std::size_t, StreamHandle stream) noexcept override {
+    Live block;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = live_.find(ptr);
+      if (it == live_.end()) return;
+      block = std::move(it->second);
+      live_.erase(it);
+    }
+    if (stream != block.compute) {
+      try {
+        Event freed(rt_->backend());
+        freed.record(stream);
+        rt_->backend()->stream_wait_event(block.compute, freed.handle());
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "reviva: warning: ordering a free failed (%s); synchronizing\n",
+                     e.what());
+        cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+      }
+    }
+  }  // `block.data` goes back to torch here, reusable in the compute stream's order
+
+  bool reuses_in_stream_order() const noexcept override { return true; }
+  std::string name() const override {
+    return "torch CUDA caching allocator, ordered on the compute stream";
+  }
+
+ private:
+  struct Live {
+    c10::DataPtr data;
+    StreamHandle compute = nullptr;
+  };
+  std::shared_ptr<Runtime> rt_;
+  std::mutex mutex_;
+  std::unordered_map<void*, Live> live_;  // guarded by mutex_
+};
 #endif
 
 Access parse_access(const std::string& access) {
@@ -396,12 +472,16 @@ class PyOffloadManager {
 #if defined(REVIVA_TORCH_CUDA)
       device_allocator = std::make_shared<TorchDeviceAllocator>(rt_->device().index());
 #endif
-    } else if (allocator == "backend" || allocator == "torch") {
+    } else if (allocator == "torch_compute" && rt_->is_cuda()) {
+#if defined(REVIVA_TORCH_CUDA)
+      device_allocator = std::make_shared<TorchComputeOrderedAllocator>(rt_);
+#endif
+    } else if (allocator == "backend" || allocator == "torch" || allocator == "torch_compute") {
       device_allocator = make_backend_device_allocator(rt_->backend());  // host runtime: torch
                                                                          // CPU memory is plain
     } else {
       throw InvalidArgument("unknown allocator '" + allocator +
-                            "': use 'torch', 'backend' or 'arena'");
+                            "': use 'torch', 'torch_compute', 'backend' or 'arena'");
     }
     allocator_name_ = device_allocator->name();
     manager_ = std::make_shared<OffloadManager>(engine_of(py_engine_), device_allocator, o);
@@ -671,8 +751,12 @@ void bind_manager(py::module_& m) {
            py::arg("policy") = "lru", py::arg("allocator") = "torch",
            py::arg("timeline_capacity") = std::size_t{1} << 16, py::arg("arena") = nullptr,
            "allocator: where blocks' device memory comes from: 'torch' (PyTorch's caching "
-           "allocator), 'backend' (cudaMallocAsync), or 'arena' (Reviva's DeviceArena, given as "
-           "arena=..., e.g. reviva.device_resources(device).arena).")
+           "allocator, each block in the pool of the stream that first writes it), "
+           "'torch_compute' (PyTorch's caching allocator on the compute stream, reused in its "
+           "order: Note [Compute-ordered torch memory]), 'backend' (cudaMallocAsync), or "
+           "'arena' (Reviva's DeviceArena, given as arena=..., e.g. "
+           "reviva.device_resources(device).arena). On the CPU runtime all but 'arena' are the "
+           "backend's.")
       .def("register", &PyOffloadManager::register_tensor, py::arg("shape"), py::arg("dtype"),
            "A block for a tensor of this shape and dtype, with no contents yet (state Empty).")
       .def("adopt", &PyOffloadManager::adopt, py::arg("tensor"),

@@ -144,6 +144,7 @@ class ActivationOffload:
         layers: Sequence[nn.Module] | None = None,
         engine: TransferEngine | None = None,
         window_bytes: int | str = 512 << 20,
+        memory: str = "torch",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_activations wraps an nn.Module, got {type(model).__name__}")
@@ -172,13 +173,19 @@ class ActivationOffload:
         self._regions = len(self.layers) + (1 if self.head is not None else 0)
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
+        if memory not in ("torch", "arena"):
+            raise ValueError(f"memory must be 'torch' or 'arena', got {memory!r}")
+        self.memory = memory
+        arena = None
         if engine is None:  # the process's engine, pinned pool and arena (reviva.resources)
             shared = device_resources(self.device)
-            engine, arena = shared.engine, shared.arena
-        else:  # the blocks' device memory on the given engine's runtime
+            engine = shared.engine
+            if memory == "arena":
+                arena = shared.arena
+        elif memory == "arena":  # the blocks' device memory on the given engine's runtime
             arena = DeviceArena(engine.runtime)
         self.engine = engine
-        self.arena = arena  # where the blocks brought back in backward live
+        self.arena = arena  # memory="arena": where the blocks brought back in backward live
         self._active = False  # inside `with`: a second entry is refused
         self.stats = ActivationStats()
         self._cuda = self.device.type == "cuda"
@@ -206,15 +213,20 @@ class ActivationOffload:
         self._t0 = 0.0
         # The core's manager (the budget, the blocks' states and copies, the metrics) and its
         # scheduler (the backward order, the prefetch window); the offload's for its lifetime.
-        # The blocks brought back live in the arena (Reviva's device memory, outside torch's
-        # allocator), whose allocator reuses freed memory in stream order: the manager counts a
-        # used block's bytes as free as soon as it is dropped, and the next copy into that memory
-        # waits on the device (Note [Stream-ordered frees] in src/offload_manager.cpp), so the
-        # H2D stream stays fed while the host runs ahead of the device in backward.
+        # The blocks brought back live in torch's pool on the compute stream (memory="torch":
+        # Note [Compute-ordered torch memory] in python/csrc/manager.cpp), or in the arena,
+        # Reviva's device memory outside torch's allocator. Both reuse freed memory in stream
+        # order: the manager counts a used block's bytes as free as soon as it is dropped, and
+        # the next copy into that memory waits on the device (Note [Stream-ordered frees] in
+        # src/offload_manager.cpp), so the H2D stream stays fed while the host runs ahead of the
+        # device in backward. torch's pool is the default: memory torch frees after the loss's
+        # backward (the step's peak) is reused for the activations coming back, where the
+        # arena's is memory of its own beside torch's cache (H200, 35c0d1e: the card peaked
+        # 1.7 GB higher with the arena).
         self.manager = OffloadManager(
             engine,
             budget_bytes=self.window_bytes,
-            allocator="arena",
+            allocator="arena" if memory == "arena" else "torch_compute",
             arena=arena,
             timeline_capacity=0,
         )
@@ -622,6 +634,7 @@ def offload_activations(
     layers: Sequence[nn.Module] | None = None,
     offload: ActivationOffload | None = None,
     window_bytes: int | str = 512 << 20,
+    memory: str = "torch",
 ) -> Iterator[ActivationOffload]:
     """Offloads the activations autograd saves inside the block (one forward and its backward).
 
@@ -641,6 +654,7 @@ def offload_activations(
             min_bytes,
             layers,
             window_bytes=window_bytes,
+            memory=memory,
         )
     with offload:
         yield offload

@@ -322,6 +322,26 @@ def test_saved_tensors_are_blocks_of_the_core_manager() -> None:
     assert off.manager.blocks == [] and off.manager.device_bytes == 0
 
 
+def test_blocks_in_the_arena_identical() -> None:
+    """memory="arena": the blocks brought back live in Reviva's arena (its allocator reuses
+    freed memory in stream order, so the manager counts it free at once); the same gradients,
+    the arena used, nothing left on the manager; a bad value is named."""
+    model = tiny_llama(seed=42)
+    ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(43))
+    ref = grads_of(model, ids, None)
+    off = ActivationOffload(model, min_bytes=0, memory="arena")
+    assert off.arena is not None
+    off.arena.reset_peak()
+    for _ in range(3):
+        assert_identical(ref, grads_of(model, ids, off))
+    assert off.arena.stats()["peak_bytes"] > 0
+    assert "arena" in off.manager.metrics()["allocator"]
+    assert off.manager.blocks == [] and off.manager.device_bytes == 0
+    assert off.stats.bytes_restored == off.stats.bytes_offloaded  # each block back once
+    with pytest.raises(ValueError, match="memory must be 'torch' or 'arena', got 'disk'"):
+        ActivationOffload(model, memory="disk")
+
+
 def test_pool_memory_returns_after_each_step() -> None:
     model = tiny_llama(seed=10)
     ids = torch.randint(0, 211, (1, 64), generator=torch.Generator().manual_seed(11))
