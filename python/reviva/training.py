@@ -287,7 +287,7 @@ class ActivationOffload:
             self._handles.append(layer.register_forward_hook(self._make_post_hook(i)))
         if self.head is not None:
             self._handles.append(self.head.register_forward_hook(self._head_post_hook))
-        self._set_budget(self._window(0))
+        self._set_budget(self._window(0) + self._in_use)
         self._metrics_start = self.manager.metrics()
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
@@ -397,7 +397,7 @@ class ActivationOffload:
         def pre_hook(module: nn.Module, args: Any) -> None:
             self._layer = i
             if not self._in_backward:  # not a recomputation under checkpointing
-                self._set_budget(self._window(i))
+                self._set_budget(self._window(i) + self._in_use)
 
         return pre_hook
 
@@ -469,6 +469,7 @@ class ActivationOffload:
             self._in_use += nbytes
 
     def _set_budget(self, nbytes: int) -> None:
+        """Forward: the window beside what compute holds (the caller adds self._in_use)."""
         nbytes = max(int(nbytes), 1)
         if nbytes != self.manager.budget_bytes:
             self.manager.budget_bytes = nbytes  # lowering it waits until the held bytes fit
@@ -523,7 +524,11 @@ class ActivationOffload:
             if self.stats.steps == 0 and t.device == self.device:
                 self._record(storage)
             self.stats.kept_tensors += 1
-            return t
+            # Detached (same storage and version counter): returned as is, a tensor an op saved
+            # as its own output would hold its node through the hook's object, a cycle through
+            # C++ that Python's collector cannot see; a graph never run backward (stopped part
+            # way, or dropped) then stayed alive for good with every block it held.
+            return t.detach()
         key = (storage.data_ptr(), nbytes)
         entry = self._by_storage.get(key)
         stored = entry[1]() if entry is not None and not entry[0].expired() else None
@@ -535,9 +540,11 @@ class ActivationOffload:
                 whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
                 moved = whole.to(narrow)
                 self.stats.narrowed_tensors += 1
-            # A storage larger than the window still goes (alone).
-            if moved.nbytes > self.manager.budget_bytes:
-                self._set_budget(moved.nbytes)
+            # A storage larger than the window still goes (alone), beside what compute holds
+            # (blocks brought back for a graph that is still alive: a backward that stopped
+            # part way, retain_graph).
+            if moved.nbytes + self._in_use > self.manager.budget_bytes:
+                self._set_budget(moved.nbytes + self._in_use)
             # The block holds `moved` until its D2H has read it; then torch's allocator reuses
             # the memory after the copy stream's work (record_stream).
             block = self.manager.adopt(moved)
