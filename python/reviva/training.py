@@ -202,8 +202,6 @@ class ActivationOffload:
         # the budget in backward is the window beside these.
         self._using: dict[int, int] = {}
         self._in_use = 0
-        self._declared_of: dict[int, list[int]] = {}  # backward: region -> its group
-        self._next_group = -1  # backward: the regions from here down are still to be acquired
         self._grad_layer = 0  # backward: the layer whose gradient is being computed
         self._in_backward = False
         self._layer = 0  # the region whose forward runs now
@@ -230,9 +228,8 @@ class ActivationOffload:
             arena=arena,
             timeline_capacity=0,
         )
-        self.scheduler = PrefetchScheduler(
-            self.manager, prefetch_groups=prefetch_layers, eager_offload=False
-        )
+        # Made when backward starts, over that step's order (its window counts blocks).
+        self.scheduler: PrefetchScheduler | None = None
         self._metrics_start: dict[str, Any] = {}  # the manager's metrics when the step began
         self._recorded: dict[tuple[int, int], StorageWeakRef] = {}  # counted on the first step
         self._copy_ms = 0.0  # copy-stream busy time of this offload's steps
@@ -265,8 +262,6 @@ class ActivationOffload:
         self._reap()  # blocks of an earlier step whose graph has gone since
         self._groups = {}
         self._stored_of = {}
-        self._declared_of = {}
-        self._next_group = -1
         self._grad_layer = self._regions
         self._in_backward = False
         self._recorded.clear()
@@ -307,7 +302,8 @@ class ActivationOffload:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.scheduler.end_step()
+        if self.scheduler is not None and self._in_backward:
+            self.scheduler.end_step()
         self._reap()
         self.manager.synchronize()  # every copy landed: the step's metrics are complete
         if self._cuda:
@@ -419,49 +415,55 @@ class ActivationOffload:
             output.register_hook(lambda grad: self._backward_reached(self._regions - 1))
 
     def _backward_reached(self, i: int) -> None:
-        """Layer i's backward starts: its group is acquired (and every higher region's not
-        acquired yet), the scheduler prefetching the next groups behind it."""
-        if not self._in_backward:
-            self._in_backward = True
-            self._next_group = self._regions - 1
-            # The declared order: the groups the last region first, each in reverse saving
-            # order (needed first is saved last).
-            regions = sorted(self._groups, reverse=True)
-            self._declared_of = {r: list(reversed(self._groups[r])) for r in regions}
-            if regions:
-                self.scheduler.declare_order([self._declared_of[r] for r in regions])
+        """Layer i's backward starts (the gradient of its output arrived). The first time, the
+        step's order goes to a new scheduler: one group per block, the last region first and
+        each region's blocks in reverse saving order (needed first is saved last), its window
+        the blocks of `prefetch_layers` regions; the block needed first is acquired at once,
+        which starts the prefetch behind it."""
         self._grad_layer = min(self._grad_layer, i)
+        if not self._in_backward:
+            first = self._start_backward()
+            if first is not None:
+                self._acquire(first)
         self._reap()
-        while self._next_group >= i:
-            group = self._declared_of.get(self._next_group)
-            self._next_group -= 1
-            if group is not None:
-                self._acquire(group)
 
-    def _acquire(self, group: list[int]) -> None:
-        """Acquires a group's live blocks: each storage record gets a tensor on its block (its
-        lease), then the caller's part of the acquire ends at once (release_group): the block
-        stays on the device while that tensor or a view of it lives."""
-        live = [b for b in group if (ref := self._stored_of.get(b)) is not None and ref()]
-        if not live:
-            return
-        need = sum(self.manager.nbytes(b) for b in live)
-        self._raise_budget(self._window(self._grad_layer) + self._in_use + need)
-        try:
-            tensors = self.scheduler.acquire_group(live, "read")
-        except RevivaOutOfMemoryError:
-            # What compute still holds was undercounted (a view of a used block still alive):
-            # room for this group beside everything the manager holds now.
-            self._raise_budget(self.manager.device_bytes + need)
-            tensors = self.scheduler.acquire_group(live, "read")
-        for block, t in zip(live, tensors, strict=True):
+    def _start_backward(self) -> _Stored | None:
+        """Declares the step's order to a new scheduler; returns the live storage record needed
+        first (None without any)."""
+        self._in_backward = True
+        order = [[b] for r in sorted(self._groups, reverse=True) for b in reversed(self._groups[r])]
+        if not order:
+            return None
+        per_region = max(len(g) for g in self._groups.values())
+        self.scheduler = PrefetchScheduler(
+            self.manager, prefetch_groups=self.prefetch_layers * per_region, eager_offload=False
+        )
+        self.scheduler.declare_order(order)
+        for (block,) in order:
             ref = self._stored_of.get(block)
             stored = ref() if ref is not None else None
-            if stored is not None and stored.restored is None:
-                stored.restored = t
-                self._hold(block, stored.nbytes)
-        tensors = None  # the leases now live in the storage records alone
-        self.scheduler.release_group(live, False)
+            if stored is not None:
+                return stored
+        return None
+
+    def _acquire(self, stored: _Stored) -> None:
+        """Acquires a block through the scheduler (which prefetches the next ones of the order
+        into the room the budget leaves): its storage record gets a tensor on the block (its
+        lease), and the caller's part of the acquire ends at once, so the block stays on the
+        device while that tensor or a view of it lives. Compute waits for the block's copy."""
+        block = stored.block
+        self._raise_budget(self._window(self._grad_layer) + self._in_use + stored.nbytes)
+        try:
+            (t,) = self.scheduler.acquire_group([block], "read")
+        except RevivaOutOfMemoryError:
+            # What compute still holds was undercounted (a view of a used block still alive):
+            # room for this block beside everything the manager holds now.
+            self._raise_budget(self.manager.device_bytes + stored.nbytes)
+            (t,) = self.scheduler.acquire_group([block], "read")
+        stored.restored = t
+        self._hold(block, stored.nbytes)
+        del t  # the lease now lives in the storage record alone
+        self.scheduler.release_group([block], False)
 
     def _hold(self, block: int, nbytes: int) -> None:
         if block not in self._using:
@@ -488,7 +490,7 @@ class ActivationOffload:
         later hook while a view of it is still alive."""
         self._dead.append(block)
         self._reap()
-        if self._hooks_ctx is not None and self._in_backward and self._declared_of:
+        if self._hooks_ctx is not None and self._in_backward and self.scheduler is not None:
             self.scheduler.release_group([], False)
 
     def _reap(self) -> None:
@@ -579,19 +581,14 @@ class ActivationOffload:
             return packed
         stored = packed.stored
         if stored.restored is None:
-            # Not in a group acquired yet (saved in a region whose backward comes later, e.g.
-            # a storage saved again by a later layer): this block alone, now.
-            self._raise_budget(self._window(self._grad_layer) + self._in_use + stored.nbytes)
-            stored.restored = self.manager.acquire(stored.block, "read")
-            self.manager.release(stored.block)
-            self._hold(stored.block, stored.nbytes)
+            if not self._in_backward:  # no layer boundary seen yet (no hook fired)
+                self._start_backward()
+            self._acquire(stored)
         if stored.widen and stored.restored.dtype != packed.dtype:
             # On the compute stream, which waited for the H2D when the block was acquired. The
             # block's tensor goes: its lease ends once autograd is done with it.
             stored.restored = stored.restored.to(packed.dtype)
         self._reap()
-        if self._in_backward:  # room may have been freed: keep the H2D stream busy
-            self.scheduler.release_group([], False)
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
         out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         return out
