@@ -16,6 +16,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -235,6 +236,7 @@ class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
   // refused call changes nothing; with `discard`, refuses unless every block is then free.
   void release_group(std::span<const BlockId> group, bool discard, const char* what) {
     std::vector<Lease> ended;
+    std::vector<BlockId> drop;  // blocks to discard once their pins are given back
     {
       std::lock_guard<std::mutex> lock(mutex_);
       std::map<BlockId, std::size_t> count;
@@ -261,6 +263,8 @@ class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
           leases_.erase(it);
         }
       }
+      for (const Lease& lease : ended)
+        if (take_discard(lease.block)) drop.push_back(lease.block);
     }
     // Every ended lease gives back its pin, even if one release fails; the first error is raised.
     std::exception_ptr error;
@@ -271,6 +275,7 @@ class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
         if (!error) error = std::current_exception();
       }
     }
+    for (BlockId block : drop) discard_quietly(block);
     if (error) std::rethrow_exception(error);
   }
 
@@ -294,6 +299,16 @@ class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
                        ": the tensor views block ", lease.block,
                        " of this manager (a tensor from acquire()); adopt a clone of it");
     }
+  }
+
+  // Drops `block`'s contents (OffloadManager::discard) when its last lease ends, in whichever
+  // thread ends it: memory a dead block's views still hold goes back as soon as the last view
+  // goes, not at the caller's next chance. False, arranging nothing, when no lease holds it now.
+  bool discard_when_free(BlockId block) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (use_of(block).leases == 0) return false;
+    discard_when_free_.insert(block);
+    return true;
   }
 
   // The Python manager is gone, so no release() can come any more: the caller's part of every
@@ -320,6 +335,13 @@ class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
                    "(%d time(s)); releasing it\n",
                    static_cast<unsigned long long>(block), n);
     for (const Lease& lease : ended) end_quietly(lease);
+    std::vector<BlockId> drop;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const Lease& lease : ended)
+        if (take_discard(lease.block)) drop.push_back(lease.block);
+    }
+    for (BlockId block : drop) discard_quietly(block);
   }
 
  private:
@@ -363,6 +385,7 @@ class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
   // The deleter's half (any thread, no GIL).
   void tensor_gone(LeaseId id) noexcept {
     Lease ended;
+    bool drop;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = leases_.find(id);
@@ -371,13 +394,16 @@ class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
       if (!it->second.released) return;
       ended = std::move(it->second);
       leases_.erase(it);
+      drop = take_discard(ended.block);
     }
     end_quietly(ended);
+    if (drop) discard_quietly(ended.block);
   }
 
   // Ends the caller's part of lease `id` on a failure path.
   void release_quietly(LeaseId id) noexcept {
     Lease ended;
+    bool drop;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = leases_.find(id);
@@ -386,8 +412,27 @@ class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
       if (it->second.tensor_alive) return;
       ended = std::move(it->second);
       leases_.erase(it);
+      drop = take_discard(ended.block);
     }
     end_quietly(ended);
+    if (drop) discard_quietly(ended.block);
+  }
+
+  // Whether `block` waits to be discarded and no lease holds it any more (then it leaves the
+  // set). Requires mutex_.
+  bool take_discard(BlockId block) {
+    auto it = discard_when_free_.find(block);
+    if (it == discard_when_free_.end() || use_of(block).leases > 0) return false;
+    discard_when_free_.erase(it);
+    return true;
+  }
+
+  void discard_quietly(BlockId block) noexcept {
+    try {
+      manager_->discard(block);
+    } catch (const std::exception& e) {
+      warn("discarding block", block, e);
+    }
   }
 
   void end_quietly(const Lease& lease) noexcept {
@@ -444,8 +489,9 @@ class LeaseTable : public std::enable_shared_from_this<LeaseTable> {
   // Lock order: mutex_ before the core manager's (messages name blocks under mutex_). Neither
   // is held while the other side waits for the GIL.
   mutable std::mutex mutex_;
-  std::map<LeaseId, Lease> leases_;  // guarded by mutex_; oldest first
-  LeaseId next_id_ = 1;              // guarded by mutex_
+  std::map<LeaseId, Lease> leases_;                // guarded by mutex_; oldest first
+  LeaseId next_id_ = 1;                            // guarded by mutex_
+  std::unordered_set<BlockId> discard_when_free_;  // guarded by mutex_
 };
 
 class PyOffloadManager {
@@ -590,6 +636,11 @@ class PyOffloadManager {
     leases_->check_unleased(id, "discard");
     py::gil_scoped_release nogil;
     manager_->discard(id);
+  }
+
+  bool discard_when_free(BlockId id) {
+    lookup(id);
+    return leases_->discard_when_free(id);
   }
 
   void unregister(BlockId id) {
@@ -776,6 +827,10 @@ void bind_manager(py::module_& m) {
           },
           py::arg("block"))
       .def("discard", &PyOffloadManager::discard, py::arg("block"))
+      .def("discard_when_free", &PyOffloadManager::discard_when_free, py::arg("block"),
+           "Discards the block as soon as the last tensor from acquire() viewing it is gone "
+           "(and its acquires released), in whichever thread that happens. Returns False, "
+           "arranging nothing, when nothing holds it now (discard() it then).")
       .def("unregister", &PyOffloadManager::unregister, py::arg("block"))
       .def(
           "state",

@@ -494,16 +494,22 @@ class ActivationOffload:
             self.scheduler.release_group([], False)
 
     def _reap(self) -> None:
-        """Unregisters the dead blocks that nothing views any more (the rest stay for later)."""
+        """Unregisters the dead blocks that nothing views any more; the others are discarded by
+        the binding when their last view goes, and unregistered at a later reap."""
         if not self._dead:
             return
         dead, self._dead = self._dead, []
         for block in dead:
             try:
                 self.manager.unregister(block)
-            except ValueError:  # a tensor viewing it is still alive: at the next hook
-                self._dead.append(block)
-                continue
+            except ValueError:
+                # A tensor viewing it is still alive: its memory and host copy go when that
+                # tensor does (in whichever thread drops it), the registration at a later reap.
+                if not self.manager.discard_when_free(block):
+                    self.manager.unregister(block)  # the view went meanwhile
+                else:
+                    self._dead.append(block)
+                    continue
             self._stored_of.pop(block, None)
             self._in_use -= self._using.pop(block, 0)
 

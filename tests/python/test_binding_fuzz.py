@@ -1,12 +1,13 @@
 """Randomized test of reviva._C's OffloadManager and PrefetchScheduler on the host backend.
 
 Thousands of random operations (register, adopt, acquire in each access mode, acquire_group,
-release, release_group with and without discard, offload, prefetch, discard, unregister, end of
-step) under a budget of a few blocks, so that eviction happens all the time, while tensors from
-acquire() are kept past release and read and written later, some through views. A model kept
-here predicts every outcome: the bytes of every block (a shadow copy, checked at each acquire and
-each read of a kept tensor), which blocks are pinned (Note [Leases] in python/csrc/manager.cpp:
-released or not, a block stays while a tensor of it lives), and so which calls must fail.
+release, release_group with and without discard, offload, prefetch, discard, discard_when_free,
+unregister, end of step) under a budget of a few blocks, so that eviction happens all the time,
+while tensors from acquire() are kept past release and read and written later, some through
+views. A model kept here predicts every outcome: the bytes of every block (a shadow copy,
+checked at each acquire and each read of a kept tensor), which blocks are pinned (Note [Leases]
+in python/csrc/manager.cpp: released or not, a block stays while a tensor of it lives), and so
+which calls must fail.
 
 Bytes move through libc's memmove (ctypes), which AddressSanitizer checks: scripts/test runs this
 file against a build of reviva._C with -fsanitize=address,undefined, where a tensor that outlived
@@ -94,6 +95,8 @@ class Fuzzer:
     order: list[list[int]] = field(default_factory=list)  # declared to the scheduler
     cursor: int = 0  # the next group of `order`
     counts: dict[str, int] = field(default_factory=dict)
+    # discard_when_free accepted: dropped (Empty) once nothing pins them any more
+    pending_discard: set[int] = field(default_factory=set)
 
     # Pinned: a block stays resident while an acquire of it is unreleased or a tensor of it lives.
     def pinned(self, b: int) -> bool:
@@ -291,6 +294,25 @@ class Fuzzer:
             self.blocks[b].shadow = None
             assert self.m.state(b) == "Empty"
 
+    def op_discard_when_free(self) -> None:
+        """Arranged only while something pins the block (an acquire not released, a tensor);
+        the block is then dropped as soon as nothing does (checked after every operation)."""
+        b = self.rng.choice(list(self.blocks))
+        arranged = self.m.discard_when_free(b)
+        assert arranged == self.pinned(b), (b, arranged)
+        if arranged:
+            self.pending_discard.add(b)
+        else:
+            self.count("discard_when_free: nothing holds it")
+
+    def settle_pending_discards(self) -> None:
+        for b in sorted(self.pending_discard):
+            if not self.pinned(b):
+                assert self.m.state(b) == "Empty", f"block {b} was to be dropped: {self.m.state(b)}"
+                self.blocks[b].shadow = None
+                self.pending_discard.discard(b)
+                self.count("dropped when free")
+
     def op_unregister(self) -> None:
         b = self.refused_while_pinned(self.m.unregister, "unregister")
         if b is not None:
@@ -350,6 +372,7 @@ class Fuzzer:
             (self.op_offload, 4),
             (self.op_prefetch, 4),
             (self.op_discard, 2),
+            (self.op_discard_when_free, 2),
             (self.op_unregister, 2),
             (self.op_unknown_block, 1),
             (self.op_end_step, 1),
@@ -357,6 +380,7 @@ class Fuzzer:
         op = self.rng.choices([o for o, _ in ops], weights=[w for _, w in ops])[0]
         self.count(op.__name__)
         op()
+        self.settle_pending_discards()
         for b in self.blocks:  # a pinned block is never moved
             if self.pinned(b):
                 assert self.m.state(b) == "Device", f"pinned block {b} is {self.m.state(b)}"
@@ -369,6 +393,7 @@ class Fuzzer:
             for _ in range(blk.unreleased):
                 self.m.release(b)
             blk.unreleased = 0
+        self.settle_pending_discards()
         for b in self.blocks:
             self.check(b, self.m.acquire(b, "read"))
             self.m.release(b)
@@ -394,6 +419,7 @@ def test_random_operations_keep_every_byte(seed: int) -> None:
     assert met["peak_device_bytes"] <= BUDGET
     assert fz.counts.get("acquire refused", 0) + fz.counts.get("acquire_group refused", 0) > 0
     assert fz.counts.get("offload refused", 0) > 0, fz.counts
+    assert fz.counts.get("dropped when free", 0) > 0, fz.counts  # discard_when_free fired
 
     # Tensors outlive the manager: they keep its blocks (and the core manager) until they go.
     survivors = []

@@ -335,3 +335,26 @@ def test_blocks_on_the_device_arena_round_trip_exactly(device: str) -> None:
         reviva.OffloadManager(res.engine, allocator="arena")
     with pytest.raises(ValueError, match="allocator='torch' with an arena"):
         reviva.OffloadManager(res.engine, allocator="torch", arena=res.arena)
+
+
+def test_discard_when_free_drops_the_block_when_its_last_view_goes() -> None:
+    """A block still viewed by a tensor from acquire() cannot be discarded; discard_when_free
+    drops its contents as soon as the last such tensor is gone (a view of it included), and
+    says False when nothing holds the block (the caller discards it then)."""
+    res = reviva.device_resources("cpu")
+    m = reviva.OffloadManager(res.engine, budget_bytes=1 << 20)
+    block = m.register([1024], torch.float32)
+    t = m.acquire(block, "write")
+    t.fill_(3.0)
+    m.release(block)
+    view = t[10:20]
+    with pytest.raises(ValueError, match="del those tensors"):
+        m.discard(block)
+    assert m.discard_when_free(block) is True
+    del t
+    assert m.state(block) == "Device" and float(view.sum()) == 30.0  # the view holds it
+    del view
+    assert m.state(block) == "Empty"
+    assert m.discard_when_free(block) is False  # nothing holds it now
+    m.unregister(block)
+    assert m.blocks == []
