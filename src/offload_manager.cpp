@@ -996,6 +996,15 @@ std::size_t OffloadManager::device_bytes() const {
   return impl_->held;
 }
 
+std::size_t OffloadManager::prefetched_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::size_t bytes = 0;
+  for (const auto& [id, b] : impl_->blocks)
+    if (b->prefetched && (b->state == BlockState::ToDevice || b->state == BlockState::Device))
+      bytes += b->bytes;
+  return bytes;
+}
+
 void OffloadManager::end_step() {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->policy->on_step_end();

@@ -108,17 +108,28 @@ void PrefetchScheduler::release_after_failure(std::span<const BlockId> acquired,
 
 void PrefetchScheduler::prefetch_ahead(std::size_t position) {
   const std::size_t n = order_.size();
+  const std::size_t limit = options_.max_ahead_bytes;
+  // The lead: every block prefetched and not used yet, in the window or not (an access out of
+  // the order's sequence leaves prefetched blocks behind the position).
+  std::size_t ahead = limit > 0 ? manager_.prefetched_bytes() : 0;
   for (int k = 1; k <= window_ && static_cast<std::size_t>(k) < n; ++k) {
     for (BlockId id : order_[(position + static_cast<std::size_t>(k)) % n]) {
       BlockState state;
+      std::size_t bytes = 0;
       try {
         state = manager_.state(id);
+        if (limit > 0) bytes = manager_.bytes(id);
       } catch (const InvalidArgument&) {
         continue;  // a recorded block that has since been unregistered
       }
       if (state != BlockState::Host) continue;
+      if (limit > 0 && ahead + bytes > limit) {
+        ++stats_.stops_at_max_ahead;
+        return;  // the lead is as long as allowed: later blocks wait for this one
+      }
       if (manager_.prefetch(id)) {
         ++stats_.prefetches_issued;
+        ahead += bytes;
         continue;
       }
       // No free room: with eager offload, move out what is needed later than the window (e.g.
@@ -128,6 +139,7 @@ void PrefetchScheduler::prefetch_ahead(std::size_t position) {
       // more than the copies, H200 at 35c0d1e.)
       if (options_.eager_offload && make_room(position) && manager_.prefetch(id)) {
         ++stats_.prefetches_issued;
+        ahead += bytes;
         continue;
       }
       ++stats_.prefetches_without_room;

@@ -96,6 +96,8 @@ class REVIVA_API OffloadManager {
   // Changes the budget. Blocks over a lowered budget leave as room is next needed.
   void set_budget_bytes(std::size_t bytes);
   std::size_t device_bytes() const;  // held now: resident, in flight, or being freed
+  // Of those, the blocks prefetch() brought (or is bringing) that no acquire has used yet.
+  std::size_t prefetched_bytes() const;
 
   // Marks the end of a step (policies that learn from the previous step's trace use it).
   void end_step();

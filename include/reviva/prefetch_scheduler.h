@@ -30,6 +30,10 @@ struct PrefetchSchedulerOptions {
   // Offload blocks on release whose next use is farther than the window, and when a prefetch
   // finds no room.
   bool eager_offload = true;
+  // Bytes that may be prefetched ahead of compute and not used yet (the manager's
+  // prefetched_bytes()); 0: as many as the budget holds. With a budget that also holds what
+  // compute uses, this keeps the lead to its own size (a training backward: see training.py).
+  std::size_t max_ahead_bytes = 0;
 };
 
 struct PrefetchSchedulerStats {
@@ -39,6 +43,7 @@ struct PrefetchSchedulerStats {
   std::uint64_t off_schedule_accesses = 0;  // accesses that did not match the order
   std::uint64_t prefetches_issued = 0;
   std::uint64_t prefetches_without_room = 0;
+  std::uint64_t stops_at_max_ahead = 0;  // prefetch stopped: the window's lead was max_ahead_bytes
   std::uint64_t eager_offloads = 0;
   double measured_compute_ms_per_group = 0.0;  // adaptive mode's last estimates
   double measured_copy_ms_per_group = 0.0;
@@ -71,6 +76,8 @@ class REVIVA_API PrefetchScheduler {
   void end_step();
 
   int window() const noexcept { return window_; }
+  std::size_t max_ahead_bytes() const noexcept { return options_.max_ahead_bytes; }
+  void set_max_ahead_bytes(std::size_t bytes) noexcept { options_.max_ahead_bytes = bytes; }
   const std::vector<std::vector<BlockId>>& order() const noexcept { return order_; }
   PrefetchSchedulerStats stats() const;
 

@@ -727,7 +727,7 @@ class PyOffloadManager {
 class PyPrefetchScheduler {
  public:
   PyPrefetchScheduler(py::object py_manager, int prefetch_groups, bool adaptive, int min_window,
-                      int max_window, bool eager_offload)
+                      int max_window, bool eager_offload, std::size_t max_ahead_bytes)
       : py_manager_(std::move(py_manager)), manager_(&py_manager_.cast<PyOffloadManager&>()) {
     PrefetchSchedulerOptions o;
     o.prefetch_groups = prefetch_groups;
@@ -735,6 +735,7 @@ class PyPrefetchScheduler {
     o.min_window = min_window;
     o.max_window = max_window;
     o.eager_offload = eager_offload;
+    o.max_ahead_bytes = max_ahead_bytes;
     scheduler_ = std::make_unique<PrefetchScheduler>(manager_->manager(), o);
   }
 
@@ -777,6 +778,7 @@ class PyPrefetchScheduler {
     d["off_schedule_accesses"] = s.off_schedule_accesses;
     d["prefetches_issued"] = s.prefetches_issued;
     d["prefetches_without_room"] = s.prefetches_without_room;
+    d["stops_at_max_ahead"] = s.stops_at_max_ahead;
     d["eager_offloads"] = s.eager_offloads;
     d["measured_compute_ms_per_group"] = s.measured_compute_ms_per_group;
     d["measured_copy_ms_per_group"] = s.measured_copy_ms_per_group;
@@ -869,9 +871,18 @@ void bind_manager(py::module_& m) {
 
   py::class_<PyPrefetchScheduler>(m, "PrefetchScheduler",
                                   "Keeps the next groups of blocks in flight ahead of compute.")
-      .def(py::init<py::object, int, bool, int, int, bool>(), py::arg("manager"),
+      .def(py::init<py::object, int, bool, int, int, bool, std::size_t>(), py::arg("manager"),
            py::arg("prefetch_groups") = 2, py::arg("adaptive") = false, py::arg("min_window") = 1,
-           py::arg("max_window") = 16, py::arg("eager_offload") = true)
+           py::arg("max_window") = 16, py::arg("eager_offload") = true,
+           py::arg("max_ahead_bytes") = 0,
+           "max_ahead_bytes: bytes of the window's blocks that may be resident or on their way "
+           "ahead of compute (0: as many as the manager's budget holds).")
+      .def_property(
+          "max_ahead_bytes",
+          [](PyPrefetchScheduler& self) { return self.scheduler().max_ahead_bytes(); },
+          [](PyPrefetchScheduler& self, std::size_t bytes) {
+            self.scheduler().set_max_ahead_bytes(bytes);
+          })
       .def("declare_order", &PyPrefetchScheduler::declare_order, py::arg("order"))
       .def("acquire_group", &PyPrefetchScheduler::acquire_group, py::arg("group"),
            py::arg("access") = "readwrite")

@@ -10,17 +10,18 @@ process, reviva.resources):
   is full, adopting the next storage waits (on the host) for the oldest copy to land, so that
   activations do not pile up on the device behind the copy (~55 GB/s D2H is slower than forward
   compute).
-- backward: the blocks of one layer are a group; the order of the groups (the last layer first)
-  is declared to the scheduler when backward starts. When the gradient of layer i's output
-  arrives (a tensor hook: layer i's backward starts) the scheduler acquires layer i's group
-  (compute waits for copies still in flight) and prefetches the next `prefetch_layers` groups
-  into the room the budget leaves; each unpack tops the prefetch up again, as the blocks used
-  before it go. A block is unregistered (its device memory and host copy freed) once autograd
-  dropped the saved tensor and every tensor viewing it is gone (the binding's leases, Note
-  [Leases] in python/csrc/manager.cpp).
-The budget is `window_bytes` beside what compute holds: in backward the manager's budget is the
-window plus the bytes of the groups in use, so a layer larger than the window still runs (what
-it needs is never refused) and at most a window is brought back ahead. Budget mode widens the
+- backward: when backward starts (the first gradient of a layer's output), the step's order
+  goes to a scheduler: one group per block, the last region first and each region's blocks in
+  reverse saving order (needed first is saved last). Each block is acquired when autograd
+  unpacks it (compute waits for that copy alone), and every acquire and every block dropped tops
+  the prefetch up: the next blocks of the order come back while their lead (resident or on their
+  way, not yet acquired) stays within the window (max_ahead_bytes) and within `prefetch_layers`
+  regions' worth of blocks. A block is unregistered (its device memory and host copy freed) once
+  autograd dropped the saved tensor and every tensor viewing it is gone (the binding's leases,
+  Note [Leases] in python/csrc/manager.cpp; discard_when_free when a view outlives it).
+The manager's budget is the window beside what compute holds (a block larger than the window
+still runs: what compute needs is never refused); in backward it only grows until the step ends
+(lowered, it would push out blocks prefetched into room just freed). Budget mode widens the
 window into what the budget leaves beside the kept layers (`_window`).
 Stalls, copy times and host waits are the manager's metrics; the overlap ratio is the core's one
 definition (Note [Overlap ratio], reviva._C.overlap_ratio).
@@ -436,7 +437,10 @@ class ActivationOffload:
             return None
         per_region = max(len(g) for g in self._groups.values())
         self.scheduler = PrefetchScheduler(
-            self.manager, prefetch_groups=self.prefetch_layers * per_region, eager_offload=False
+            self.manager,
+            prefetch_groups=self.prefetch_layers * per_region,
+            eager_offload=False,
+            max_ahead_bytes=self._window(self._grad_layer),
         )
         self.scheduler.declare_order(order)
         for (block,) in order:
@@ -452,7 +456,9 @@ class ActivationOffload:
         lease), and the caller's part of the acquire ends at once, so the block stays on the
         device while that tensor or a view of it lives. Compute waits for the block's copy."""
         block = stored.block
-        self._raise_budget(self._window(self._grad_layer) + self._in_use + stored.nbytes)
+        window = self._window(self._grad_layer)
+        self.scheduler.max_ahead_bytes = window  # budget mode: it grows as kept layers go
+        self._raise_budget(window + self._in_use + stored.nbytes)
         try:
             (t,) = self.scheduler.acquire_group([block], "read")
         except RevivaOutOfMemoryError:

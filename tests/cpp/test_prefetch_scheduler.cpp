@@ -159,6 +159,46 @@ TEST(PrefetchScheduler, DeclaredOrderKeepsTheNextGroupsOnTheirWay) {
   EXPECT_GT(rig.manager->metrics().prefetches, 0u);
 }
 
+// max_ahead_bytes caps the lead: of a wide window under a roomy budget, only as many blocks as
+// fit the cap are on their way ahead of compute (acquired blocks do not count), and each access
+// tops the lead up again.
+TEST(PrefetchScheduler, MaxAheadBytesCapsTheLead) {
+  const int groups = 8;
+  const std::size_t block = 192 * kKiB;
+  Rig rig(64 * kMiB, groups, 1, block);
+  PrefetchSchedulerOptions o;
+  o.prefetch_groups = 6;
+  o.eager_offload = false;
+  o.max_ahead_bytes = 2 * block + 2 * kKiB;  // two blocks (each is a few bytes over `block`)
+  PrefetchScheduler scheduler(*rig.manager, o);
+  scheduler.declare_order(rig.order);
+  for (int i = 0; i < groups; ++i) {
+    SCOPED_TRACE("group " + std::to_string(i));
+    const auto ptrs = scheduler.acquire_group(rig.order[i], *rig.compute);
+    int ahead = 0;
+    for (int k = 1; k < groups - i; ++k)
+      if (on_the_way(rig.manager->state(rig.order[i + k][0]))) ++ahead;
+    EXPECT_EQ(ahead, std::min(2, groups - 1 - i)) << "the lead is two blocks";
+    EXPECT_LE(rig.manager->prefetched_bytes(), o.max_ahead_bytes);
+    if (i + 3 < groups) EXPECT_EQ(rig.manager->state(rig.order[i + 3][0]), BlockState::Host);
+    scheduler.release_group(rig.order[i], *rig.compute);
+  }
+  EXPECT_GT(scheduler.stats().stops_at_max_ahead, 0u);
+  // Without the cap the same window takes six blocks ahead.
+  rig.manager->synchronize();
+  for (const Group& g : rig.order) rig.manager->offload(g[0]);
+  rig.manager->synchronize();
+  o.max_ahead_bytes = 0;
+  PrefetchScheduler wide(*rig.manager, o);
+  wide.declare_order(rig.order);
+  wide.acquire_group(rig.order[0], *rig.compute);
+  int ahead = 0;
+  for (int k = 1; k < groups; ++k)
+    if (on_the_way(rig.manager->state(rig.order[k][0]))) ++ahead;
+  EXPECT_EQ(ahead, 6);
+  wide.release_group(rig.order[0], *rig.compute);
+}
+
 TEST(PrefetchScheduler, RecordedFirstStepIsReplayedFromTheSecond) {
   const int groups = 8;
   const std::size_t block = 256 * kKiB;

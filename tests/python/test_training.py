@@ -330,6 +330,36 @@ def test_saved_tensors_are_blocks_of_the_core_manager() -> None:
     assert off.manager.blocks == [] and off.manager.device_bytes == 0
 
 
+def test_backward_lead_stays_within_the_window() -> None:
+    """Backward: at every acquire, the blocks brought back ahead of compute (resident or on
+    their way, not handed to autograd yet) fit the window; with a window of a few blocks the
+    scheduler stops at it, and the gradients are unchanged."""
+    model = tiny_llama(seed=46)
+    ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(47))
+    ref = grads_of(model, ids, None)
+    window = 1 << 16
+    off = ActivationOffload(model, min_bytes=0, window_bytes=window, prefetch_layers=3)
+    leads: list[int] = []
+    acquire = off._acquire
+
+    def watched(stored: object) -> None:
+        acquire(stored)
+        m = off.manager
+        leads.append(
+            sum(
+                m.nbytes(b)
+                for b in m.blocks
+                if b not in off._using and m.state(b) in ("Device", "ToDevice")
+            )
+        )
+
+    off._acquire = watched
+    assert_identical(ref, grads_of(model, ids, off))
+    assert leads and max(leads) <= window, (max(leads), window)
+    assert max(leads) > 0  # it did bring blocks back ahead
+    assert off.scheduler.stats()["stops_at_max_ahead"] > 0
+
+
 def test_blocks_in_the_arena_identical() -> None:
     """memory="arena": the blocks brought back live in Reviva's arena (its allocator reuses
     freed memory in stream order, so the manager counts it free at once); the same gradients,
