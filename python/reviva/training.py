@@ -134,7 +134,15 @@ class _Packed:
 
 
 class ActivationOffload:
-    """The context manager behind `offload_activations`; one forward+backward per `with`."""
+    """The context manager behind `offload_activations`; one forward+backward per `with`.
+
+    budget: the step's device peak to stay under (budget mode; None: offload everything
+    eligible). prefetch_layers: how many layers' blocks backward may bring back ahead (within
+    window_bytes). min_bytes: smaller saved tensors stay. window_bytes: device bytes that may
+    wait for their D2H in forward, and be brought back ahead in backward. memory: where the
+    blocks brought back live: "torch" (torch's pool on the compute stream, the default) or
+    "arena" (Reviva's device arena). `manager` and `scheduler` are the core's objects doing it.
+    """
 
     def __init__(
         self,
