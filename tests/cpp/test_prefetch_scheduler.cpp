@@ -180,7 +180,9 @@ TEST(PrefetchScheduler, MaxAheadBytesCapsTheLead) {
       if (on_the_way(rig.manager->state(rig.order[i + k][0]))) ++ahead;
     EXPECT_EQ(ahead, std::min(2, groups - 1 - i)) << "the lead is two blocks";
     EXPECT_LE(rig.manager->prefetched_bytes(), o.max_ahead_bytes);
-    if (i + 3 < groups) EXPECT_EQ(rig.manager->state(rig.order[i + 3][0]), BlockState::Host);
+    if (i + 3 < groups) {
+      EXPECT_EQ(rig.manager->state(rig.order[i + 3][0]), BlockState::Host);
+    }
     scheduler.release_group(rig.order[i], *rig.compute);
   }
   EXPECT_GT(scheduler.stats().stops_at_max_ahead, 0u);
