@@ -414,7 +414,7 @@ def run_contender(
                 row.update(
                     budget=spec["budget"],
                     min_bytes=off.min_bytes,
-                    memory=getattr(off, "memory", None),
+                    memory=off.memory,
                     window_bytes=getattr(off, "window_bytes", None),
                     engine_before=safe(off.engine.stats),
                 )
@@ -426,7 +426,7 @@ def run_contender(
                     row,
                     cuda,
                     probe=lambda: off.stats.bytes_offloaded,
-                    arena=getattr(off, "arena", None),
+                    arena=off.arena,
                 )
         row.update(error=None, oom=False, completed=True)
     except Exception as e:  # a failure is a result too: recorded, not hidden
@@ -448,8 +448,8 @@ def run_contender(
             narrowed_tensors_total=getattr(st, "narrowed_tensors", None),
             prefetched=getattr(st, "prefetched", None),
             demand_fetched=getattr(st, "demand_fetched", None),
-            manager=safe(off.manager.metrics) if hasattr(off, "manager") else None,
-            scheduler=safe(off.scheduler.stats) if hasattr(off, "scheduler") else None,
+            manager=safe(off.manager.metrics),
+            scheduler=safe(off.scheduler.stats) if off.scheduler is not None else None,
         )
     low = sampler.min_free
     row["card_min_free_gb"] = gb(low)

@@ -213,9 +213,19 @@ struct OffloadManager::Impl {
     changed.notify_all();
   }
 
-  // Bytes that left_device() marked as on their way out, free at once (Note [Stream-ordered
-  // frees]). Requires mutex.
-  void free_now(std::size_t bytes) {
+  // Whether memory freed now counts as free at once (Note [Stream-ordered frees]): memory the
+  // allocator owns (no caller's `release`), from an allocator that reuses it in stream order.
+  bool frees_at_once(const std::function<void(StreamHandle)>& release) const {
+    return !release && allocator->reuses_in_stream_order();
+  }
+
+  // Bytes that left_device() marked as on their way out: free once `guard` completes (poll()),
+  // or at once without a guard (Note [Stream-ordered frees]). Requires mutex.
+  void count_free(std::size_t bytes, std::shared_ptr<Event> guard) {
+    if (guard) {
+      freeing.push_back({next_freeing_id++, bytes, std::move(guard)});
+      return;
+    }
     freeing_bytes -= bytes;
     held -= bytes;
     changed.notify_all();
@@ -251,7 +261,7 @@ struct OffloadManager::Impl {
       release = std::move(b.release_adopted);
       b.release_adopted = nullptr;
     }
-    const bool free_at_once = !release && allocator->reuses_in_stream_order();
+    const bool free_at_once = frees_at_once(release);
     std::shared_ptr<Event> guard;
     Transfer transfer;
     try {
@@ -291,10 +301,7 @@ struct OffloadManager::Impl {
     if (clean) {
       ++metrics.clean_evictions;
       b.state = BlockState::Host;
-      if (free_at_once)  // Note [Stream-ordered frees]
-        free_now(bytes);
-      else
-        freeing.push_back({next_freeing_id++, bytes, std::move(guard)});
+      count_free(bytes, std::move(guard));
     } else {
       b.state = BlockState::ToHost;
       b.transfer = std::move(transfer);  // its bytes are freed when this D2H lands
@@ -920,7 +927,7 @@ void OffloadManager::discard(BlockId id) {
     }
     // Device: free after every use (rule 2), counted until then (or not: Note [Stream-ordered
     // frees]).
-    const bool free_at_once = !release && m.allocator->reuses_in_stream_order();
+    const bool free_at_once = m.frees_at_once(release);
     std::shared_ptr<Event> guard;
     try {
       for (const UseGuard& u : uses) m.d2h().wait(u.point());
@@ -943,10 +950,7 @@ void OffloadManager::discard(BlockId id) {
     b.host = PinnedBlock();
     b.host_valid = false;
     b.state = BlockState::Empty;
-    if (free_at_once)
-      m.free_now(bytes);
-    else
-      m.freeing.push_back({m.next_freeing_id++, bytes, std::move(guard)});
+    m.count_free(bytes, std::move(guard));
     return;
   }
 }

@@ -25,6 +25,16 @@ namespace reviva::python {
 namespace {
 
 #if defined(REVIVA_TORCH_CUDA)
+// `bytes` from PyTorch's caching allocator, for torch's current stream; its out-of-memory error
+// becomes Reviva's (the manager degrades on OutOfMemory).
+c10::DataPtr torch_allocate(std::size_t bytes) {
+  try {
+    return c10::cuda::CUDACachingAllocator::get()->allocate(bytes);
+  } catch (const c10::OutOfMemoryError& e) {
+    throw OutOfMemory(std::string("torch's CUDA allocator: ") + e.what_without_backtrace());
+  }
+}
+
 // Device memory from PyTorch's caching allocator. Stream-ordered as DeviceAllocator requires:
 // a block is allocated for `stream` and, when freed, torch's record_stream on the freeing stream
 // keeps it from reuse until that stream's work so far has completed.
@@ -37,11 +47,7 @@ class TorchDeviceAllocator final : public DeviceAllocator {
     {
       c10::cuda::CUDAStreamGuard guard(
           c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), device_));
-      try {
-        data = c10::cuda::CUDACachingAllocator::get()->allocate(bytes);
-      } catch (const c10::OutOfMemoryError& e) {
-        throw OutOfMemory(std::string("torch's CUDA allocator: ") + e.what_without_backtrace());
-      }
+      data = torch_allocate(bytes);
     }
     void* ptr = data.get();
     std::lock_guard<std::mutex> lock(mutex_);
@@ -97,12 +103,7 @@ class TorchComputeOrderedAllocator final : public DeviceAllocator {
 
   void* allocate(std::size_t bytes, StreamHandle stream) override {
     auto compute = rt_->current_stream();
-    c10::DataPtr data;
-    try {
-      data = c10::cuda::CUDACachingAllocator::get()->allocate(bytes);  // on the current stream
-    } catch (const c10::OutOfMemoryError& e) {
-      throw OutOfMemory(std::string("torch's CUDA allocator: ") + e.what_without_backtrace());
-    }
+    c10::DataPtr data = torch_allocate(bytes);
     if (stream != compute->handle()) {
       Event ready(rt_->backend());
       ready.record(*compute);

@@ -206,7 +206,9 @@ class ActivationOffload:
         # The step's blocks: each region's in saving order, and each block's storage record.
         self._groups: dict[int, list[int]] = {}
         self._stored_of: dict[int, weakref.ReferenceType[_Stored]] = {}
-        self._dead: list[int] = []  # blocks whose saved tensors autograd dropped (_Stored)
+        # Dead blocks (autograd dropped their saved tensors) that a view still held when they
+        # died: the binding discards them when the view goes; unregistered at a step boundary.
+        self._dropping: list[int] = []
         # Blocks compute holds (a tensor on them was handed out) until they are unregistered:
         # the budget in backward is the window beside these.
         self._using: dict[int, int] = {}
@@ -268,7 +270,7 @@ class ActivationOffload:
     def _begin(self) -> ActivationOffload:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self._by_storage.clear()
-        self._reap()  # blocks of an earlier step whose graph has gone since
+        self._reap()  # dead blocks whose last view has gone since
         self._groups = {}
         self._stored_of = {}
         self._grad_layer = self._regions
@@ -434,7 +436,6 @@ class ActivationOffload:
             first = self._start_backward()
             if first is not None:
                 self._acquire(first)
-        self._reap()
 
     def _start_backward(self) -> _Stored | None:
         """Declares the step's order to a new scheduler; returns the live storage record needed
@@ -499,33 +500,33 @@ class ActivationOffload:
             self.manager.budget_bytes = int(nbytes)
 
     def _retire(self, block: int) -> None:
-        """A block whose saved tensor autograd dropped: unregistered now, so that its memory is
-        room for the next prefetch at once (the scheduler is topped up in backward), or at a
-        later hook while a view of it is still alive."""
-        self._dead.append(block)
-        self._reap()
+        """A block whose saved tensor autograd dropped (_Stored.__del__): unregistered now, so
+        that its memory is room for the next prefetch at once (the scheduler is topped up in
+        backward). If a view of it is still alive, the binding discards it when that view goes
+        (discard_when_free) and the registration goes at a step boundary (_reap)."""
+        try:
+            self._unregister(block)
+        except ValueError:
+            if self.manager.discard_when_free(block):
+                self._dropping.append(block)
+            else:  # the view went meanwhile
+                self._unregister(block)
         if self._hooks_ctx is not None and self._in_backward and self.scheduler is not None:
             self.scheduler.release_group([], False)
 
+    def _unregister(self, block: int) -> None:
+        self.manager.unregister(block)  # ValueError while a tensor of it is alive
+        self._stored_of.pop(block, None)
+        self._in_use -= self._using.pop(block, 0)
+
     def _reap(self) -> None:
-        """Unregisters the dead blocks that nothing views any more; the others are discarded by
-        the binding when their last view goes, and unregistered at a later reap."""
-        if not self._dead:
-            return
-        dead, self._dead = self._dead, []
-        for block in dead:
+        """Step boundaries: unregisters the dead blocks whose last view has gone."""
+        dropping, self._dropping = self._dropping, []
+        for block in dropping:
             try:
-                self.manager.unregister(block)
-            except ValueError:
-                # A tensor viewing it is still alive: its memory and host copy go when that
-                # tensor does (in whichever thread drops it), the registration at a later reap.
-                if not self.manager.discard_when_free(block):
-                    self.manager.unregister(block)  # the view went meanwhile
-                else:
-                    self._dead.append(block)
-                    continue
-            self._stored_of.pop(block, None)
-            self._in_use -= self._using.pop(block, 0)
+                self._unregister(block)
+            except ValueError:  # still viewed: it is discarded when the view goes
+                self._dropping.append(block)
 
     # --- pack / unpack ---------------------------------------------------------------------------
 
@@ -572,7 +573,6 @@ class ActivationOffload:
             block = self.manager.adopt(moved)
             self.manager.offload(block)
             del moved
-            self._reap()
             widen = narrow is not None
             stored = _Stored(self, block, self.manager.nbytes(block), self._layer, widen)
             self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
@@ -608,7 +608,6 @@ class ActivationOffload:
             # On the compute stream, which waited for the H2D when the block was acquired. The
             # block's tensor goes: its lease ends once autograd is done with it.
             stored.restored = stored.restored.to(packed.dtype)
-        self._reap()
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
         out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         return out
