@@ -6,8 +6,8 @@ Model: Llama-shaped, hidden 2048, 16 layers, MLP 8192, 32 heads, 8 K/V heads, vo
     plain              no offload
     save_on_cpu        torch.autograd.graph.save_on_cpu(pin_memory=True)
     reviva_all         reviva.offload_activations with one ActivationOffload (offload-all,
-                       default min_bytes); reviva_all_min16K / reviva_all_min0K: smaller tensors
-                       too; reviva_all_arena: the blocks brought back in Reviva's arena
+                       default min_bytes 0: every saved tensor); reviva_all_min1024K:
+                       tensors under 1 MiB stay on the device; reviva_all_arena: the blocks brought back in Reviva's arena
                        (memory="arena") instead of torch's pool
     reviva_<budget>    ActivationOffload(budget=<budget>), e.g. reviva_6GB
     growth             offload-all for --growth-steps steps on one engine: device and pinned
@@ -100,7 +100,7 @@ ANCHORS = {
     "save_on_cpu_peak_gb": 5.4,
 }
 CONTENDERS = (
-    "plain,save_on_cpu,reviva_all,reviva_all_min16K,reviva_all_min0K,"
+    "plain,save_on_cpu,reviva_all,reviva_all_min1024K,"
     "reviva_6GB,reviva_8GB,reviva_10GB,reviva_12GB,reviva_16GB,growth"
 )
 DRY_CONTENDERS = "plain,save_on_cpu,reviva_all,reviva_all_min0K,reviva_2MB,growth"

@@ -306,7 +306,7 @@ class RevivaManager:
             self.pool.reserve(plan.streamed_layers, plan.host_bytes // plan.streamed_layers)
         return plan
 
-    def offload_activations(self, min_bytes: int = 1 << 20) -> Any:
+    def offload_activations(self, min_bytes: int = 0) -> Any:
         """Activation offload for a training step of the wrapped model (reviva.training) under
         this manager's budget (the config's vram_budget or vram_threshold: its peak is kept
         under it), on the process's shared engine and pinned pool. The layers are found by

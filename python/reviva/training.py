@@ -30,10 +30,11 @@ What is offloaded: tensors saved inside the layers and, when the layers were fou
 model), between the last layer and the output head's result (final norm, the head's input: one
 more region, brought back from the logits' gradient on, after the loss's backward, which is the
 step's peak); what is saved before the first layer (the embedding's indices) goes with layer
-0. Only tensors on the model's device, of at least `min_bytes`, never parameters (nor views of
-them): tiny tensors are not worth a copy (on the H200 bench the default 1 MiB kept the RMSNorms'
-32 KB rsqrt outputs and attention's seeds, 1.1 MB above save_on_cpu's peak; min_bytes=0 met it
-to the byte, train-2026-11-29-7464db5.json). What the loss saves stays: backward needs it
+0. Only tensors on the model's device, of at least `min_bytes` (default 0: everything), never
+parameters (nor views of them). A larger min_bytes keeps small tensors on the device: on the
+H200 bench 1 MiB kept the RMSNorms' 32 KB rsqrt outputs and attention's seeds, 1.1 MB above
+save_on_cpu's peak at no gain in time (0.4924 s against min_bytes=0's 0.4920 s,
+train-card-2026-12-01-f6cc859.json), so the default offloads them too. What the loss saves stays: backward needs it
 first. Nothing is offloaded once backward started (recomputation under checkpointing is
 needed at once). A
 storage saved several times (a tensor and its views, or the same tensor saved by two nodes) is
@@ -120,7 +121,7 @@ class _Stored:
         # the lease unless a view of it lives on), then the block (its memory and host copy).
         self.restored = None
         owner = self.owner()
-        if owner is not None:
+        if owner is not None and self.block is not None:  # None: retired when widened
             owner._retire(self.block)
 
 
@@ -149,7 +150,7 @@ class ActivationOffload:
         model: nn.Module,
         budget: int | str | None = None,
         prefetch_layers: int = 2,
-        min_bytes: int = 1 << 20,
+        min_bytes: int = 0,
         layers: Sequence[nn.Module] | None = None,
         engine: TransferEngine | None = None,
         window_bytes: int | str = 512 << 20,
@@ -606,8 +607,12 @@ class ActivationOffload:
             self._acquire(stored)
         if stored.widen and stored.restored.dtype != packed.dtype:
             # On the compute stream, which waited for the H2D when the block was acquired. The
-            # block's tensor goes: its lease ends once autograd is done with it.
+            # 16-bit block is of no further use (every view of this storage reads the widened
+            # copy): it goes now, not when autograd drops the saved tensor, so that the device
+            # does not hold both copies until then (its memory returns in compute order).
             stored.restored = stored.restored.to(packed.dtype)
+            block, stored.block = stored.block, None
+            self._retire(block)
         out = torch.empty(0, dtype=packed.dtype, device=self.device)
         out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         return out
@@ -653,7 +658,7 @@ def offload_activations(
     model: nn.Module,
     budget: int | str | None = None,
     prefetch_layers: int = 2,
-    min_bytes: int = 1 << 20,
+    min_bytes: int = 0,
     layers: Sequence[nn.Module] | None = None,
     offload: ActivationOffload | None = None,
     window_bytes: int | str = 512 << 20,
