@@ -7,8 +7,9 @@ Model: Llama-shaped, hidden 2048, 16 layers, MLP 8192, 32 heads, 8 K/V heads, vo
     save_on_cpu        torch.autograd.graph.save_on_cpu(pin_memory=True)
     reviva_all         reviva.offload_activations with one ActivationOffload (offload-all,
                        default min_bytes 0: every saved tensor); reviva_all_min1024K:
-                       tensors under 1 MiB stay on the device; reviva_all_arena: the blocks brought back in Reviva's arena
-                       (memory="arena") instead of torch's pool
+                       tensors under 1 MiB stay on the device; reviva_all_arena: the
+                       blocks brought back in Reviva's arena (memory="arena") instead of
+                       torch's pool
     reviva_<budget>    ActivationOffload(budget=<budget>), e.g. reviva_6GB
     growth             offload-all for --growth-steps steps on one engine: device and pinned
                        memory after each (a leak shows as growth)

@@ -34,14 +34,14 @@ step's peak); what is saved before the first layer (the embedding's indices) goe
 parameters (nor views of them). A larger min_bytes keeps small tensors on the device: on the
 H200 bench 1 MiB kept the RMSNorms' 32 KB rsqrt outputs and attention's seeds, 1.1 MB above
 save_on_cpu's peak at no gain in time (0.4924 s against min_bytes=0's 0.4920 s,
-train-card-2026-12-01-f6cc859.json), so the default offloads them too. What the loss saves stays: backward needs it
-first. Nothing is offloaded once backward started (recomputation under checkpointing is
-needed at once). A
-storage saved several times (a tensor and its views, or the same tensor saved by two nodes) is
-copied once and every saved view is rebuilt on it with its own size, stride and offset, so the
-values autograd sees are bit-identical and gradients equal a run without Reviva. An fp32
-storage that autograd records as a cast from bf16/fp16 (an RMSNorm's input in mixed precision)
-moves as those 16-bit values and is widened back exactly (`_cast_from`).
+train-card-2026-12-01-f6cc859.json), so the default offloads them too. What the loss saves
+stays: backward needs it first. Nothing is offloaded once backward started (recomputation
+under checkpointing is needed at once). A storage saved several times (a tensor and its
+views, or the same tensor saved by two nodes) is copied once and every saved view is rebuilt on
+it with its own size, stride and offset, so the values autograd sees are bit-identical and
+gradients equal a run without Reviva. An fp32 storage that autograd records as a cast from
+bf16/fp16 (an RMSNorm's input in mixed precision) moves as those 16-bit values and is widened
+back exactly (`_cast_from`).
 
 Budget mode: the first step offloads everything eligible and records the bytes each layer saves
 and (CUDA) the step's peak; later steps keep the last layers' activations on the device (needed
