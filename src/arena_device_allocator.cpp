@@ -51,25 +51,41 @@ std::string ArenaDeviceAllocator::name() const {
 
 void* ArenaDeviceAllocator::allocate(std::size_t bytes, StreamHandle stream) {
   REVIVA_CHECK_ARG(bytes > 0, "ArenaDeviceAllocator::allocate: bytes must be > 0");
+  return take(bytes, 0, stream);
+}
+
+void* ArenaDeviceAllocator::allocate_growable(std::size_t bytes, std::size_t capacity,
+                                              StreamHandle stream) {
+  REVIVA_CHECK_ARG(bytes > 0 && bytes <= capacity, "ArenaDeviceAllocator::allocate_growable: ",
+                   bytes, " bytes of a capacity of ", capacity);
+  return take(bytes, capacity, stream);
+}
+
+// A buffer backing `bytes`, whose address space holds `capacity` (0: only `bytes`).
+void* ArenaDeviceAllocator::take(std::size_t bytes, std::size_t capacity, StreamHandle stream) {
   const std::size_t rounded = arena_->round_up(bytes);
+  const std::size_t address = std::max(rounded, arena_->round_up(capacity));
   Impl::Cached taken;
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     ++impl_->stats.allocations;
-    // The smallest cached buffer that holds the request, if not more than twice its size.
-    auto it = impl_->cache.lower_bound(bytes);
-    if (it != impl_->cache.end() && it->first <= 2 * rounded) {
+    // The smallest cached buffer that holds the request, if not more than twice its size (and,
+    // for a growable one, whose address space holds its capacity).
+    for (auto it = impl_->cache.lower_bound(bytes);
+         it != impl_->cache.end() && it->first <= 2 * rounded; ++it) {
+      if (it->second.buffer->capacity() < address) continue;
       taken = std::move(it->second);
       impl_->cache.erase(it);
       impl_->stats.cached_bytes -= taken.buffer->mapped_bytes();
       ++impl_->stats.cache_hits;
+      break;
     }
   }
   if (taken.buffer) {
     // Rule 2: this stream's work after the call comes after the work that freed it.
     arena_->backend().stream_wait_event(stream, taken.freed->handle());
   } else {
-    taken.buffer = arena_->allocate(rounded, "ArenaDeviceAllocator block");
+    taken.buffer = arena_->allocate(address, "ArenaDeviceAllocator block");
     if (!taken.buffer->try_grow_to(bytes)) {
       trim();  // cached memory of other sizes makes room
       taken.buffer->grow_to(bytes);
@@ -80,6 +96,29 @@ void* ArenaDeviceAllocator::allocate(std::size_t bytes, StreamHandle stream) {
   impl_->stats.live_bytes += taken.buffer->mapped_bytes();
   impl_->live.emplace(ptr, std::move(taken.buffer));
   return ptr;
+}
+
+bool ArenaDeviceAllocator::grow(void* ptr, std::size_t bytes) {
+  std::shared_ptr<ArenaBuffer> buffer = buffer_of(ptr);
+  REVIVA_CHECK_ARG(buffer != nullptr, "ArenaDeviceAllocator::grow: ", ptr,
+                   " is not a live allocation of this allocator");
+  REVIVA_CHECK_ARG(bytes <= buffer->capacity(), "ArenaDeviceAllocator::grow: ", bytes,
+                   " bytes exceed the allocation's capacity of ", buffer->capacity());
+  const std::size_t before = buffer->mapped_bytes();
+  if (bytes <= before) return true;
+  if (!buffer->try_grow_to(bytes)) {
+    trim();  // cached memory makes room
+    if (!buffer->try_grow_to(bytes)) return false;
+  }
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->stats.live_bytes += buffer->mapped_bytes() - before;
+  return true;
+}
+
+std::shared_ptr<ArenaBuffer> ArenaDeviceAllocator::buffer_of(void* ptr) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto it = impl_->live.find(ptr);
+  return it == impl_->live.end() ? nullptr : it->second;
 }
 
 void ArenaDeviceAllocator::deallocate(void* ptr, std::size_t, StreamHandle stream) noexcept {

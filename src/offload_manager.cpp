@@ -31,6 +31,22 @@
 // room as it frees and the copies wait on the device, instead of the host waiting for each
 // free. Memory adopted from the caller is given back through its release function and stays
 // counted until the free is seen.
+//
+// Note [Append blocks]
+// A K/V layer grows by a token per decode step and is read whole at each step; moving it as a
+// fixed block would re-send it whole whenever it changed (what makes HF's offloaded cache slow).
+// An append block (register_append_block) is sized by its contents instead:
+//   - `bytes` is its device allocation (what grow() asked for; the capacity with an allocator
+//     that cannot grow in place), `valid` the prefix that holds contents, `capacity` the most;
+//   - its host copy, once it exists (the first write), is always valid: wrote() sends each
+//     written range there (a D2H ordered after compute's write, rule 1), so an eviction is
+//     always clean (the memory is freed on the D2H stream after that copy: rule 2) and a fetch
+//     copies `valid` bytes, after the last write-through has landed in the host copy (rule 4);
+//   - a kept block (keep_resident: a layer the plan holds on the device) is never a victim and
+//     has no host copy: its writes stay on the device.
+// The scheduler drives append blocks like any other: a streamed layer is prefetched ahead of
+// its turn in the decode cycle and offloaded (cleanly: freed) once its next use is beyond the
+// window, so the budget's room beside the kept layers is the staging room.
 #include <reviva/error.h>
 #include <reviva/offload_manager.h>
 
@@ -109,6 +125,12 @@ struct OffloadManager::Impl {
     bool drop_on_landing = false;    // discarded while its D2H ran: Empty once the copy lands
     std::vector<UseGuard> last_use;  // latest use per stream since it became resident
     Transfer transfer;               // D2H while ToHost; H2D while ToDevice or until folded
+    // Append blocks (Note [Append blocks]); `bytes` is then the device allocation.
+    bool append = false;
+    bool keep = false;          // kept resident: never evicted, no host copy
+    std::size_t capacity = 0;   // an append block's most bytes; a fixed block's `bytes`
+    std::size_t valid = 0;      // an append block's bytes of contents
+    Transfer last_write;        // its last write-through D2H (a fetch waits for it: rule 4)
   };
   struct Freeing {  // device memory freed stream-ordered, counted until `guard` completes
     std::uint64_t id;
@@ -219,6 +241,13 @@ struct OffloadManager::Impl {
     return !release && allocator->reuses_in_stream_order();
   }
 
+  // An append block's device allocation when it is brought to the device: its contents (at
+  // least one byte), or its capacity when the allocator cannot grow in place.
+  std::size_t fetch_bytes(const Block& b) const {
+    if (!b.append) return b.bytes;
+    return allocator->grows_in_place() ? std::max<std::size_t>(b.valid, 1) : b.capacity;
+  }
+
   // Bytes that left_device() marked as on their way out: free once `guard` completes (poll()),
   // or at once without a guard (Note [Stream-ordered frees]). Requires mutex.
   void count_free(std::size_t bytes, std::shared_ptr<Event> guard) {
@@ -248,16 +277,25 @@ struct OffloadManager::Impl {
     std::size_t bytes;
     bool clean;
     bool need_host;
+    bool empty = false;          // an append block with no contents: nothing to keep
+    std::size_t copy_bytes = 0;  // the contents (an append block's valid prefix)
+    std::size_t host_size = 0;   // a new host copy's size (an append block's capacity)
     std::function<void(StreamHandle)> release;
     {
       std::lock_guard<std::mutex> lock(mutex);
       Block& b = find(id);
-      REVIVA_ASSERT(b.busy && b.state == BlockState::Device && b.pins == 0);
+      REVIVA_ASSERT(b.busy && b.state == BlockState::Device && b.pins == 0 && !b.keep);
       uses = b.last_use;
       ptr = b.device;
       bytes = b.bytes;
       clean = b.host_valid;
       need_host = !b.host;
+      copy_bytes = b.append ? b.valid : b.bytes;
+      host_size = b.append ? b.capacity : b.bytes;
+      if (!clean && copy_bytes == 0) {
+        clean = true;
+        empty = true;
+      }
       release = std::move(b.release_adopted);
       b.release_adopted = nullptr;
     }
@@ -268,7 +306,7 @@ struct OffloadManager::Impl {
       PinnedBlock* host_slot = nullptr;  // stable while the block is busy: only we touch it
       if (!clean) {
         PinnedBlock fresh;
-        if (need_host) fresh = engine->pool().allocate(bytes);
+        if (need_host) fresh = engine->pool().allocate(host_size);
         std::lock_guard<std::mutex> lock(mutex);
         Block& b = find(id);
         if (need_host) b.host = std::move(fresh);
@@ -276,7 +314,7 @@ struct OffloadManager::Impl {
       }
       // Rule 1: the D2H stream is ordered after every use of the block.
       for (const UseGuard& u : uses) d2h().wait(u.point());
-      if (!clean) transfer = engine->offload(ptr, *host_slot, bytes);
+      if (!clean) transfer = engine->offload(ptr, *host_slot, copy_bytes);
       // Rule 2: the memory is freed on the D2H stream after the copy (or after the waits).
       free_device(ptr, bytes, std::move(release), d2h().handle());
       release = nullptr;
@@ -300,7 +338,7 @@ struct OffloadManager::Impl {
     ++metrics.evictions;
     if (clean) {
       ++metrics.clean_evictions;
-      b.state = BlockState::Host;
+      b.state = empty ? BlockState::Empty : BlockState::Host;
       count_free(bytes, std::move(guard));
     } else {
       b.state = BlockState::ToHost;
@@ -336,7 +374,8 @@ struct OffloadManager::Impl {
         if (held - freeing_bytes + bytes > limit) {
           std::vector<BlockId> candidates;
           for (const auto& [id, b] : blocks)
-            if (id != self && b->state == BlockState::Device && b->pins == 0 && !b->busy)
+            if (id != self && b->state == BlockState::Device && b->pins == 0 && !b->busy &&
+                !b->keep)
               candidates.push_back(id);
           if (!candidates.empty()) {
             victim = policy->choose_victim(candidates);
@@ -464,10 +503,17 @@ struct OffloadManager::Impl {
         if (!p.done) continue;
         auto orphan = std::find_if(orphans.begin(), orphans.end(),
                                    [&](const auto& o) { return o.second.id() == p.transfer.id(); });
-        if (orphan != orphans.end()) {  // only metrics to fold: the block has moved on
-          metrics.bytes_to_device += p.transfer.bytes();
-          metrics.to_device_busy_ms += p.end - p.start;
-          add_timeline(TimelineKind::CopyToDevice, p.id, p.start, p.end, p.transfer.bytes());
+        if (orphan != orphans.end()) {  // only metrics to fold: the block has moved on (or a
+                                        // write-through D2H)
+          if (p.transfer.direction() == Direction::DeviceToHost) {
+            metrics.bytes_to_host += p.transfer.bytes();
+            metrics.to_host_busy_ms += p.end - p.start;
+            add_timeline(TimelineKind::CopyToHost, p.id, p.start, p.end, p.transfer.bytes());
+          } else {
+            metrics.bytes_to_device += p.transfer.bytes();
+            metrics.to_device_busy_ms += p.end - p.start;
+            add_timeline(TimelineKind::CopyToDevice, p.id, p.start, p.end, p.transfer.bytes());
+          }
           trash.transfers.push_back(std::move(orphan->second));
           orphans.erase(orphan);
           continue;
@@ -485,6 +531,7 @@ struct OffloadManager::Impl {
             b.drop_on_landing = false;
             b.state = BlockState::Empty;
             b.host_valid = false;
+            b.valid = 0;
             trash.blocks.push_back(std::move(b.host));
             b.host = PinnedBlock();
           }
@@ -540,14 +587,26 @@ struct OffloadManager::Impl {
 
   // Fresh device memory for busy block `id` (*ptr, set before the copy can fail), and the H2D
   // of its host copy into it. Unlocked.
+  // An append block copies its valid prefix, after its last write-through (rule 4).
   Transfer fetch(BlockId id, std::size_t bytes, void** ptr) {
-    *ptr = allocator->allocate(bytes, h2d().handle());
     const PinnedBlock* host;
+    std::size_t copy_bytes;
+    Transfer last_write;
+    bool append;
+    std::size_t capacity;
     {
       std::lock_guard<std::mutex> lock(mutex);
-      host = &find(id).host;  // stable: the block is busy, only this thread touches it
+      Block& b = find(id);  // stable: the block is busy, only this thread touches it
+      host = &b.host;
+      append = b.append;
+      capacity = b.capacity;
+      copy_bytes = b.append ? b.valid : bytes;
+      last_write = b.last_write;
     }
-    return engine->restore(*host, *ptr, bytes);
+    *ptr = append ? allocator->allocate_growable(bytes, capacity, h2d().handle())
+                  : allocator->allocate(bytes, h2d().handle());
+    const Event* after = last_write.valid() ? &last_write.completion_event() : nullptr;
+    return engine->restore(*host, *ptr, copy_bytes, after);
   }
 
   // Undoes a fetch or allocation that failed part way: gives back the device memory (if any was
@@ -636,6 +695,7 @@ BlockId OffloadManager::register_block(std::size_t bytes, std::string name) {
   auto b = std::make_unique<Impl::Block>();
   b->id = id;
   b->bytes = bytes;
+  b->capacity = bytes;
   b->name = name.empty() ? "block" + std::to_string(id) : std::move(name);
   m.blocks.emplace(id, std::move(b));
   m.registered += bytes;
@@ -678,6 +738,216 @@ BlockId OffloadManager::adopt(void* device_ptr, std::size_t bytes,
   return id;
 }
 
+BlockId OffloadManager::register_append_block(std::size_t capacity, std::string name) {
+  const BlockId id = register_block(capacity, std::move(name));
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  Impl::Block& b = impl_->find(id);
+  b.append = true;
+  b.bytes = 0;  // no device allocation yet
+  return id;
+}
+
+void OffloadManager::grow(BlockId id, std::size_t bytes) {
+  Impl& m = *impl_;
+  void* ptr;
+  std::size_t before;
+  {
+    std::unique_lock<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.wait_idle(lock, id);
+    REVIVA_CHECK_ARG(b.append, "grow: block ", id, " (", b.name, ") is not an append block");
+    REVIVA_CHECK_ARG(b.pins > 0, "grow: block ", id, " (", b.name, ") is not acquired");
+    REVIVA_CHECK_ARG(bytes <= b.capacity, "grow: ", bytes, " bytes exceed block ", id, " (",
+                     b.name, ")'s capacity of ", b.capacity);
+    if (bytes <= b.bytes) return;
+    REVIVA_ASSERT(m.allocator->grows_in_place(), "an append block below its capacity");
+    b.busy = true;
+    ptr = b.device;
+    before = b.bytes;
+  }
+  bool reserved = false;
+  try {
+    m.reserve(bytes - before, /*may_wait=*/true, id);
+    reserved = true;
+    if (!m.allocator->grow(ptr, bytes)) {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      throw OutOfMemory(detail::concat("block ", id, " (", m.find(id).name, ") cannot grow from ",
+                                       before, " to ", bytes, " bytes: ", m.allocator->name(),
+                                       " has no memory for it (", m.numbers(), ")"));
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    if (reserved) m.held -= bytes - before;
+    m.find(id).busy = false;
+    m.changed.notify_all();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(m.mutex);
+  Impl::Block& b = m.find(id);
+  b.bytes = bytes;
+  b.busy = false;
+  m.changed.notify_all();
+}
+
+std::size_t OffloadManager::wrote(BlockId id, std::size_t offset, std::size_t bytes,
+                                  const Stream& compute) {
+  REVIVA_CHECK_ARG(&compute.backend() == &backend(),
+                   "wrote: the stream belongs to another backend");
+  Impl& m = *impl_;
+  void* device;
+  bool need_host;
+  std::size_t capacity;
+  {
+    std::unique_lock<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.wait_idle(lock, id);
+    REVIVA_CHECK_ARG(b.append, "wrote: block ", id, " (", b.name, ") is not an append block");
+    REVIVA_CHECK_ARG(b.pins > 0, "wrote: block ", id, " (", b.name, ") is not acquired");
+    REVIVA_CHECK_ARG(offset <= b.valid, "wrote: bytes from ", offset, " would leave a gap after ",
+                     "block ", id, " (", b.name, ")'s ", b.valid, " valid bytes");
+    REVIVA_CHECK_ARG(bytes <= b.bytes && offset <= b.bytes - bytes, "wrote: bytes [", offset, ", ",
+                     offset + bytes, ") of block ", id, " (", b.name, ") are not backed (",
+                     b.bytes, " are): grow() it before compute writes them");
+    b.valid = std::max(b.valid, offset + bytes);
+    if (bytes == 0 || (b.keep && !b.host)) return 0;  // kept: the writes stay on the device
+    b.busy = true;
+    device = b.device;
+    need_host = !b.host;
+    capacity = b.capacity;
+  }
+  std::size_t sent = 0;
+  try {
+    PinnedBlock fresh;
+    if (need_host) {  // the first write: the host copy, then the whole valid prefix goes
+      const double t0 = m.host_now_ms();
+      fresh = m.engine->pool().allocate(capacity);
+      std::lock_guard<std::mutex> lock(m.mutex);
+      m.metrics.host_copy_alloc_ms += m.host_now_ms() - t0;
+    }
+    PinnedBlock* host;
+    std::size_t first;
+    {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      Impl::Block& b = m.find(id);
+      if (need_host) b.host = std::move(fresh);
+      host = &b.host;  // stable while busy
+      first = need_host ? 0 : offset;
+      sent = offset + bytes - first;
+    }
+    Event producer(m.backend);  // rule 1: after compute's write
+    producer.record(compute);
+    host->record_use(m.engine->stream_ptr(Direction::DeviceToHost));
+    Transfer t = m.engine->copy(Direction::DeviceToHost, static_cast<char*>(host->data()) + first,
+                                static_cast<const char*>(device) + first, sent, &producer);
+    Graveyard trash;
+    std::lock_guard<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.find(id);
+    trash.transfers.push_back(std::move(b.last_write));
+    b.last_write = t;
+    b.host_valid = true;
+    // The D2H reads the device memory: frees after it (rule 2) go on the D2H stream, and an
+    // eviction's waits order it; its metrics are folded when it lands.
+    m.orphans.emplace_back(id, std::move(t));
+    m.metrics.bytes_written_through += sent;
+    b.busy = false;
+    m.changed.notify_all();
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    m.find(id).busy = false;
+    m.changed.notify_all();
+    throw;
+  }
+  return sent;
+}
+
+bool OffloadManager::keep_resident(BlockId id) {
+  Impl& m = *impl_;
+  for (;;) {
+    Transfer landing;
+    {
+      Graveyard trash;
+      std::unique_lock<std::mutex> lock(m.mutex);
+      Impl::Block& b = m.wait_idle(lock, id);
+      REVIVA_CHECK_ARG(b.append, "keep_resident: block ", id, " (", b.name,
+                       ") is not an append block");
+      if (b.keep) return true;
+      if (b.state == BlockState::ToHost) {
+        landing = b.transfer;
+      } else if (b.state == BlockState::Device || b.state == BlockState::ToDevice ||
+                 b.state == BlockState::Empty) {
+        // On the device (or nothing yet): the host copy goes once no copy reads or writes it
+        // (the pool defers its reuse: rule 4).
+        b.keep = true;
+        trash.blocks.push_back(std::move(b.host));
+        b.host = PinnedBlock();
+        b.host_valid = false;
+        return true;
+      } else {  // Host: fetched below
+        b.busy = true;
+      }
+    }
+    if (landing.valid()) {
+      landing.wait();
+      m.poll(/*wait_for_turn=*/true);
+      continue;
+    }
+    std::size_t bytes;
+    {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      bytes = m.fetch_bytes(m.find(id));
+    }
+    void* ptr = nullptr;
+    Transfer copy;
+    bool reserved = false;
+    try {
+      m.reserve(bytes, /*may_wait=*/true, id);
+      reserved = true;
+      copy = m.fetch(id, bytes, &ptr);
+    } catch (const OutOfMemory&) {
+      m.abandon(id, ptr, bytes, reserved, m.h2d().handle());
+      return false;
+    } catch (...) {
+      m.abandon(id, ptr, bytes, reserved, m.h2d().handle());
+      throw;
+    }
+    Graveyard trash;
+    std::lock_guard<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.find(id);
+    b.state = BlockState::ToDevice;
+    b.device = ptr;
+    b.bytes = bytes;
+    b.transfer = copy;
+    b.last_use.push_back(UseGuard{nullptr, copy, m.h2d().handle()});
+    b.keep = true;
+    trash.blocks.push_back(std::move(b.host));  // reused after the H2D that reads it (rule 4)
+    b.host = PinnedBlock();
+    b.host_valid = false;
+    b.busy = false;
+    m.changed.notify_all();
+    return true;
+  }
+}
+
+bool OffloadManager::kept(BlockId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->find(id).keep;
+}
+
+std::size_t OffloadManager::valid_bytes(BlockId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  const Impl::Block& b = impl_->find(id);
+  return b.append ? b.valid : b.bytes;
+}
+
+std::size_t OffloadManager::capacity(BlockId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->find(id).capacity;
+}
+
+std::size_t OffloadManager::host_bytes(BlockId id) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  const Impl::Block& b = impl_->find(id);
+  return b.host ? b.host.size() : 0;
+}
+
 void OffloadManager::unregister(BlockId id) {
   discard(id);
   Impl& m = *impl_;
@@ -698,7 +968,8 @@ void OffloadManager::unregister(BlockId id) {
   }
   trash.blocks.push_back(std::move(b.host));
   for (UseGuard& u : b.last_use) trash.guards.push_back(std::move(u));
-  m.registered -= b.bytes;
+  m.registered -= b.capacity;
+  trash.transfers.push_back(std::move(b.last_write));
   m.policy->on_unregister(id);
   m.blocks.erase(id);
 }
@@ -727,7 +998,8 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
           }
           b.state = BlockState::Device;
           b.prefetched = false;
-          if (access != Access::ReadOnly) b.host_valid = false;
+          // An append block's copies change by wrote() alone (Note [Append blocks]).
+          if (access != Access::ReadOnly && !b.append) b.host_valid = false;
           m.policy->on_access(id);
           void* ptr = b.device;
           lock.unlock();
@@ -754,13 +1026,18 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
     // Host or Empty, marked busy: make room, allocate, fetch if the contents are needed.
     BlockState state;
     std::size_t bytes;
+    bool append;
+    std::size_t capacity;
     {
       std::lock_guard<std::mutex> lock(m.mutex);
       Impl::Block& b = m.find(id);
       state = b.state;
-      bytes = b.bytes;
+      bytes = m.fetch_bytes(b);
+      append = b.append;
+      capacity = b.capacity;
     }
-    const bool fetch = state == BlockState::Host && access != Access::WriteOnly;
+    // An append block's contents are always needed (its writes are appends).
+    const bool fetch = state == BlockState::Host && (access != Access::WriteOnly || append);
     void* ptr = nullptr;
     Transfer copy;
     bool reserved = false;
@@ -770,7 +1047,8 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
       if (fetch) {
         copy = m.fetch(id, bytes, &ptr);
       } else {
-        ptr = m.allocator->allocate(bytes, compute.handle());
+        ptr = append ? m.allocator->allocate_growable(bytes, capacity, compute.handle())
+                     : m.allocator->allocate(bytes, compute.handle());
       }
     } catch (...) {
       m.abandon(id, ptr, bytes, reserved, fetch ? m.h2d().handle() : compute.handle());
@@ -781,6 +1059,7 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
       Impl::Block& b = m.find(id);
       b.state = BlockState::Device;
       b.device = ptr;
+      b.bytes = bytes;
       b.pins = 1;
       b.busy = false;
       b.prefetched = false;
@@ -789,7 +1068,7 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
         b.last_use.push_back(UseGuard{nullptr, copy, m.h2d().handle()});
         ++m.metrics.prefetch_misses;
       }
-      b.host_valid = fetch && access == Access::ReadOnly;
+      b.host_valid = b.append ? static_cast<bool>(b.host) : fetch && access == Access::ReadOnly;
       m.policy->on_access(id);
       m.changed.notify_all();
     }
@@ -829,7 +1108,7 @@ void OffloadManager::offload(BlockId id) {
     Impl::Block& b = m.wait_idle(lock, id);
     REVIVA_CHECK_ARG(b.pins == 0, "offload: block ", id, " (", b.name, ") is acquired ", b.pins,
                      " time(s); release it first");
-    if (b.state != BlockState::Device) return;
+    if (b.state != BlockState::Device || b.keep) return;
     b.busy = true;
   }
   m.evict(id);
@@ -845,7 +1124,7 @@ bool OffloadManager::prefetch(BlockId id) {
     if (b.state == BlockState::Device || b.state == BlockState::ToDevice) return true;
     if (b.state != BlockState::Host) return false;
     b.busy = true;
-    bytes = b.bytes;
+    bytes = m.fetch_bytes(b);
   }
   void* ptr = nullptr;
   Transfer copy;
@@ -878,6 +1157,7 @@ bool OffloadManager::prefetch(BlockId id) {
   if (!reserved) return false;
   b.state = BlockState::ToDevice;
   b.device = ptr;
+  b.bytes = bytes;
   b.transfer = copy;
   b.prefetched = true;
   b.last_use.push_back(UseGuard{nullptr, copy, m.h2d().handle()});
@@ -917,6 +1197,9 @@ void OffloadManager::discard(BlockId id) {
         b.host = PinnedBlock();
         b.host_valid = false;
         b.state = BlockState::Empty;
+        b.valid = 0;
+        trash.transfers.push_back(std::move(b.last_write));
+        b.last_write = Transfer();
         return;
       }
     }
@@ -950,6 +1233,9 @@ void OffloadManager::discard(BlockId id) {
     b.host = PinnedBlock();
     b.host_valid = false;
     b.state = BlockState::Empty;
+    b.valid = 0;
+    trash.transfers.push_back(std::move(b.last_write));
+    b.last_write = Transfer();
     m.count_free(bytes, std::move(guard));
     return;
   }
@@ -1074,7 +1360,17 @@ void OffloadManager::check_invariants() const {
   for (const auto& [id, bp] : m.blocks) {
     const Impl::Block& b = *bp;
     REVIVA_ASSERT(b.id == id);
-    registered += b.bytes;
+    registered += b.capacity;
+    if (b.append) {
+      REVIVA_ASSERT(b.valid <= b.capacity && b.bytes <= b.capacity, "append block ", id,
+                    " over its capacity");
+      REVIVA_ASSERT(!b.keep || !b.host || b.busy, "kept block ", id, " with a host copy");
+      if (!b.busy && b.host) REVIVA_ASSERT(b.host_valid, "append block ", id, " host copy stale");
+      if (!b.busy && (b.state == BlockState::Device || b.state == BlockState::ToDevice))
+        REVIVA_ASSERT(b.valid <= b.bytes, "append block ", id, " contents beyond its memory");
+      if (b.state == BlockState::Empty && !b.drop_on_landing)
+        REVIVA_ASSERT(b.valid == 0, "Empty append block ", id, " with contents");
+    }
     REVIVA_ASSERT(b.pins >= 0);
     if (b.busy) continue;  // in transition: checked once it settles
     switch (b.state) {
@@ -1087,7 +1383,8 @@ void OffloadManager::check_invariants() const {
         held += b.bytes;
         break;
       case BlockState::ToDevice:
-        REVIVA_ASSERT(b.device != nullptr && b.transfer.valid() && b.pins == 0 && b.host_valid);
+        REVIVA_ASSERT(b.device != nullptr && b.transfer.valid() && b.pins == 0 &&
+                      (b.host_valid || b.keep));
         held += b.bytes;
         break;
       case BlockState::ToHost:

@@ -46,6 +46,14 @@ class REVIVA_API ArenaDeviceAllocator final : public DeviceAllocator {
   std::string name() const override;
   // A cached buffer is taken only after the allocating stream waits for its free (rule 2).
   bool reuses_in_stream_order() const noexcept override { return true; }
+  // Growable allocations reserve the capacity's address space and map what is asked; a cached
+  // buffer is taken for one when its address space holds the capacity.
+  bool grows_in_place() const noexcept override { return true; }
+  void* allocate_growable(std::size_t bytes, std::size_t capacity, StreamHandle stream) override;
+  bool grow(void* ptr, std::size_t bytes) override;
+  // The buffer behind a live allocation (null when `ptr` is not one): holding it keeps the memory
+  // mapped after deallocate, e.g. while a view of it lives.
+  std::shared_ptr<ArenaBuffer> buffer_of(void* ptr) const;
 
   // Gives every cached buffer back to the arena (unmapped once its streams pass).
   void trim();
@@ -54,6 +62,7 @@ class REVIVA_API ArenaDeviceAllocator final : public DeviceAllocator {
 
  private:
   struct Impl;
+  void* take(std::size_t bytes, std::size_t capacity, StreamHandle stream);
   std::shared_ptr<DeviceArena> arena_;
   std::unique_ptr<Impl> impl_;
 };

@@ -30,6 +30,22 @@ class REVIVA_API DeviceAllocator {
   // against its budget until the host sees the free complete (Note [Stream-ordered frees] in
   // offload_manager.cpp). False unless the allocator guarantees it.
   virtual bool reuses_in_stream_order() const noexcept { return false; }
+
+  // Growable allocations (the OffloadManager's append blocks: a K/V layer growing a token at a
+  // time). allocate_growable backs `bytes` of an allocation that may later grow in place up to
+  // `capacity`; grow() backs its first `bytes`, false when no memory can be had (the allocation
+  // is then unchanged). An allocator that cannot grow in place (grows_in_place() false) allocates
+  // `capacity` at once, and the manager counts all of it. deallocate takes the bytes backed.
+  virtual bool grows_in_place() const noexcept { return false; }
+  virtual void* allocate_growable(std::size_t bytes, std::size_t capacity, StreamHandle stream) {
+    (void)bytes;
+    return allocate(capacity, stream);
+  }
+  virtual bool grow(void* ptr, std::size_t bytes) {
+    (void)ptr;
+    (void)bytes;
+    return false;
+  }
 };
 
 // The backend's own stream-ordered allocator (cudaMallocAsync on CUDA).

@@ -45,6 +45,10 @@ struct ManagerMetrics {
   std::uint64_t prefetch_late = 0;     // acquires of prefetched blocks that stalled
   std::uint64_t prefetch_misses = 0;   // acquires that found the block on the host (demand fetch)
   std::uint64_t timeline_dropped = 0;  // timeline events not kept (capacity reached)
+  // Append blocks (K/V): D2H submitted by wrote() (bytes_to_host counts them once they land),
+  // and host time taking their host copies from the pinned pool (pinning, when not reserved).
+  std::uint64_t bytes_written_through = 0;
+  double host_copy_alloc_ms = 0.0;
 };
 
 enum class TimelineKind { CopyToHost, CopyToDevice, ComputeStall, HostWait };

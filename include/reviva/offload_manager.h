@@ -70,6 +70,34 @@ class REVIVA_API OffloadManager {
   // Frees the block's memory (stream-ordered) and forgets it. It must not be acquired.
   void unregister(BlockId id);
 
+  // Append blocks (a K/V layer: Note [Append blocks] in offload_manager.cpp). A block of up to
+  // `capacity` bytes whose contents are its first valid_bytes(), which grow by wrote() alone
+  // (acquire's access mode does not change its copies). Its device memory backs what grow()
+  // asked for (or, with an allocator that cannot grow in place, the capacity), so it grows with
+  // its tokens; its pinned host copy (`capacity` bytes, taken at the first write) is kept in
+  // step by each wrote() (write-through), so leaving the device never copies, and coming back
+  // copies the valid prefix alone. Starts Empty with no valid bytes.
+  BlockId register_append_block(std::size_t capacity, std::string name = {});
+  // While acquired: backs the block's first `bytes` (<= capacity) with device memory, in place,
+  // counted against the budget (evicting other blocks as acquire does). Throws OutOfMemory
+  // naming the numbers when the budget or the device cannot give it (the block is unchanged).
+  void grow(BlockId id, std::size_t bytes);
+  // While acquired: compute wrote [offset, offset + bytes) of the block with the work queued on
+  // `compute` so far; offset <= valid_bytes() (no gap), and the range backed (grow()). The valid
+  // prefix extends to cover it, and a block with a host copy copies the range there (a D2H after
+  // that work). Returns the bytes sent to the host copy.
+  std::size_t wrote(BlockId id, std::size_t offset, std::size_t bytes, const Stream& compute);
+  // Keeps an append block on the device from now on: never evicted nor offloaded, its host copy
+  // given back once its contents are on the device (later writes stay there). A block on the
+  // host is fetched now, making room as acquire does. False, changing nothing, when the budget
+  // or the device cannot hold it. One way: a kept block stays kept until unregistered.
+  bool keep_resident(BlockId id);
+  bool kept(BlockId id) const;
+  std::size_t valid_bytes(BlockId id) const;
+  std::size_t capacity(BlockId id) const;  // an append block's; a fixed block's bytes
+  // The bytes the block's host copy holds now (0: none).
+  std::size_t host_bytes(BlockId id) const;
+
   // The block's device address, valid for work submitted to `compute` from now until release().
   void* acquire(BlockId id, const Stream& compute, Access access = Access::ReadWrite);
   void release(BlockId id, const Stream& compute);
