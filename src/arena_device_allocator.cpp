@@ -51,18 +51,21 @@ std::string ArenaDeviceAllocator::name() const {
 
 void* ArenaDeviceAllocator::allocate(std::size_t bytes, StreamHandle stream) {
   REVIVA_CHECK_ARG(bytes > 0, "ArenaDeviceAllocator::allocate: bytes must be > 0");
-  return take(bytes, 0, stream);
+  return take(bytes, 0, stream, /*fresh=*/false);
 }
 
 void* ArenaDeviceAllocator::allocate_growable(std::size_t bytes, std::size_t capacity,
-                                              StreamHandle stream) {
-  REVIVA_CHECK_ARG(bytes > 0 && bytes <= capacity, "ArenaDeviceAllocator::allocate_growable: ",
-                   bytes, " bytes of a capacity of ", capacity);
-  return take(bytes, capacity, stream);
+                                              StreamHandle stream, bool fresh) {
+  REVIVA_CHECK_ARG(bytes > 0 && bytes <= capacity,
+                   "ArenaDeviceAllocator::allocate_growable: ", bytes, " bytes of a capacity of ",
+                   capacity);
+  return take(bytes, capacity, stream, fresh);
 }
 
-// A buffer backing `bytes`, whose address space holds `capacity` (0: only `bytes`).
-void* ArenaDeviceAllocator::take(std::size_t bytes, std::size_t capacity, StreamHandle stream) {
+// A buffer backing `bytes`, whose address space holds `capacity` (0: only `bytes`); `fresh`: a
+// new one, never a cached one.
+void* ArenaDeviceAllocator::take(std::size_t bytes, std::size_t capacity, StreamHandle stream,
+                                 bool fresh) {
   const std::size_t rounded = arena_->round_up(bytes);
   const std::size_t address = std::max(rounded, arena_->round_up(capacity));
   Impl::Cached taken;
@@ -71,29 +74,58 @@ void* ArenaDeviceAllocator::take(std::size_t bytes, std::size_t capacity, Stream
     ++impl_->stats.allocations;
     // The smallest cached buffer that holds the request, if not more than twice its size (and,
     // for a growable one, whose address space holds its capacity).
-    for (auto it = impl_->cache.lower_bound(bytes);
+    auto chosen = impl_->cache.end();
+    for (auto it = fresh ? impl_->cache.end() : impl_->cache.lower_bound(bytes);
          it != impl_->cache.end() && it->first <= 2 * rounded; ++it) {
       if (it->second.buffer->capacity() < address) continue;
-      taken = std::move(it->second);
-      impl_->cache.erase(it);
+      chosen = it;
+      break;
+    }
+    // A growable request may also take the largest cached buffer below its size whose address
+    // space holds it, grown in place below: a K/V layer crossing a granule would otherwise map
+    // a new buffer and leave the old ones cached for good.
+    if (chosen == impl_->cache.end() && capacity > 0 && !fresh) {
+      for (auto it = impl_->cache.lower_bound(bytes); it != impl_->cache.begin();) {
+        --it;
+        if (it->second.buffer->capacity() >= address) {
+          chosen = it;
+          break;
+        }
+      }
+    }
+    if (chosen != impl_->cache.end()) {
+      taken = std::move(chosen->second);
+      impl_->cache.erase(chosen);
       impl_->stats.cached_bytes -= taken.buffer->mapped_bytes();
       ++impl_->stats.cache_hits;
-      break;
     }
   }
   if (taken.buffer) {
     // Rule 2: this stream's work after the call comes after the work that freed it.
     arena_->backend().stream_wait_event(stream, taken.freed->handle());
+    if (!taken.buffer->try_grow_to(bytes)) {
+      trim();
+      try {
+        taken.buffer->grow_to(bytes);
+      } catch (...) {  // back to the cache, unchanged
+        std::lock_guard<std::mutex> lock(impl_->mutex);
+        impl_->stats.cached_bytes += taken.buffer->mapped_bytes();
+        impl_->cache.emplace(taken.buffer->mapped_bytes(), std::move(taken));
+        throw;
+      }
+    }
   } else {
     taken.buffer = arena_->allocate(address, "ArenaDeviceAllocator block");
     if (!taken.buffer->try_grow_to(bytes)) {
-      trim();  // cached memory of other sizes makes room
+      if (!fresh) trim();  // cached memory of other sizes makes room (not for a fresh one)
       taken.buffer->grow_to(bytes);
     }
   }
   void* ptr = taken.buffer->data();
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->stats.live_bytes += taken.buffer->mapped_bytes();
+  impl_->stats.peak_bytes =
+      std::max(impl_->stats.peak_bytes, impl_->stats.live_bytes + impl_->stats.cached_bytes);
   impl_->live.emplace(ptr, std::move(taken.buffer));
   return ptr;
 }
@@ -112,6 +144,8 @@ bool ArenaDeviceAllocator::grow(void* ptr, std::size_t bytes) {
   }
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->stats.live_bytes += buffer->mapped_bytes() - before;
+  impl_->stats.peak_bytes =
+      std::max(impl_->stats.peak_bytes, impl_->stats.live_bytes + impl_->stats.cached_bytes);
   return true;
 }
 

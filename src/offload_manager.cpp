@@ -127,10 +127,10 @@ struct OffloadManager::Impl {
     Transfer transfer;               // D2H while ToHost; H2D while ToDevice or until folded
     // Append blocks (Note [Append blocks]); `bytes` is then the device allocation.
     bool append = false;
-    bool keep = false;          // kept resident: never evicted, no host copy
-    std::size_t capacity = 0;   // an append block's most bytes; a fixed block's `bytes`
-    std::size_t valid = 0;      // an append block's bytes of contents
-    Transfer last_write;        // its last write-through D2H (a fetch waits for it: rule 4)
+    bool keep = false;         // kept resident: never evicted, no host copy
+    std::size_t capacity = 0;  // an append block's most bytes; a fixed block's `bytes`
+    std::size_t valid = 0;     // an append block's bytes of contents
+    Transfer last_write;       // its last write-through D2H (a fetch waits for it: rule 4)
   };
   struct Freeing {  // device memory freed stream-ordered, counted until `guard` completes
     std::uint64_t id;
@@ -588,7 +588,7 @@ struct OffloadManager::Impl {
   // Fresh device memory for busy block `id` (*ptr, set before the copy can fail), and the H2D
   // of its host copy into it. Unlocked.
   // An append block copies its valid prefix, after its last write-through (rule 4).
-  Transfer fetch(BlockId id, std::size_t bytes, void** ptr) {
+  Transfer fetch(BlockId id, std::size_t bytes, void** ptr, bool fresh = false) {
     const PinnedBlock* host;
     std::size_t copy_bytes;
     Transfer last_write;
@@ -603,7 +603,7 @@ struct OffloadManager::Impl {
       copy_bytes = b.append ? b.valid : bytes;
       last_write = b.last_write;
     }
-    *ptr = append ? allocator->allocate_growable(bytes, capacity, h2d().handle())
+    *ptr = append ? allocator->allocate_growable(bytes, capacity, h2d().handle(), fresh)
                   : allocator->allocate(bytes, h2d().handle());
     const Event* after = last_write.valid() ? &last_write.completion_event() : nullptr;
     return engine->restore(*host, *ptr, copy_bytes, after);
@@ -756,8 +756,8 @@ void OffloadManager::grow(BlockId id, std::size_t bytes) {
     Impl::Block& b = m.wait_idle(lock, id);
     REVIVA_CHECK_ARG(b.append, "grow: block ", id, " (", b.name, ") is not an append block");
     REVIVA_CHECK_ARG(b.pins > 0, "grow: block ", id, " (", b.name, ") is not acquired");
-    REVIVA_CHECK_ARG(bytes <= b.capacity, "grow: ", bytes, " bytes exceed block ", id, " (",
-                     b.name, ")'s capacity of ", b.capacity);
+    REVIVA_CHECK_ARG(bytes <= b.capacity, "grow: ", bytes, " bytes exceed block ", id, " (", b.name,
+                     ")'s capacity of ", b.capacity);
     if (bytes <= b.bytes) return;
     REVIVA_ASSERT(m.allocator->grows_in_place(), "an append block below its capacity");
     b.busy = true;
@@ -804,8 +804,8 @@ std::size_t OffloadManager::wrote(BlockId id, std::size_t offset, std::size_t by
     REVIVA_CHECK_ARG(offset <= b.valid, "wrote: bytes from ", offset, " would leave a gap after ",
                      "block ", id, " (", b.name, ")'s ", b.valid, " valid bytes");
     REVIVA_CHECK_ARG(bytes <= b.bytes && offset <= b.bytes - bytes, "wrote: bytes [", offset, ", ",
-                     offset + bytes, ") of block ", id, " (", b.name, ") are not backed (",
-                     b.bytes, " are): grow() it before compute writes them");
+                     offset + bytes, ") of block ", id, " (", b.name, ") are not backed (", b.bytes,
+                     " are): grow() it before compute writes them");
     b.valid = std::max(b.valid, offset + bytes);
     if (bytes == 0 || (b.keep && !b.host)) return 0;  // kept: the writes stay on the device
     b.busy = true;
@@ -900,7 +900,7 @@ bool OffloadManager::keep_resident(BlockId id) {
     try {
       m.reserve(bytes, /*may_wait=*/true, id);
       reserved = true;
-      copy = m.fetch(id, bytes, &ptr);
+      copy = m.fetch(id, bytes, &ptr, /*fresh=*/true);  // not the memory of blocks that move
     } catch (const OutOfMemory&) {
       m.abandon(id, ptr, bytes, reserved, m.h2d().handle());
       return false;

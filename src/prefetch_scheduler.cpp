@@ -46,7 +46,30 @@ void PrefetchScheduler::rebuild_index() {
       auto& positions = uses_[id];
       if (positions.empty() || positions.back() != i) positions.push_back(i);
     }
+  // Kept groups (every block kept resident: a K/V layer the plan holds) take no place in the
+  // window: rank_[i] counts the other groups before position i.
+  rank_.assign(order_.size() + 1, 0);
+  for (std::size_t i = 0; i < order_.size(); ++i) {
+    bool all_kept = true;
+    for (BlockId id : order_[i]) {
+      try {
+        all_kept = all_kept && manager_.kept(id);
+      } catch (const InvalidArgument&) {
+        all_kept = false;  // not registered (yet): counts as an ordinary group
+      }
+    }
+    rank_[i + 1] = rank_[i] + (all_kept ? 0 : 1);
+  }
   stats_.groups_in_order = order_.size();
+}
+
+// Groups of the window between `from` and `to` (positions, cyclic: `to` may wrap into the next
+// step), kept groups not counted; `to`'s own group counts unless kept.
+std::size_t PrefetchScheduler::counted_distance(std::size_t from, std::size_t to) const {
+  const std::size_t n = order_.size();
+  const std::size_t cycle = rank_[n];
+  if (to < n) return to >= from ? rank_[to + 1] - rank_[from + 1] : kNowhere;
+  return cycle - rank_[from + 1] + rank_[to - n + 1];
 }
 
 // The position of `group` in the order: the expected next one, else the first match after it
@@ -112,8 +135,12 @@ void PrefetchScheduler::prefetch_ahead(std::size_t position) {
   // The lead: every block prefetched and not used yet, in the window or not (an access out of
   // the order's sequence leaves prefetched blocks behind the position).
   std::size_t ahead = limit > 0 ? manager_.prefetched_bytes() : 0;
-  for (int k = 1; k <= window_ && static_cast<std::size_t>(k) < n; ++k) {
-    for (BlockId id : order_[(position + static_cast<std::size_t>(k)) % n]) {
+  int counted = 0;  // groups of the window seen (kept ones are not counted)
+  for (std::size_t k = 1; k < n && counted < window_; ++k) {
+    const std::size_t at = (position + k) % n;
+    if (rank_[at + 1] == rank_[at]) continue;  // a kept group: nothing to bring
+    ++counted;
+    for (BlockId id : order_[at]) {
       BlockState state;
       std::size_t bytes = 0;
       try {
@@ -171,8 +198,8 @@ std::size_t PrefetchScheduler::distance_to_next_use(BlockId id, std::size_t posi
   if (it == uses_.end() || it->second.empty()) return kNowhere;
   const auto& positions = it->second;
   auto next = std::upper_bound(positions.begin(), positions.end(), position);
-  if (next != positions.end()) return *next - position;
-  return order_.size() - position + positions.front();  // in the next step
+  if (next != positions.end()) return counted_distance(position, *next);
+  return counted_distance(position, order_.size() + positions.front());  // in the next step
 }
 
 void PrefetchScheduler::release_group(std::span<const BlockId> group, const Stream& compute,

@@ -32,6 +32,7 @@ struct ArenaAllocatorStats {
   std::uint64_t allocations = 0;
   std::uint64_t cache_hits = 0;  // allocations served from the cache
   std::uint64_t trims = 0;       // times the cache was given back (asked, or to make room)
+  std::size_t peak_bytes = 0;    // most live + cached bytes at once
 };
 
 class REVIVA_API ArenaDeviceAllocator final : public DeviceAllocator {
@@ -49,7 +50,8 @@ class REVIVA_API ArenaDeviceAllocator final : public DeviceAllocator {
   // Growable allocations reserve the capacity's address space and map what is asked; a cached
   // buffer is taken for one when its address space holds the capacity.
   bool grows_in_place() const noexcept override { return true; }
-  void* allocate_growable(std::size_t bytes, std::size_t capacity, StreamHandle stream) override;
+  void* allocate_growable(std::size_t bytes, std::size_t capacity, StreamHandle stream,
+                          bool fresh = false) override;
   bool grow(void* ptr, std::size_t bytes) override;
   // The buffer behind a live allocation (null when `ptr` is not one): holding it keeps the memory
   // mapped after deallocate, e.g. while a view of it lives.
@@ -62,7 +64,7 @@ class REVIVA_API ArenaDeviceAllocator final : public DeviceAllocator {
 
  private:
   struct Impl;
-  void* take(std::size_t bytes, std::size_t capacity, StreamHandle stream);
+  void* take(std::size_t bytes, std::size_t capacity, StreamHandle stream, bool fresh);
   std::shared_ptr<DeviceArena> arena_;
   std::unique_ptr<Impl> impl_;
 };

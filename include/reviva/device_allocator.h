@@ -36,9 +36,13 @@ class REVIVA_API DeviceAllocator {
   // `capacity`; grow() backs its first `bytes`, false when no memory can be had (the allocation
   // is then unchanged). An allocator that cannot grow in place (grows_in_place() false) allocates
   // `capacity` at once, and the manager counts all of it. deallocate takes the bytes backed.
+  // `fresh`: memory the allocator does not keep for reuse (a block that stays for good must not
+  // take what blocks that come and go reuse).
   virtual bool grows_in_place() const noexcept { return false; }
-  virtual void* allocate_growable(std::size_t bytes, std::size_t capacity, StreamHandle stream) {
+  virtual void* allocate_growable(std::size_t bytes, std::size_t capacity, StreamHandle stream,
+                                  bool fresh = false) {
     (void)bytes;
+    (void)fresh;
     return allocate(capacity, stream);
   }
   virtual bool grow(void* ptr, std::size_t bytes) {

@@ -2,38 +2,41 @@
 // host memory, for inference that streams the layers that do not fit.
 //
 // A layer's K/V is one token-major buffer of up to `capacity_tokens` rows of `token_bytes` (a
-// row holds a token's K and V of every head: an append is one contiguous copy). A layer is
-// either resident (a DeviceArena buffer of its own that grows with its tokens) or streamed: its
-// contents live in an append-only pinned host copy, and it is brought into one of a few staging
-// slots (arena buffers too) for each use. Appended tokens are copied to the host copy alone,
-// never the whole layer; a fill copies only the valid prefix.
+// row holds a token's K and V of every head: an append is one contiguous copy): an append block
+// of the store's OffloadManager (Note [Append blocks] in offload_manager.cpp), whose device
+// memory comes from the DeviceArena through an ArenaDeviceAllocator. A layer is either resident
+// (a kept block: its memory grows with its tokens and never leaves) or streamed: its contents
+// live in its write-through pinned host copy, and it is brought to the device for each use.
+// Appended tokens are copied to the host copy alone, never the whole layer; a fetch copies only
+// the valid prefix.
 //
-// All device memory comes from the arena and goes back to it at close() (or destruction):
-// mapped as tokens arrive (reserve()), never for tokens not yet written, so no memory is held
-// for max_new_tokens up front and a promotion maps memory instead of asking an allocator for a
-// buffer. When the arena cannot give memory, the store degrades rather than fails: a promotion
-// leaves the layer streamed, a prefetch that finds no memory is skipped (the fill happens at the
-// acquire), and both are counted; only a layer that cannot be held at all is an OutOfMemory.
+// The manager's budget is the one bound on the store's device memory: a layer's bytes for each
+// resident layer and for each "slot" (room for one streamed layer at a time), so no memory is
+// held for max_new_tokens up front and a promotion maps memory instead of asking an allocator
+// for a buffer. When the arena cannot give memory, the store degrades rather than fails: a
+// promotion leaves the layer streamed, a prefetch that finds no memory is skipped (the fetch
+// happens at the acquire), and both are counted; only a layer that cannot be held at all is an
+// OutOfMemory.
 //
-// Layers are used in a cycle (0, 1, ..., L-1, 0, ...: one decode step after another); at each
-// acquire the store starts filling the next `prefetch_layers` streamed layers of the cycle into
-// free slots, so that their copies run while compute works on the layers before them.
-//
-// Why not the OffloadManager's blocks: a block is moved whole, and a dirty block is re-sent whole;
-// the K/V cache grows by a token per step, and re-sending a layer per token is what makes HF's
-// offloaded cache slow. The store shares the TransferEngine, the pinned pool and the arena.
-// The lifetime protocol is the manager's (Note [Lifetime protocol] in offload_manager.cpp),
-// applied in kv_store.cpp. Single-threaded.
+// Layers are used in a cycle (0, 1, ..., L-1, 0, ...: one decode step after another), declared to
+// the store's PrefetchScheduler as its order: at each acquire it starts bringing in the next
+// `prefetch_layers` streamed layers of the cycle (resident layers take no place in the window)
+// and at each release it lets go of (frees: the host copy is already whole) a streamed layer
+// needed later than the window, so that the copies run while compute works on the layers before
+// them. The store shares the TransferEngine, the pinned pool and the arena; the lifetime
+// protocol is the manager's (Note [Lifetime protocol] in offload_manager.cpp). Single-threaded.
 #pragma once
 
+#include <reviva/arena_device_allocator.h>
 #include <reviva/device_arena.h>
 #include <reviva/export.h>
+#include <reviva/offload_manager.h>
+#include <reviva/prefetch_scheduler.h>
 #include <reviva/stream.h>
 #include <reviva/transfer_engine.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <vector>
 
@@ -50,17 +53,20 @@ struct KVStoreStats {
   int resident_layers = 0;
   int streamed_layers = 0;
   int slots = 0;
-  std::uint64_t fills = 0;                      // slot fills (H2D of a layer's valid prefix)
-  std::uint64_t prefetched_fills = 0;           // of those, started ahead of use
-  std::uint64_t slot_hits = 0;                  // acquires that found the layer still in its slot
-  std::uint64_t promotions = 0;                 // streamed layers made resident
+  std::uint64_t fills = 0;             // fetches (H2D of a layer's valid prefix)
+  std::uint64_t prefetched_fills = 0;  // of those, started ahead of use
+  std::uint64_t slot_hits = 0;         // acquires of streamed layers that found them on the device
+  std::uint64_t promotions = 0;        // streamed layers made resident
   std::uint64_t promotion_failures = 0;         // promotions refused: the arena had no memory
-  std::uint64_t prefetches_without_memory = 0;  // prefetches skipped: no memory for the slot
-  std::uint64_t bytes_to_device = 0;            // H2D bytes submitted
+  std::uint64_t prefetches_without_memory = 0;  // prefetches skipped: no room or no memory
+  std::uint64_t bytes_to_device = 0;            // H2D bytes landed
   std::uint64_t bytes_to_host = 0;              // D2H bytes submitted (appends to host copies)
-  std::size_t host_bytes = 0;                   // pinned bytes of the host copies
+  double compute_stall_ms = 0.0;                // compute's waits for fetches (the manager's meter)
+  double copy_to_device_ms = 0.0;               // H2D copy-stream time of the landed fetches
+  double overlap_ratio = 1.0;         // Note [Overlap ratio], over the store's copies and stalls
+  std::size_t host_bytes = 0;         // pinned bytes of the host copies
   double host_copy_wait_ms = 0.0;     // host time taking host copies from the pool (pinning)
-  std::size_t device_bytes = 0;       // arena bytes mapped for this store now
+  std::size_t device_bytes = 0;       // arena bytes mapped for the store now (held and cached)
   std::size_t peak_device_bytes = 0;  // the most at once
 };
 
@@ -80,18 +86,18 @@ class REVIVA_API KVStore {
   // that frees up after prefill. Not while acquired. False, changing nothing but the stats, when
   // the arena cannot map its tokens.
   bool promote(int layer);
-  // A staging slot for streamed layers: an arena buffer, mapped as its layers need.
+  // Room for one more streamed layer on the device at a time (the budget grows by a layer).
   void add_slot();
-  // Gives up a slot no layer is using (the least recently released, else one a prefetch filled;
-  // its layer is filled again when next needed): its memory goes back to the arena once the
-  // streams that used it pass. False when every slot is acquired, or only one is left while
+  // Gives up a slot's room (the budget shrinks by a layer; streamed layers not acquired leave
+  // the device as needed, their memory going back once the streams that used it pass). False,
+  // changing nothing, when the layers acquired need that room, or only one slot is left while
   // layers stream.
   bool drop_slot();
 
   // Compute is about to use `layer`: returns its device buffer, holding its first length(layer)
-  // tokens for work submitted to `compute` from now on (compute waits for their fill), until
-  // release(). Starts filling the next streamed layers of the cycle. Throws OutOfMemory when a
-  // streamed layer needs a slot's memory that the arena cannot give.
+  // tokens for work submitted to `compute` from now on (compute waits for their fetch), until
+  // release(). Starts bringing in the next streamed layers of the cycle. Throws OutOfMemory
+  // when a streamed layer needs memory that the budget or the arena cannot give.
   void* acquire(int layer, const Stream& compute);
   // Backs the acquired layer's buffer for its first `tokens` tokens, before compute writes them.
   // Throws OutOfMemory naming the numbers when the arena cannot.
@@ -103,7 +109,7 @@ class REVIVA_API KVStore {
   void wrote(int layer, std::size_t first, std::size_t count, const Stream& compute);
   // Compute's use of the acquired buffer ends with the work queued on `compute` so far.
   void release(int layer, const Stream& compute);
-  // The arena buffer behind the acquired layer (to keep its memory alive while views exist).
+  // The arena buffer behind the acquired layer (to keep its memory mapped while views exist).
   std::shared_ptr<ArenaBuffer> buffer(int layer) const;
 
   std::size_t length(int layer) const;
@@ -114,7 +120,8 @@ class REVIVA_API KVStore {
   // meter: TransferEngine::stats().)
   void synchronize();
   KVStoreStats stats();
-  // Forgets all contents (lengths 0), keeping buffers and host copies, after its copies land.
+  // Forgets all contents (lengths 0) after its copies land; the memory goes back to the pool and
+  // the allocator's cache, from where the next contents take it.
   void clear();
   // Waits for its copies, then gives every buffer back to the arena (stream-ordered after the
   // last use) and every host copy to the pool. The store is unusable afterwards. Idempotent.
@@ -122,33 +129,23 @@ class REVIVA_API KVStore {
   bool closed() const noexcept { return closed_; }
 
  private:
-  struct Slot;
-  struct Layer;
-  Layer& layer_at(int layer, const char* what);
-  const Layer& layer_at(int layer, const char* what) const;
-  ArenaBuffer& acquired_buffer(int layer, const char* what) const;
-  void prefetch_after(int layer);
-  // 1: filled (or reserved), 0: no free slot, -1: no memory for the slot (prefetch only).
-  int fill(int layer, bool prefetch);
-  int take_free_slot(std::size_t need);
-  int take_prefetched_slot();
-  void allocate_host_copy(Layer& l);
-  void become_resident(int layer, std::shared_ptr<ArenaBuffer> buffer);
-  void unpark(int slot);
-  Transfer copy_prefix_in(Layer& layer, ArenaBuffer& dst);
-  void note_device_bytes();
+  BlockId block_at(int layer, const char* what) const;
+  void check_acquired(int layer, const char* what) const;
+  void set_budget();
+  void declare_cycle();
   void check_open(const char* what) const;
 
   std::shared_ptr<TransferEngine> engine_;
   std::shared_ptr<DeviceArena> arena_;
-  std::shared_ptr<Backend> backend_;
-  std::unique_ptr<Event> append_producer_;  // re-recorded on compute at each append
+  std::shared_ptr<ArenaDeviceAllocator> allocator_;
   KVStoreOptions options_;
-  std::vector<Layer> layers_;
-  std::vector<Slot> slots_;
-  std::deque<int> free_slots_;  // slots not acquired, least recently released first
-  std::vector<int> streamed_;   // streamed layers in cycle order
-  KVStoreStats stats_;
+  std::unique_ptr<OffloadManager> manager_;
+  std::unique_ptr<PrefetchScheduler> scheduler_;
+  std::vector<BlockId> blocks_;  // one append block per layer
+  std::vector<bool> resident_;
+  std::vector<void*> acquired_;  // the address of an acquired layer, null otherwise
+  int slots_ = 0;
+  KVStoreStats counts_;   // what the store counts itself (the rest comes from the manager)
   bool started_ = false;  // a layer was acquired: residency is fixed (promotion aside)
   bool closed_ = false;
 };

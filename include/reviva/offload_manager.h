@@ -89,7 +89,8 @@ class REVIVA_API OffloadManager {
   std::size_t wrote(BlockId id, std::size_t offset, std::size_t bytes, const Stream& compute);
   // Keeps an append block on the device from now on: never evicted nor offloaded, its host copy
   // given back once its contents are on the device (later writes stay there). A block on the
-  // host is fetched now, making room as acquire does. False, changing nothing, when the budget
+  // host is fetched now into fresh memory (not memory the allocator keeps for blocks that come
+  // and go), making room as acquire does. False, changing nothing, when the budget
   // or the device cannot hold it. One way: a kept block stays kept until unregistered.
   bool keep_resident(BlockId id);
   bool kept(BlockId id) const;

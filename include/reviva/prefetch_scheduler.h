@@ -1,7 +1,10 @@
 // PrefetchScheduler: keeps the next groups of blocks in flight ahead of compute.
 //
 // A step is a sequence of group accesses (a group: the blocks one layer needs). The order is
-// declared, or recorded during the first step and replayed from then on. At each access the
+// declared, or recorded during the first step and replayed from then on. A group whose blocks
+// are all kept resident (OffloadManager::keep_resident, as of the declaration) takes no place in
+// the window: the window counts the groups that may need bringing in (a decode step's streamed
+// layers among resident ones). At each access the
 // scheduler acquires the group (its blocks resident, compute ordered after their copies), starts
 // H2D copies for the next `window` groups of the order (wrapping into the next step), and when a
 // group is released, starts offloading those of its blocks whose next use is beyond the window,
@@ -87,6 +90,7 @@ class REVIVA_API PrefetchScheduler {
   void prefetch_ahead(std::size_t position);
   bool make_room(std::size_t position);
   std::size_t distance_to_next_use(BlockId id, std::size_t position) const;
+  std::size_t counted_distance(std::size_t from, std::size_t to) const;
   void rebuild_index();
   void adapt(const Stream& compute);
 
@@ -97,7 +101,8 @@ class REVIVA_API PrefetchScheduler {
   std::vector<std::vector<BlockId>> order_;
   std::vector<std::vector<BlockId>> recording_;
   std::unordered_map<BlockId, std::vector<std::size_t>> uses_;  // positions in order_
-  std::size_t position_ = 0;  // index in order_ of the group being used (or next expected)
+  std::vector<std::size_t> rank_;  // rank_[i]: groups before position i that are not all kept
+  std::size_t position_ = 0;       // index in order_ of the group being used (or next expected)
   bool on_schedule_ = false;
   PrefetchSchedulerStats stats_;
   // Adaptive mode: timing events at successive accesses on the compute stream.

@@ -1,9 +1,10 @@
 // reviva._C.KVStore and reviva._C.DeviceArena: the core KVStore and its arena on torch tensors.
 //
 // A layer's K/V is one token-major buffer [capacity, 2, batch, kv_heads, head_dim] (a row holds a
-// token's K then V) in the core's DeviceArena, outside torch's allocator. view() returns a tensor
-// over the first tokens of an acquired layer's buffer; the tensor keeps that memory mapped while
-// it lives (its deleter holds the arena buffer), so no view can outlive the memory it reads.
+// token's K then V): an append block of the store's OffloadManager, in the core's DeviceArena
+// outside torch's allocator. view() returns a tensor over the first tokens of an acquired
+// layer's buffer; the tensor keeps that memory mapped while it lives (its deleter holds the arena
+// buffer), so no view can outlive the memory it reads.
 // Compute is torch's current stream on CUDA; on the host runtime acquire() waits for the fill
 // before returning, since torch computes on the CPU synchronously.
 #include "runtime.h"
@@ -137,6 +138,9 @@ class PyKVStore {
     r["prefetches_without_memory"] = st.prefetches_without_memory;
     r["bytes_to_device"] = st.bytes_to_device;
     r["bytes_to_host"] = st.bytes_to_host;
+    r["compute_stall_ms"] = st.compute_stall_ms;
+    r["copy_to_device_ms"] = st.copy_to_device_ms;
+    r["overlap_ratio"] = st.overlap_ratio;
     r["host_bytes"] = st.host_bytes;
     r["host_copy_wait_ms"] = st.host_copy_wait_ms;
     r["device_bytes"] = st.device_bytes;
@@ -170,7 +174,8 @@ void bind_kv_store(py::module_& m) {
 
   py::class_<PyKVStore>(m, "KVStore",
                         "A decoder's K/V cache: resident layers and layers streamed from pinned "
-                        "host memory through staging slots (see include/reviva/kv_store.h)")
+                        "host memory, append blocks of an OffloadManager driven by a "
+                        "PrefetchScheduler (see include/reviva/kv_store.h)")
       .def(py::init<py::object, std::shared_ptr<DeviceArena>, int, int64_t, int64_t, int64_t,
                     py::object, int64_t, int>(),
            py::arg("engine"), py::arg("arena"), py::arg("num_layers"), py::arg("batch"),

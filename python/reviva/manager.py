@@ -463,7 +463,9 @@ class RevivaManager:
         layer_kv = plan.layer_kv_bytes
         kv_total = plan.num_layers * plan.capacity * plan.kv_token_bytes
         copy_ms = eng["h2d"]["busy_ms"]
-        stall_ms = eng["compute_stall_ms"]  # the engine's stall meter (reset at the call's start)
+        # Compute's waits for K/V fetches: the store's manager's meter (the one stall meter of
+        # the residency engine; the store is the call's own).
+        stall_ms = st["compute_stall_ms"]
         prefill_peak = ph.get("prefill_peak")
         decode_peak = self._phase_peak()
         peaks = [p for p in (prefill_peak, decode_peak) if p is not None]
@@ -489,7 +491,7 @@ class RevivaManager:
             "h2d_gbps": eng["h2d"]["bandwidth_gbps"],
             "copy_to_device_ms": copy_ms,
             "stall_ms": stall_ms,
-            "overlap_ratio": eng["overlap_ratio"],  # Note [Overlap ratio]
+            "overlap_ratio": st["overlap_ratio"],  # Note [Overlap ratio], the store's copies
             "resident_layers": st["resident_layers"],
             "streamed_layers": st["streamed_layers"],
             "resident_layers_in_prefill": len(plan.resident_layers),

@@ -272,8 +272,7 @@ TEST_P(AppendBlockTest, MisuseIsNamed) {
   m_->grow(id, 2 * kMiB);
   EXPECT_NE(message([&] { m_->wrote(id, 10, 1, *compute_); }).find("gap"), std::string::npos);
   m_->acquire(fixed, *compute_, Access::WriteOnly);
-  EXPECT_NE(message([&] { m_->grow(fixed, kMiB); }).find("not an append block"),
-            std::string::npos);
+  EXPECT_NE(message([&] { m_->grow(fixed, kMiB); }).find("not an append block"), std::string::npos);
   EXPECT_NE(message([&] { m_->wrote(fixed, 0, 1, *compute_); }).find("not an append block"),
             std::string::npos);
   EXPECT_NE(message([&] { m_->keep_resident(fixed); }).find("not an append block"),
