@@ -486,6 +486,50 @@ TEST(PrefetchScheduler, AdaptiveWindowNarrowsWhenPrefetchesFindNoRoom) {
   EXPECT_GT(scheduler.stats().measured_compute_ms_per_group, 0.0);
 }
 
+TEST(PrefetchScheduler, KeptGroupsTakeNoPlaceInTheWindow) {
+  // A decode cycle of 6 K/V layers, 0 2 3 kept resident: with a window of 1, using layer 1
+  // brings in layer 4 (the next one that may need it, past the kept 2 and 3), and releasing
+  // layer 1 lets it go (its next use is 3 counted groups away), while layer 4 stays.
+  HostBackendOptions bo;
+  bo.simulated_device_bytes = std::size_t{1} << 30;
+  auto backend = make_host_backend(bo);
+  auto pool = PinnedHostPool::create(backend, {});
+  auto engine = std::make_shared<TransferEngine>(pool);
+  Stream compute(backend);
+  OffloadManagerOptions o;
+  o.budget_bytes = 64 * kMiB;
+  OffloadManager m(engine, make_backend_device_allocator(backend), o);
+  std::vector<BlockId> layers;
+  for (int i = 0; i < 6; ++i) layers.push_back(m.register_append_block(kMiB));
+  for (int i : {0, 2, 3}) ASSERT_TRUE(m.keep_resident(layers[static_cast<std::size_t>(i)]));
+  for (BlockId id : layers) {  // prefill: every layer written once, the streamed ones offloaded
+    void* p = m.acquire(id, compute);
+    backend->memset_async(p, 7, 1000, compute.handle());
+    m.wrote(id, 0, 1000, compute);
+    m.release(id, compute);
+    m.offload(id);
+  }
+  m.synchronize();
+  PrefetchSchedulerOptions so;
+  so.prefetch_groups = 1;
+  PrefetchScheduler s(m, so);
+  std::vector<Group> order;
+  for (BlockId id : layers) order.push_back({id});
+  s.declare_order(order);
+  s.acquire_group(order[0], compute);  // kept: brings in layer 1
+  EXPECT_TRUE(on_the_way(m.state(layers[1])));
+  s.release_group(order[0], compute);
+  s.acquire_group(order[1], compute);
+  EXPECT_TRUE(on_the_way(m.state(layers[4]))) << "the window skips the kept layers 2 and 3";
+  EXPECT_EQ(m.state(layers[5]), BlockState::Host) << "one group of window, not more";
+  s.release_group(order[1], compute);
+  m.synchronize();
+  EXPECT_EQ(m.state(layers[1]), BlockState::Host) << "needed again only next step: let go";
+  EXPECT_TRUE(on_the_way(m.state(layers[4])));
+  for (int i : {0, 2, 3})
+    EXPECT_EQ(m.state(layers[static_cast<std::size_t>(i)]), BlockState::Device);
+}
+
 TEST(PrefetchScheduler, FixedWindowIsTheConfiguredOne) {
   for (int w : {1, 3}) {
     Rig rig(64 * kMiB, 4, 1, 64 * kKiB);
