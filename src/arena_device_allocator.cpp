@@ -72,25 +72,31 @@ void* ArenaDeviceAllocator::take(std::size_t bytes, std::size_t capacity, Stream
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     ++impl_->stats.allocations;
-    // The smallest cached buffer that holds the request, if not more than twice its size (and,
-    // for a growable one, whose address space holds its capacity).
     auto chosen = impl_->cache.end();
-    for (auto it = fresh ? impl_->cache.end() : impl_->cache.lower_bound(bytes);
-         it != impl_->cache.end() && it->first <= 2 * rounded; ++it) {
-      if (it->second.buffer->capacity() < address) continue;
-      chosen = it;
-      break;
-    }
-    // A growable request may also take the largest cached buffer below its size whose address
-    // space holds it, grown in place below: a K/V layer crossing a granule would otherwise map
-    // a new buffer and leave the old ones cached for good.
-    if (chosen == impl_->cache.end() && capacity > 0 && !fresh) {
-      for (auto it = impl_->cache.lower_bound(bytes); it != impl_->cache.begin();) {
-        --it;
+    if (capacity == 0) {
+      // The smallest cached buffer that holds the request, if not more than twice its size.
+      for (auto it = impl_->cache.lower_bound(bytes);
+           it != impl_->cache.end() && it->first <= 2 * rounded; ++it) {
+        if (it->second.buffer->capacity() < address) continue;
+        chosen = it;
+        break;
+      }
+    } else if (!fresh) {
+      // A growable request (a K/V layer, which grows into what it was given) takes any cached
+      // buffer whose address space holds its capacity: the smallest that holds it, else the
+      // largest below it, grown in place below. Mapping a new one instead would leave the
+      // cached ones mapped beside it (a prefill that starts each layer small and grows it
+      // would map a layer per layer).
+      for (auto it = impl_->cache.lower_bound(bytes); it != impl_->cache.end(); ++it) {
         if (it->second.buffer->capacity() >= address) {
           chosen = it;
           break;
         }
+      }
+      for (auto it = impl_->cache.lower_bound(bytes);
+           chosen == impl_->cache.end() && it != impl_->cache.begin();) {
+        --it;
+        if (it->second.buffer->capacity() >= address) chosen = it;
       }
     }
     if (chosen != impl_->cache.end()) {

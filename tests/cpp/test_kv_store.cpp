@@ -130,6 +130,22 @@ TEST_P(KVStoreTest, PrefillThenDecodeKeepsEveryLayerExact) {
   EXPECT_EQ(rig.arena->stats().buffers, 0u);
 }
 
+TEST_P(KVStoreTest, LayersOfManyGranulesMapNoMoreThanTheirResidentLayersAndSlots) {
+  // Layers of several granules each, prefilled from nothing then decoded: every streamed layer
+  // starts small and grows; the store's memory stays what 2 resident layers and 2 slots need
+  // (each fetch reuses a freed layer's memory, grown in place), not a buffer per layer.
+  const std::size_t prompt = 40000;  // 7.3 MiB of K/V per layer: 4 granules of 2 MiB
+  Rig rig(backend_, 6, 44000, 1, 2, {0, 3});
+  rig.step(prompt, 1, /*check=*/false);
+  for (int s = 0; s < 3; ++s) rig.step(1, 10 + s);
+  rig.step(0, 99);
+  rig.store->synchronize();
+  const std::size_t per_layer = rig.arena->round_up((prompt + 3) * kTokenBytes);
+  const KVStoreStats st = rig.store->stats();
+  EXPECT_LE(st.peak_device_bytes, 4 * per_layer) << "more than 2 resident layers and 2 slots";
+  EXPECT_LE(rig.arena->stats().peak_bytes, 4 * per_layer);
+}
+
 TEST_P(KVStoreTest, ExactWithEveryWindowAndSlotCount) {
   for (int prefetch : {0, 1, 3}) {
     for (int slots : {1, 2, 5}) {
