@@ -121,7 +121,7 @@ bool KVStore::promote(int layer) {
   // streamed layers (it is clean: nothing is copied), so that a promotion never takes the
   // memory streaming needs. Its valid prefix comes in from the host copy now (compute waits for
   // it at the next acquire), and the host copy goes back to the pool once that copy read it.
-  manager_->synchronize();  // a prefetch in flight lands first
+  manager_->settle(id);  // its prefetch in flight lands first (the other copies go on)
   manager_->offload(id);
   if (!manager_->keep_resident(id)) {
     --counts_.resident_layers;

@@ -1313,6 +1313,21 @@ void OffloadManager::synchronize() {
   m.poll(/*wait_for_turn=*/true);
 }
 
+void OffloadManager::settle(BlockId id) {
+  Impl& m = *impl_;
+  for (;;) {
+    Transfer in_flight;
+    {
+      std::unique_lock<std::mutex> lock(m.mutex);
+      Impl::Block& b = m.wait_idle(lock, id);
+      if (b.state != BlockState::ToDevice && b.state != BlockState::ToHost) return;
+      in_flight = b.transfer;
+    }
+    in_flight.wait();
+    m.poll(/*wait_for_turn=*/true);
+  }
+}
+
 void OffloadManager::poll() { impl_->poll(/*wait_for_turn=*/false); }
 
 ManagerMetrics OffloadManager::metrics() {

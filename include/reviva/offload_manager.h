@@ -132,6 +132,9 @@ class REVIVA_API OffloadManager {
   void end_step();
   // Waits for every copy in flight and folds all completions into state and metrics.
   void synchronize();
+  // Waits for the block's own copy in flight, if any (a prefetch landing, an eviction leaving),
+  // and folds it: the block is then Device, Host or Empty. Other copies go on.
+  void settle(BlockId id);
   // Folds completed copies and waits into state and metrics without blocking.
   void poll();
 

@@ -253,6 +253,30 @@ TEST_P(AppendBlockTest, GrowthIsCountedAgainstTheBudgetAndRefusedPastIt) {
   m_->check_invariants();
 }
 
+TEST_P(AppendBlockTest, SettleWaitsForTheBlocksOwnCopyAlone) {
+  const BlockId id = m_->register_append_block(4 * kMiB);
+  void* p = m_->acquire(id, *compute_);
+  m_->grow(id, kMiB);
+  write(id, p, 0, random_bytes(kMiB, 12));
+  m_->release(id, *compute_);
+  m_->offload(id);
+  m_->synchronize();
+  StreamGate gate;
+  gate.block(h2d());
+  ASSERT_TRUE(m_->prefetch(id));
+  EXPECT_EQ(m_->state(id), BlockState::ToDevice);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(milliseconds(50));
+    gate.open();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  m_->settle(id);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, milliseconds(40)) << "did not wait";
+  EXPECT_EQ(m_->state(id), BlockState::Device);
+  opener.join();
+  m_->settle(id);  // nothing in flight: returns at once
+}
+
 TEST_P(AppendBlockTest, MisuseIsNamed) {
   const BlockId id = m_->register_append_block(4 * kMiB, "kv.3");
   const BlockId fixed = m_->register_block(kMiB, "w");
