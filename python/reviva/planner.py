@@ -207,6 +207,9 @@ def make_plan(
     # off the device during prefill are promoted back after it.
     q_and_out = 2 * batch * prompt_tokens * lay.num_heads * lay.head_dim * e
     q_and_out += score * prompt_tokens * prompt_tokens
+    # ... and a contiguous copy of the layer's keys and values (LlamaLayerPath._attend_hf).
+    kv_copy = 2 * batch * prompt_tokens * lay.num_kv_heads * lay.head_dim * e
+    q_and_out += kv_copy
     base = hidden + rotary + mask + chunk * per_token + logits
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     n = lay.num_layers
@@ -220,8 +223,8 @@ def make_plan(
         whole_attention = fits <= budget - baseline
     if whole_attention and chunk < prompt_tokens:
         prefill = base + q_and_out  # whole queries and output, and the scores
-    elif whole_attention:
-        prefill = base + score * prompt_tokens * prompt_tokens  # q and out are in per_token
+    elif whole_attention:  # q and out are in per_token
+        prefill = base + score * prompt_tokens * prompt_tokens + kv_copy
     else:
         prefill = base + score * chunk * prompt_tokens
     decode = logits + batch * capacity * 8 + per_token + model.decode_fixed
