@@ -260,7 +260,8 @@ KVStoreStats KVStore::stats() {
   const ManagerMetrics mm = manager_->metrics();
   st.fills = mm.prefetches + mm.prefetch_misses;
   st.prefetched_fills = mm.prefetches;
-  st.prefetches_without_memory = scheduler_->stats().prefetches_without_room;
+  st.prefetches_without_memory = mm.prefetches_without_memory;
+  st.prefetches_deferred = scheduler_->stats().prefetches_without_room;
   st.bytes_to_device = mm.bytes_to_device;
   st.compute_stall_ms = mm.compute_stall_ms;
   st.copy_to_device_ms = mm.to_device_busy_ms;

@@ -1145,7 +1145,9 @@ bool OffloadManager::prefetch(BlockId id) {
     }
   } catch (const OutOfMemory&) {
     m.abandon(id, ptr, bytes, reserved, m.h2d().handle());
-    return false;  // no room after all: the access will fetch it on demand
+    std::lock_guard<std::mutex> lock(m.mutex);
+    ++m.metrics.prefetches_without_memory;
+    return false;  // no memory after all: the access will fetch it on demand
   } catch (...) {
     m.abandon(id, ptr, bytes, reserved, m.h2d().handle());
     throw;

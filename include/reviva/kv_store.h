@@ -58,11 +58,14 @@ struct KVStoreStats {
   std::uint64_t slot_hits = 0;         // acquires of streamed layers that found them on the device
   std::uint64_t promotions = 0;        // streamed layers made resident
   std::uint64_t promotion_failures = 0;         // promotions refused: the arena had no memory
-  std::uint64_t prefetches_without_memory = 0;  // prefetches skipped: no room or no memory
-  std::uint64_t bytes_to_device = 0;            // H2D bytes landed
-  std::uint64_t bytes_to_host = 0;              // D2H bytes submitted (appends to host copies)
-  double compute_stall_ms = 0.0;                // compute's waits for fetches (the manager's meter)
-  double copy_to_device_ms = 0.0;               // H2D copy-stream time of the landed fetches
+  std::uint64_t prefetches_without_memory = 0;  // prefetches skipped: the arena had no memory
+  // prefetches that found every slot's room in use; retried at the next release (with as many
+  // slots as the window, the last layer of the window waits for a release each time)
+  std::uint64_t prefetches_deferred = 0;
+  std::uint64_t bytes_to_device = 0;  // H2D bytes landed
+  std::uint64_t bytes_to_host = 0;    // D2H bytes submitted (appends to host copies)
+  double compute_stall_ms = 0.0;      // compute's waits for fetches (the manager's meter)
+  double copy_to_device_ms = 0.0;     // H2D copy-stream time of the landed fetches
   double overlap_ratio = 1.0;         // Note [Overlap ratio], over the store's copies and stalls
   std::size_t host_bytes = 0;         // pinned bytes of the host copies
   double host_copy_wait_ms = 0.0;     // host time taking host copies from the pool (pinning)

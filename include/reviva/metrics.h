@@ -48,6 +48,8 @@ struct ManagerMetrics {
   // Append blocks (K/V): D2H submitted by wrote() (bytes_to_host counts them once they land),
   // and host time taking their host copies from the pinned pool (pinning, when not reserved).
   std::uint64_t bytes_written_through = 0;
+  // prefetch() calls that had room under the budget but no device memory (the allocator refused).
+  std::uint64_t prefetches_without_memory = 0;
   double host_copy_alloc_ms = 0.0;
 };
 

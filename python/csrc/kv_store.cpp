@@ -136,6 +136,7 @@ class PyKVStore {
     r["promotions"] = st.promotions;
     r["promotion_failures"] = st.promotion_failures;
     r["prefetches_without_memory"] = st.prefetches_without_memory;
+    r["prefetches_deferred"] = st.prefetches_deferred;
     r["bytes_to_device"] = st.bytes_to_device;
     r["bytes_to_host"] = st.bytes_to_host;
     r["compute_stall_ms"] = st.compute_stall_ms;

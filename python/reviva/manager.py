@@ -498,6 +498,7 @@ class RevivaManager:
             "promoted_layers": st["promotions"],
             "promotion_failures": st["promotion_failures"],
             "prefetches_without_memory": st["prefetches_without_memory"],
+            "prefetches_deferred": st["prefetches_deferred"],
             "slots": plan.slots,
             "decode_slots": st["slots"],
             "promotions_refused_by_device": ph.get("promotions_refused_by_device", 0),

@@ -277,6 +277,32 @@ TEST_P(AppendBlockTest, SettleWaitsForTheBlocksOwnCopyAlone) {
   m_->settle(id);  // nothing in flight: returns at once
 }
 
+TEST_P(AppendBlockTest, APrefetchWithoutMemoryIsSkippedAndCounted) {
+  // Room under the budget, but the arena can map nothing more: the prefetch is skipped (false),
+  // counted, changes nothing, and the acquire fetches the block once memory is there.
+  const BlockId a = m_->register_append_block(4 * kMiB, "a");
+  const BlockId b = m_->register_append_block(4 * kMiB, "b");
+  const auto data = random_bytes(kMiB, 13);
+  for (BlockId id : {a, b}) {
+    void* p = m_->acquire(id, *compute_);
+    m_->grow(id, data.size());
+    write(id, p, 0, data);
+    m_->release(id, *compute_);
+    m_->offload(id);
+  }
+  m_->synchronize();
+  m_->acquire(a, *compute_, Access::ReadOnly);  // takes the one mapped buffer
+  arena_->set_limit_bytes(arena_->stats().mapped_bytes);
+  EXPECT_FALSE(m_->prefetch(b));
+  EXPECT_EQ(m_->state(b), BlockState::Host);
+  EXPECT_EQ(m_->metrics().prefetches_without_memory, 1u);
+  m_->release(a, *compute_);
+  m_->offload(a);  // its buffer goes back to the allocator's cache
+  m_->synchronize();
+  EXPECT_EQ(read(b, data.size()), data) << "fetched into the memory a left";
+  m_->check_invariants();
+}
+
 TEST_P(AppendBlockTest, MisuseIsNamed) {
   const BlockId id = m_->register_append_block(4 * kMiB, "kv.3");
   const BlockId fixed = m_->register_block(kMiB, "w");

@@ -275,7 +275,10 @@ TEST_P(KVStoreTest, MisuseIsRefusedNamingTheValues) {
 
 TEST_P(KVStoreTest, DegradesWhenTheArenaIsShort) {
   // One slot streams three layers; then the arena is held at what is mapped (as when another
-  // part of the process took the rest) and a second slot is added, which can get no memory.
+  // part of the process took the rest) and a second slot is added: it gets no new memory (the
+  // streamed layers share what their allocator already holds), a promotion, which needs memory
+  // of its own, fails and leaves the layer streamed, and every layer stays exact. (A prefetch
+  // refused memory is counted: AppendBlockTest.APrefetchWithoutMemoryIsSkippedAndCounted.)
   Rig rig(backend_, 3, 60, 1, 1, {});
   rig.step(36, 1, /*check=*/false);
   rig.step(1, 2);
@@ -288,7 +291,6 @@ TEST_P(KVStoreTest, DegradesWhenTheArenaIsShort) {
   const KVStoreStats st = rig.store->stats();
   EXPECT_EQ(st.promotion_failures, 1u);
   EXPECT_EQ(st.promotions, 0u);
-  EXPECT_GT(st.prefetches_without_memory, 0u) << "prefetches into the unmapped slot skipped";
   EXPECT_LE(rig.arena->stats().peak_bytes, rig.arena->limit_bytes());
   // Given memory again, the layer is promoted.
   rig.arena->set_limit_bytes(0);
