@@ -795,6 +795,7 @@ std::size_t OffloadManager::wrote(BlockId id, std::size_t offset, std::size_t by
   Impl& m = *impl_;
   void* device;
   bool need_host;
+  bool whole;
   std::size_t capacity;
   {
     std::unique_lock<std::mutex> lock(m.mutex);
@@ -811,12 +812,13 @@ std::size_t OffloadManager::wrote(BlockId id, std::size_t offset, std::size_t by
     b.busy = true;
     device = b.device;
     need_host = !b.host;
+    whole = need_host || !b.host_valid;  // a new or stale host copy gets the whole prefix
     capacity = b.capacity;
   }
   std::size_t sent = 0;
   try {
     PinnedBlock fresh;
-    if (need_host) {  // the first write: the host copy, then the whole valid prefix goes
+    if (need_host) {  // the first write: the host copy (the whole valid prefix goes, below)
       const double t0 = m.host_now_ms();
       fresh = m.engine->pool().allocate(capacity);
       std::lock_guard<std::mutex> lock(m.mutex);
@@ -829,7 +831,7 @@ std::size_t OffloadManager::wrote(BlockId id, std::size_t offset, std::size_t by
       Impl::Block& b = m.find(id);
       if (need_host) b.host = std::move(fresh);
       host = &b.host;  // stable while busy
-      first = need_host ? 0 : offset;
+      first = whole ? 0 : offset;
       sent = offset + bytes - first;
     }
     Event producer(m.backend);  // rule 1: after compute's write
@@ -850,8 +852,17 @@ std::size_t OffloadManager::wrote(BlockId id, std::size_t offset, std::size_t by
     b.busy = false;
     m.changed.notify_all();
   } catch (...) {
+    // The host copy lacks the range now: it is stale (an eviction then copies the valid prefix
+    // whole), or, taken for this write, it goes.
+    Graveyard trash;
     std::lock_guard<std::mutex> lock(m.mutex);
-    m.find(id).busy = false;
+    Impl::Block& b = m.find(id);
+    if (need_host) {
+      trash.blocks.push_back(std::move(b.host));
+      b.host = PinnedBlock();
+    }
+    b.host_valid = false;
+    b.busy = false;
     m.changed.notify_all();
     throw;
   }
@@ -1382,7 +1393,10 @@ void OffloadManager::check_invariants() const {
       REVIVA_ASSERT(b.valid <= b.capacity && b.bytes <= b.capacity, "append block ", id,
                     " over its capacity");
       REVIVA_ASSERT(!b.keep || !b.host || b.busy, "kept block ", id, " with a host copy");
-      if (!b.busy && b.host) REVIVA_ASSERT(b.host_valid, "append block ", id, " host copy stale");
+      // A host copy is kept whole by the writes (stale only after a write-through that failed,
+      // while the block is on the device: its eviction then copies the valid prefix).
+      if (!b.busy && b.host && b.state == BlockState::Host)
+        REVIVA_ASSERT(b.host_valid, "append block ", id, " on the host with a stale host copy");
       if (!b.busy && (b.state == BlockState::Device || b.state == BlockState::ToDevice))
         REVIVA_ASSERT(b.valid <= b.bytes, "append block ", id, " contents beyond its memory");
       if (b.state == BlockState::Empty && !b.drop_on_landing)
