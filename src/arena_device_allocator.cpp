@@ -75,12 +75,8 @@ void* ArenaDeviceAllocator::take(std::size_t bytes, std::size_t capacity, Stream
     auto chosen = impl_->cache.end();
     if (capacity == 0) {
       // The smallest cached buffer that holds the request, if not more than twice its size.
-      for (auto it = impl_->cache.lower_bound(bytes);
-           it != impl_->cache.end() && it->first <= 2 * rounded; ++it) {
-        if (it->second.buffer->capacity() < address) continue;
-        chosen = it;
-        break;
-      }
+      auto it = impl_->cache.lower_bound(bytes);
+      if (it != impl_->cache.end() && it->first <= 2 * rounded) chosen = it;
     } else if (!fresh) {
       // A growable request (a K/V layer, which grows into what it was given) takes any cached
       // buffer whose address space holds its capacity: the smallest that holds it, else the

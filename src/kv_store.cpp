@@ -272,7 +272,6 @@ KVStoreStats KVStore::stats() {
   st.peak_device_bytes = as.peak_bytes;
   st.host_bytes = 0;
   for (BlockId id : blocks_) st.host_bytes += manager_->host_bytes(id);
-  counts_.host_bytes = st.host_bytes;
   return st;
 }
 

@@ -589,24 +589,34 @@ struct OffloadManager::Impl {
   // of its host copy into it. Unlocked.
   // An append block copies its valid prefix, after its last write-through (rule 4).
   Transfer fetch(BlockId id, std::size_t bytes, void** ptr, bool fresh = false) {
+    *ptr = allocate_for(id, bytes, h2d().handle(), fresh);
     const PinnedBlock* host;
     std::size_t copy_bytes;
     Transfer last_write;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      const Block& b = find(id);  // stable: the block is busy, only this thread touches it
+      host = &b.host;
+      copy_bytes = b.append ? b.valid : bytes;
+      last_write = b.last_write;
+    }
+    const Event* after = last_write.valid() ? &last_write.completion_event() : nullptr;
+    return engine->restore(*host, *ptr, copy_bytes, after);
+  }
+
+  // `bytes` of device memory for busy block `id` on `stream`: growable up to its capacity for
+  // an append block (`fresh`: not memory the allocator keeps for reuse). Unlocked.
+  void* allocate_for(BlockId id, std::size_t bytes, StreamHandle stream, bool fresh = false) {
     bool append;
     std::size_t capacity;
     {
       std::lock_guard<std::mutex> lock(mutex);
-      Block& b = find(id);  // stable: the block is busy, only this thread touches it
-      host = &b.host;
+      const Block& b = find(id);
       append = b.append;
       capacity = b.capacity;
-      copy_bytes = b.append ? b.valid : bytes;
-      last_write = b.last_write;
     }
-    *ptr = append ? allocator->allocate_growable(bytes, capacity, h2d().handle(), fresh)
-                  : allocator->allocate(bytes, h2d().handle());
-    const Event* after = last_write.valid() ? &last_write.completion_event() : nullptr;
-    return engine->restore(*host, *ptr, copy_bytes, after);
+    return append ? allocator->allocate_growable(bytes, capacity, stream, fresh)
+                  : allocator->allocate(bytes, stream);
   }
 
   // Undoes a fetch or allocation that failed part way: gives back the device memory (if any was
@@ -1038,14 +1048,12 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
     BlockState state;
     std::size_t bytes;
     bool append;
-    std::size_t capacity;
     {
       std::lock_guard<std::mutex> lock(m.mutex);
       Impl::Block& b = m.find(id);
       state = b.state;
       bytes = m.fetch_bytes(b);
       append = b.append;
-      capacity = b.capacity;
     }
     // An append block's contents are always needed (its writes are appends).
     const bool fetch = state == BlockState::Host && (access != Access::WriteOnly || append);
@@ -1058,8 +1066,7 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
       if (fetch) {
         copy = m.fetch(id, bytes, &ptr);
       } else {
-        ptr = append ? m.allocator->allocate_growable(bytes, capacity, compute.handle())
-                     : m.allocator->allocate(bytes, compute.handle());
+        ptr = m.allocate_for(id, bytes, compute.handle());
       }
     } catch (...) {
       m.abandon(id, ptr, bytes, reserved, fetch ? m.h2d().handle() : compute.handle());
