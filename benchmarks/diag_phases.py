@@ -8,7 +8,10 @@ process. CUDA events at each decoder layer's start and end give, per call: the t
 0 starts (planning, pinning), each layer's prefill time, and for each decode step its span (layer
 0's start to layer 31's end) and the gap to the next step, and each layer's mean decode time (the
 streamed ones wait for their copies); with the layers resident in prefill and in decode and the
-manager's statistics. Writes phases.json to --out (default: the current folder).
+manager's statistics. With the store's timeline (every copy and every wait of compute for one,
+aligned to the same clock), the first decode steps are taken apart: per step the copy stream's
+busy time, idle time and bytes within the step, the promotions' host time, and each layer's time.
+Writes phases.json to --out (default: the current folder).
 """
 
 from __future__ import annotations
@@ -29,6 +32,52 @@ from bench_generate import build_model  # noqa: E402
 from card import prepare_device  # noqa: E402
 
 LAYERS = 32
+FIRST_STEPS = 12  # decode steps taken apart layer by layer
+
+
+def copy_per_step(
+    timeline: list[dict[str, Any]], offset_ms: float, decode: list[dict[str, dict[int, float]]]
+) -> list[dict[str, Any]]:
+    """Per decode step (layer 0's start to the next step's start): the H2D stream's busy and idle
+    ms in it, the bytes of the copies that ended in it, compute's waits, and for the first steps
+    each copy (block, start, end, MB) on this clock."""
+    copies = sorted(
+        (e["start_ms"] + offset_ms, e["end_ms"] + offset_ms, e["bytes"], e["block"])
+        for e in timeline
+        if e["kind"] == "copy_to_device"
+    )
+    stalls = [
+        (e["start_ms"] + offset_ms, e["end_ms"] + offset_ms)
+        for e in timeline
+        if e["kind"] == "compute_stall"
+    ]
+    out = []
+    for k, f in enumerate(decode):
+        a = f["pre"][0]
+        b = decode[k + 1]["pre"][0] if k + 1 < len(decode) else f["post"][LAYERS - 1]
+        busy = 0.0
+        cursor = a
+        for s, e, _, _ in copies:  # copies of one stream do not overlap
+            s, e = max(s, cursor), min(e, b)
+            if e > s:
+                busy += e - s
+                cursor = e
+        row: dict[str, Any] = {
+            "span_ms": round(b - a, 2),
+            "h2d_busy_ms": round(busy, 2),
+            "h2d_idle_ms": round(b - a - busy, 2),
+            "h2d_mb": round(sum(n for _, e, n, _ in copies if a <= e < b) / 1e6, 1),
+            "stall_ms": round(sum(min(e, b) - max(s, a) for s, e in stalls if e > a and s < b), 2),
+        }
+        if k < 3:
+            row["copies"] = [
+                [blk, round(s, 2), round(e, 2), round(n / 1e6, 1)]
+                for s, e, n, blk in copies
+                if a - 60 <= s < b
+            ]
+            row["layer_pre_ms"] = [round(f["pre"][i], 2) for i in range(LAYERS)]
+        out.append(row)
+    return out
 
 
 def main() -> None:
@@ -40,7 +89,32 @@ def main() -> None:
     _prepared, _ballast, _probe, _card = prepare_device(24 * 10**9, True)
     model = build_model(LAYERS)
     manager = reviva.RevivaManager(model, reviva.RevivaConfig(vram_budget="24GB"))
+    manager._timeline_capacity = 1 << 16
+    # The store's timeline counts from its construction (its origin event is synchronized
+    # there): an event recorded right after, on an idle device, gives the offset to this clock.
+    built: list[torch.cuda.Event] = []
+    cache_cls = reviva.manager.RevivaCache
+
+    class TimedCache(cache_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            torch.cuda.synchronize()
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            built.append(e)
+
+    reviva.manager.RevivaCache = TimedCache
+    promote = manager._promote_after_prefill
+    host: dict[str, float] = {}
+
+    def timed_promote() -> None:
+        t = time.perf_counter()
+        promote()
+        host["promote_ms"] = (time.perf_counter() - t) * 1e3
+
+    manager._promote_after_prefill = timed_promote
     events: list[tuple[str, int, torch.cuda.Event]] = []
+    host_times: list[float] = []
     seen: dict[str, Any] = {}
 
     def record(kind: str, i: int) -> None:
@@ -56,6 +130,8 @@ def main() -> None:
                 store = manager._cache.store
                 seen["decode"] = [j for j in range(LAYERS) if store.resident(j)]
             record("pre", i)
+            if i == 0:
+                host_times.append(time.perf_counter())
 
         return hook
 
@@ -74,6 +150,9 @@ def main() -> None:
     for call in (1, 2):
         events.clear()
         seen.clear()
+        built.clear()
+        host.clear()
+        host_times.clear()
         torch.cuda.synchronize()
         start = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -106,13 +185,30 @@ def main() -> None:
             "decode_layer_ms": [
                 mean([f["post"][i] - f["pre"][i] for f in steady]) for i in range(LAYERS)
             ],
+            "first_steps_layer_ms": [
+                [round(f["post"][i] - f["pre"][i], 2) for i in range(LAYERS)]
+                for f in decode[:FIRST_STEPS]
+            ],
+            "promote_host_ms": host.get("promote_ms"),
+            # How far the host ran ahead of the device at each step's layer 0 (ms): near 0, the
+            # host is what the device waits for.
+            "host_lead_ms": [
+                round(f["pre"][0] - (t - t0) * 1e3, 2)
+                for f, t in zip(decode, host_times[1:], strict=False)
+            ],
+            "copy_per_step": copy_per_step(
+                manager._last_timeline, start.elapsed_time(built[0]) if built else 0.0, decode
+            ),
             "prefill_resident": seen.get("prefill"),
             "decode_resident": seen.get("decode"),
             "stats": {
                 k: v for k, v in manager.get_memory_stats().items() if not isinstance(v, dict)
             },
         }
-        print(json.dumps({k: v for k, v in out[call].items() if k != "stats"})[:3000], flush=True)
+        brief = {k: v for k, v in out[call].items() if k not in ("stats", "copy_per_step")}
+        print(json.dumps(brief)[:3000], flush=True)
+        for k, row in enumerate(out[call]["copy_per_step"][:FIRST_STEPS]):
+            print(f"  step {k}: " + json.dumps({x: y for x, y in row.items() if x != "copies"}))
     path = Path(args.out) / "phases.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")

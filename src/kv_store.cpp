@@ -30,7 +30,7 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceA
   allocator_ = std::make_shared<ArenaDeviceAllocator>(arena_);
   OffloadManagerOptions mo;
   mo.budget_bytes = 1;  // set_budget(): a layer's bytes per resident layer and per slot
-  mo.timeline_capacity = 0;
+  mo.timeline_capacity = options_.timeline_capacity;
   manager_ = std::make_unique<OffloadManager>(engine_, allocator_, mo);
   for (int i = 0; i < options_.num_layers; ++i)
     blocks_.push_back(
@@ -273,6 +273,10 @@ KVStoreStats KVStore::stats() {
   st.host_bytes = 0;
   for (BlockId id : blocks_) st.host_bytes += manager_->host_bytes(id);
   return st;
+}
+
+std::vector<TimelineEvent> KVStore::timeline() {
+  return manager_ ? manager_->timeline() : std::vector<TimelineEvent>{};
 }
 
 void KVStore::clear() {

@@ -44,9 +44,10 @@ namespace reviva {
 
 struct KVStoreOptions {
   int num_layers = 0;
-  std::size_t token_bytes = 0;      // bytes of one token of one layer (its K and V)
-  std::size_t capacity_tokens = 0;  // tokens a layer may hold (prompt + new tokens)
-  int prefetch_layers = 2;          // streamed layers kept in flight ahead of compute
+  std::size_t token_bytes = 0;        // bytes of one token of one layer (its K and V)
+  std::size_t capacity_tokens = 0;    // tokens a layer may hold (prompt + new tokens)
+  int prefetch_layers = 2;            // streamed layers kept in flight ahead of compute
+  std::size_t timeline_capacity = 0;  // copy and stall events kept for timeline() (0: none)
 };
 
 struct KVStoreStats {
@@ -123,6 +124,9 @@ class REVIVA_API KVStore {
   // meter: TransferEngine::stats().)
   void synchronize();
   KVStoreStats stats();
+  // The manager's timeline of the store's copies and compute's waits for them (ms since the
+  // store was built), up to options().timeline_capacity events; empty once closed.
+  std::vector<TimelineEvent> timeline();
   // Forgets all contents (lengths 0) after its copies land; the memory goes back to the pool and
   // the allocator's cache, from where the next contents take it.
   void clear();

@@ -62,7 +62,7 @@ class PyKVStore {
  public:
   PyKVStore(py::object engine, std::shared_ptr<DeviceArena> arena, int num_layers, int64_t batch,
             int64_t kv_heads, int64_t head_dim, py::object dtype, int64_t capacity_tokens,
-            int prefetch_layers)
+            int prefetch_layers, std::size_t timeline_capacity)
       : rt_(runtime_of(engine)) {
     REVIVA_CHECK_ARG(arena != nullptr, "KVStore: arena is None");
     REVIVA_CHECK_ARG(batch > 0 && kv_heads > 0 && head_dim > 0,
@@ -86,6 +86,7 @@ class PyKVStore {
     o.token_bytes = token_bytes;
     o.capacity_tokens = static_cast<std::size_t>(capacity_tokens);
     o.prefetch_layers = prefetch_layers;
+    o.timeline_capacity = timeline_capacity;
     store_ = std::make_unique<KVStore>(engine_of(engine), std::move(arena), o);
   }
 
@@ -178,10 +179,10 @@ void bind_kv_store(py::module_& m) {
                         "host memory, append blocks of an OffloadManager driven by a "
                         "PrefetchScheduler (see include/reviva/kv_store.h)")
       .def(py::init<py::object, std::shared_ptr<DeviceArena>, int, int64_t, int64_t, int64_t,
-                    py::object, int64_t, int>(),
+                    py::object, int64_t, int, std::size_t>(),
            py::arg("engine"), py::arg("arena"), py::arg("num_layers"), py::arg("batch"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("capacity_tokens"),
-           py::arg("prefetch_layers") = 2)
+           py::arg("prefetch_layers") = 2, py::arg("timeline_capacity") = 0)
       .def("make_resident", [](PyKVStore& s, int layer) { s.store().make_resident(layer); })
       .def(
           "promote",
@@ -206,6 +207,18 @@ void bind_kv_store(py::module_& m) {
       .def("length", [](PyKVStore& s, int layer) { return s.store().length(layer); })
       .def("resident", [](PyKVStore& s, int layer) { return s.store().resident(layer); })
       .def("stats", &PyKVStore::stats)
+      .def(
+          "timeline",
+          [](PyKVStore& s) {
+            std::vector<TimelineEvent> events;
+            {
+              py::gil_scoped_release release;
+              events = s.store().timeline();
+            }
+            return timeline_list(events);
+          },
+          "Copies and compute's waits for them (ms since the store was built), when built with "
+          "timeline_capacity > 0")
       .def("synchronize",
            [](PyKVStore& s) {
              py::gil_scoped_release release;

@@ -698,17 +698,7 @@ class PyOffloadManager {
       py::gil_scoped_release nogil;
       events = manager_->timeline();
     }
-    py::list out;
-    for (const TimelineEvent& e : events) {
-      py::dict d;
-      d["kind"] = to_string(e.kind);
-      d["block"] = e.block;
-      d["start_ms"] = e.start_ms;
-      d["end_ms"] = e.end_ms;
-      d["bytes"] = e.bytes;
-      out.append(d);
-    }
-    return out;
+    return timeline_list(events);
   }
 
   OffloadManager& manager() { return *manager_; }

@@ -16,6 +16,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace reviva::python {
 
@@ -138,6 +139,21 @@ inline void check_on_runtime_device(const Runtime& rt, const torch::Tensor& t, c
   REVIVA_CHECK_ARG(t.is_contiguous(), what, ": the tensor must be contiguous, got strides ",
                    t.strides(), " for a ", describe(t), " (call .contiguous() first)");
   REVIVA_CHECK_ARG(t.nbytes() > 0, what, ": the tensor is empty (", describe(t), ")");
+}
+
+// A manager's timeline as a list of dicts (kind, block, start_ms, end_ms, bytes).
+inline pybind11::list timeline_list(const std::vector<TimelineEvent>& events) {
+  pybind11::list out;
+  for (const TimelineEvent& e : events) {
+    pybind11::dict d;
+    d["kind"] = to_string(e.kind);
+    d["block"] = e.block;
+    d["start_ms"] = e.start_ms;
+    d["end_ms"] = e.end_ms;
+    d["bytes"] = e.bytes;
+    out.append(d);
+  }
+  return out;
 }
 
 // The core engine behind a Python TransferEngine object, and its runtime (binding.cpp).

@@ -94,12 +94,22 @@ class RevivaCache(Cache):
         resident_layers: list[int],
         slots: int,
         prefetch_layers: int,
+        timeline_capacity: int = 0,
     ) -> None:
         super().__init__(layers=[RevivaCacheLayer(self, i) for i in range(num_layers)])
         self.capacity = capacity
         self.batch = batch
         self.store = KVStore(
-            engine, arena, num_layers, batch, kv_heads, head_dim, dtype, capacity, prefetch_layers
+            engine,
+            arena,
+            num_layers,
+            batch,
+            kv_heads,
+            head_dim,
+            dtype,
+            capacity,
+            prefetch_layers,
+            timeline_capacity,
         )
         for layer in resident_layers:
             self.store.make_resident(layer)

@@ -77,6 +77,10 @@ class RevivaManager:
         self._plan: Plan | None = None
         self._phase: dict[str, Any] = {}
         self._last_stats: dict[str, Any] = {}
+        # Diagnostics (benchmarks/diag_phases.py): with a capacity > 0, each call's store keeps
+        # that many copy and stall events, left in _last_timeline (ms since the store was built).
+        self._timeline_capacity = 0
+        self._last_timeline: list[dict[str, Any]] = []
         # Layers return new tensors instead of updating the hidden states in place, when HF
         # records each layer's output (output_hidden_states): else every entry aliases one.
         self._copy_hidden = False
@@ -413,6 +417,7 @@ class RevivaManager:
                 list(plan.resident_layers),
                 plan.slots,
                 plan.prefetch_layers,
+                self._timeline_capacity,
             )
             self._cache, self._plan = cache, plan
             with self:
@@ -446,6 +451,8 @@ class RevivaManager:
                 torch.cuda.synchronize(self.layout.device)
             cache.store.synchronize()
             self._last_stats = self._collect(cache, plan)
+            if self._timeline_capacity:
+                self._last_timeline = cache.store.timeline()
         finally:
             cache.close()
 

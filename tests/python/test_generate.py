@@ -187,6 +187,23 @@ def test_sampling_with_seed_identical() -> None:
     assert manager.get_memory_stats()["resident_layers_in_prefill"] == 0
 
 
+def test_store_timeline_records_the_calls_copies() -> None:
+    """The diagnostic timeline (benchmarks/diag_phases.py): off by default; with a capacity, every
+    fill of a streamed layer is a copy_to_device event whose bytes are that layer's valid tokens."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.randint(1, 211, (1, 40), generator=torch.Generator().manual_seed(3))
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 1, 40, 6, 2)))
+    manager.generate(ids, max_new_tokens=6, do_sample=False)
+    assert manager._last_timeline == []
+    manager._timeline_capacity = 1000
+    manager.generate(ids, max_new_tokens=6, do_sample=False)
+    st = manager.get_memory_stats()
+    fills = [e for e in manager._last_timeline if e["kind"] == "copy_to_device"]
+    assert st["streamed_layers"] > 0 and len(fills) == st["fills"]
+    assert sum(e["bytes"] for e in fills) == st["bytes_to_device"]
+    assert all(0 <= e["start_ms"] <= e["end_ms"] and e["bytes"] > 0 for e in fills)
+
+
 def test_eos_stopping_criteria_and_streamer() -> None:
     model = tiny_model("llama", seed=6)
     ids = torch.randint(1, 211, (1, 30), generator=torch.Generator().manual_seed(7))
