@@ -3,7 +3,8 @@ layer of a decode step, plain HF against Reviva (all layers resident, and some s
 
     python benchmarks/diag_host.py [--out DIR] [--profile]
 
-A Llama-layout model of 32 layers, small enough (hidden 1024) that the device finishes each
+Reviva with CUDA graphs for decode (Note [Decode graphs]) and without. A Llama-layout model of
+32 layers, small enough (hidden 1024) that the device finishes each
 layer's kernels before the host has issued the next: the decode time per layer is then the
 host's. Also the process's CPU time against the wall time in decode (above 1.0: threads of the
 process besides the one issuing work were busy), and with --profile the functions where the
@@ -71,6 +72,39 @@ def timed(run: Any) -> dict[str, float]:
     return {"wall_s": wall, "cpu_s": cpu, "cpu_per_wall": cpu / wall}
 
 
+def pieces(manager: Any, call: Any) -> dict[str, float]:
+    """Mean host microseconds of the cache's calls in a streamed call's decode (its own methods,
+    timed one by one)."""
+    cls = reviva.kv_cache.RevivaCache
+    acc: dict[str, list[float]] = {}
+
+    def clock(name: str, t: float) -> float:
+        now = time.perf_counter()
+        acc.setdefault(name, []).append((now - t) * 1e6)
+        return now
+
+    def timed_method(name: str, method: Any) -> Any:
+        def run(self: Any, *a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            r = method(self, *a, **kw)
+            clock(name, t)
+            return r
+
+        return run
+
+    names = ("write", "acquire", "release", "view", "get_seq_length")
+    saved = {k: getattr(cls, k) for k in names}
+    for k in names:
+        setattr(cls, k, timed_method(k, saved[k]))
+    try:
+        call(NEW)()
+        sync()
+    finally:
+        for k, v in saved.items():
+            setattr(cls, k, v)
+    return {k: round(sum(v) / len(v), 2) for k, v in acc.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".")
@@ -84,20 +118,25 @@ def main() -> None:
         return lambda: model.generate(ids, max_new_tokens=n, do_sample=False)
 
     # Decode per layer: a 64-token call less a 1-token call (prefill alone), over 63 steps.
+    def streamed(**config: Any) -> Any:
+        budget = reviva.RevivaManager(model).budget_for(1, PROMPT, NEW, resident_layers=8)
+        manager = reviva.RevivaManager(model, reviva.RevivaConfig(vram_budget=budget, **config))
+        # The layers streamed in prefill stay streamed in decode: the diagnostic is about a
+        # streamed layer's host work, which promotions would make rare at this size.
+        manager._promote_after_prefill = lambda: None
+        return manager
+
     for name, make in (
         ("hf", lambda: None),
         ("reviva_resident", lambda: reviva.RevivaManager(model)),
-        ("reviva_streamed", lambda: None),
+        (
+            "reviva_resident_eager",
+            lambda: reviva.RevivaManager(model, reviva.RevivaConfig(cuda_graphs=False)),
+        ),
+        ("reviva_streamed", streamed),
+        ("reviva_streamed_eager", lambda: streamed(cuda_graphs=False)),
     ):
         manager = make()
-        if name == "reviva_streamed":
-            probe = reviva.RevivaManager(model)
-            budget = probe.budget_for(1, PROMPT, NEW, resident_layers=8)
-            del probe
-            manager = reviva.RevivaManager(model, reviva.RevivaConfig(vram_budget=budget))
-            # The layers streamed in prefill stay streamed in decode: the diagnostic is about
-            # a streamed layer's host work, which promotions would make rare at this size.
-            manager._promote_after_prefill = lambda: None
 
         def call(n: int, m: Any = manager) -> Any:
             if m is None:
@@ -122,8 +161,13 @@ def main() -> None:
             st = manager.get_memory_stats()
             entry["streamed_layers"] = st["streamed_layers"]
             entry["own_decode_attention"] = st["own_decode_attention"]
+            entry["decode_graphs"] = st["decode_graphs"]
+            entry["decode_graph_replays"] = st["decode_graph_replays"]
         out[name] = entry
         print(name, json.dumps(entry), flush=True)
+        if name == "reviva_streamed":
+            out["pieces"] = pieces(manager, call)
+            print("pieces", json.dumps(out["pieces"]), flush=True)
         if args.profile and name != "hf":
             prof = cProfile.Profile()
             prof.enable()

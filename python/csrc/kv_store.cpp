@@ -119,6 +119,46 @@ class PyKVStore {
         torch::TensorOptions().dtype(dtype_).device(rt_->device()));
   }
 
+  // Writes `key` and `value` ([batch, kv_heads, n, head_dim], any strides) as tokens
+  // [first, first + n) of the acquired layer: maps them, copies them in on torch's stream and
+  // sends them on to the layer's host copy. One call for what compute writes per layer.
+  void write(int layer, int64_t first, const torch::Tensor& key, const torch::Tensor& value) {
+    REVIVA_CHECK_ARG(key.dim() == 4 && key.sizes() == value.sizes(),
+                     "KVStore::write: key and value must be [batch, kv_heads, tokens, head_dim] "
+                     "of one shape, got ",
+                     describe(key), " and ", describe(value));
+    REVIVA_CHECK_ARG(key.size(0) == row_[1] && key.size(1) == row_[2] && key.size(3) == row_[3],
+                     "KVStore::write: expected [", row_[1], ", ", row_[2], ", tokens, ", row_[3],
+                     "], got ", describe(key));
+    REVIVA_CHECK_ARG(key.scalar_type() == dtype_ && value.scalar_type() == dtype_,
+                     "KVStore::write: expected dtype ", c10::toString(dtype_), ", got ",
+                     describe(key), " and ", describe(value));
+    REVIVA_CHECK_ARG(key.device() == rt_->device() && value.device() == rt_->device(),
+                     "KVStore::write: expected tensors on ", rt_->device().str(), ", got ",
+                     describe(key), " and ", describe(value));
+    const int64_t n = key.size(2);
+    const auto capacity = static_cast<int64_t>(store_->options().capacity_tokens);
+    REVIVA_CHECK_ARG(first >= 0 && n <= capacity && first <= capacity - n,
+                     "KVStore::write: ", first + n, " tokens exceed the capacity of ", capacity,
+                     " tokens (prompt + max_new_tokens) planned for this generate call");
+    {
+      py::gil_scoped_release release;
+      store_->reserve(layer, static_cast<std::size_t>(first + n));
+    }
+    torch::Tensor rows = view(layer, first + n).narrow(0, first, n);
+    rows.select(1, 0).copy_(key.permute({2, 0, 1, 3}));
+    rows.select(1, 1).copy_(value.permute({2, 0, 1, 3}));
+    store_->wrote(layer, static_cast<std::size_t>(first), static_cast<std::size_t>(n),
+                  *rt_->compute_stream());
+  }
+
+  // The acquired layer's first `tokens` tokens as K and V, [batch, kv_heads, tokens, head_dim]
+  // views of its token-major buffer.
+  std::pair<torch::Tensor, torch::Tensor> kv(int layer, int64_t tokens) {
+    torch::Tensor rows = view(layer, tokens);
+    return {rows.select(1, 0).permute({1, 2, 0, 3}), rows.select(1, 1).permute({1, 2, 0, 3})};
+  }
+
   void wrote(int layer, std::size_t first, std::size_t count) {
     store_->wrote(layer, first, count, *rt_->compute_stream());
   }
@@ -202,6 +242,9 @@ void bind_kv_store(py::module_& m) {
           },
           py::arg("layer"), py::arg("tokens"))
       .def("view", &PyKVStore::view, py::arg("layer"), py::arg("tokens"))
+      .def("write", &PyKVStore::write, py::arg("layer"), py::arg("first"), py::arg("key"),
+           py::arg("value"))
+      .def("kv", &PyKVStore::kv, py::arg("layer"), py::arg("tokens"))
       .def("wrote", &PyKVStore::wrote, py::arg("layer"), py::arg("first"), py::arg("count"))
       .def("release", &PyKVStore::release, py::arg("layer"))
       .def("length", [](PyKVStore& s, int layer) { return s.store().length(layer); })

@@ -148,23 +148,13 @@ class RevivaCache(Cache):
         self.store.release(layer_idx)
 
     def write(self, layer_idx: int, first: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Writes tokens [first, first + n) of key/value ([batch, kv_heads, n, head_dim])."""
-        n = key.shape[2]
-        if first + n > self.capacity:
-            raise ValueError(
-                f"RevivaCache: {first + n} tokens exceed the capacity of {self.capacity} tokens "
-                "(prompt + max_new_tokens) planned for this generate call"
-            )
-        self.store.reserve(layer_idx, first + n)
-        rows = self.store.view(layer_idx, first + n)[first:]
-        rows[:, 0].copy_(key.permute(2, 0, 1, 3))
-        rows[:, 1].copy_(value.permute(2, 0, 1, 3))
-        self.store.wrote(layer_idx, first, n)
+        """Writes tokens [first, first + n) of key/value ([batch, kv_heads, n, head_dim]); raises
+        naming the numbers when they exceed the capacity planned for the call."""
+        self.store.write(layer_idx, first, key, value)
 
     def view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The acquired layer's first `length` tokens: K and V, [batch, kv_heads, length, D]."""
-        rows = self.store.view(layer_idx, length)
-        return rows[:, 0].permute(1, 2, 0, 3), rows[:, 1].permute(1, 2, 0, 3)
+        return self.store.kv(layer_idx, length)
 
     def append(
         self, layer_idx: int, key: torch.Tensor, value: torch.Tensor

@@ -10,6 +10,8 @@ token-major K/V, grouped heads read in place. A cache stores and this module com
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
@@ -20,6 +22,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from reviva.adapters import DecoderLayout
 from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan
+
+log = logging.getLogger(__name__)
 
 
 class LlamaLayerPath:
@@ -68,16 +72,28 @@ class LlamaLayerPath:
         return h
 
     def decode(
-        self, cache: RevivaCache, i: int, layer: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]
+        self,
+        cache: RevivaCache,
+        i: int,
+        layer: nn.Module,
+        h: torch.Tensor,
+        kwargs: dict[str, Any],
+        graphs: DecodeGraphs | None = None,
     ) -> torch.Tensor:
-        """A decode step of one layer with Reviva's own attention call, in place on `h`: the new
-        tokens' queries against the cache's token-major K/V, grouped heads read in place (no
-        concatenation, no expansion). For CUDA in half precision without a padding mask."""
+        """A decode step of one layer with Reviva's own attention call: the new tokens' queries
+        against the cache's token-major K/V, grouped heads read in place (no concatenation, no
+        expansion). For CUDA in half precision without a padding mask. With `graphs`, the layer's
+        compute before and after attention replays CUDA graphs (captured after the layer's first
+        eager step); the result is then in graphs' static hidden state, which is returned."""
         past = cache.get_seq_length(i)
         cos, sin = kwargs["position_embeddings"]
         cache.acquire(i)
         try:
+            if graphs is not None and graphs.ready(i, h):
+                return graphs.step(cache, i, h, cos, sin, past)
             self._rows(cache, i, layer, h, 0, h.shape[1], past, cos, sin, None, None)
+            if graphs is not None:
+                graphs.capture(self, i, layer, h, cos, sin)
         finally:
             cache.release(i)
         return h
@@ -205,3 +221,137 @@ def chunk_attention(
     n = end - start
     causal = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+
+
+# Note [Decode graphs]
+# ~~~~~~~~~~~~~~~~~~~~
+# A decode step is tens of small kernels per layer, each issued by Python: on the H200's host
+# about 1.1-1.4 ms per layer (benchmarks/diag_host.py), which is as long as streaming a layer's
+# K/V at 64k takes. The host, not the copies, then sets the pace, and any noise on it shows up
+# as slower decode. So the compute before attention (input norm, projections, q/k norms, RoPE)
+# and after it (o_proj, residual, MLP) is captured as two CUDA graphs per layer and replayed;
+# what changes from step to step stays outside them: the K/V write into the store and the
+# attention over a length that grows (eager, on torch's stream, between the two replays).
+# The graphs read and write static buffers shared by all layers (the hidden state, cos/sin,
+# the attention output), and their temporaries come from one graph memory pool; replays run in
+# layer order on one stream, so the pool's reuse across graphs is safe. The same kernels run in
+# the same order as the eager path (the projections' GEMMs are cuBLAS's in both), so the numbers
+# are the eager path's. A layer is captured after its first eager step of a call (kernels
+# loaded, cuBLAS initialised: the capture is a warm one), on a side stream, in "thread_local"
+# capture mode so that the core's threads may keep polling their events. Graphs last as long as
+# the manager; they are dropped when a layer's parameters move (data pointers change) or the
+# batch changes, and a capture that fails turns graphs off for the manager, logged and counted.
+
+
+class DecodeGraphs:
+    """CUDA graphs of the per-layer decode compute around attention (Note [Decode graphs])."""
+
+    def __init__(self, path: LlamaLayerPath) -> None:
+        self.path = path
+        self.layers: dict[int, tuple[Any, Any, tuple[torch.Tensor, ...], tuple[int, ...]]] = {}
+        self.failed: str | None = None  # why graphs were turned off, if they were
+        self.capture_ms = 0.0
+        self.replays = 0
+        self._static: dict[str, torch.Tensor] = {}
+        self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+        self._cos: torch.Tensor | None = None
+
+    def begin_call(self, layers: list[nn.Module]) -> None:
+        """Drops the graphs of layers whose parameters moved since their capture."""
+        self.replays = 0
+        self.capture_ms = 0.0
+        for i in list(self.layers):
+            if self.layers[i][3] != _param_ptrs(layers[i]):
+                del self.layers[i]
+
+    def ready(self, i: int, h: torch.Tensor) -> bool:
+        if self.failed is not None or i not in self.layers:
+            return False
+        st = self._static.get("h")
+        return st is not None and st.shape == h.shape and st.dtype == h.dtype
+
+    def step(
+        self,
+        cache: RevivaCache,
+        i: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: int,
+    ) -> torch.Tensor:
+        front, back, (q, k, v), _ = self.layers[i]
+        st = self._static
+        if h.data_ptr() != st["h"].data_ptr():
+            st["h"].copy_(h)
+        if cos is not self._cos:  # a new step's position
+            st["cos"].copy_(cos)
+            st["sin"].copy_(sin)
+            self._cos = cos
+        front.replay()
+        cache.write(i, past, k, v)
+        k_all, v_all = cache.view(i, past + 1)
+        attn = self.path.layout.layers[i].self_attn
+        out = chunk_attention(q, k_all, v_all, None, past, past + 1, attn.scaling)
+        st["att"].copy_(out.transpose(1, 2))
+        back.replay()
+        self.replays += 1
+        return st["h"]
+
+    def capture(
+        self,
+        path: LlamaLayerPath,
+        i: int,
+        layer: nn.Module,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Captures layer i's two graphs (after its eager step); on failure turns graphs off."""
+        if self.failed is not None:
+            return
+        t = time.perf_counter()
+        try:
+            st = self._static
+            if st.get("h") is None or st["h"].shape != h.shape or st["h"].dtype != h.dtype:
+                self.layers.clear()  # another batch: new static buffers, new graphs
+                lay = path.layout
+                st["h"] = torch.empty_like(h)
+                st["cos"], st["sin"] = torch.empty_like(cos), torch.empty_like(sin)
+                st["att"] = torch.empty(
+                    h.shape[0], 1, lay.num_heads, lay.head_dim, dtype=h.dtype, device=h.device
+                )
+                self._pool = torch.cuda.graph_pool_handle()
+                self._stream = torch.cuda.Stream(device=h.device)
+                self._cos = None
+            stream = self._stream
+            assert stream is not None
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                # Warm-up on this stream (cuBLAS's workspace for it), on a copy of the hidden
+                # state: the static one may hold a step in progress.
+                path._finish(layer, st["h"].clone(), 0, 1, st["att"])
+                front = torch.cuda.CUDAGraph()
+                front.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    qkv = path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
+                finally:
+                    front.capture_end()
+                back = torch.cuda.CUDAGraph()
+                back.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    path._finish(layer, st["h"], 0, 1, st["att"])
+                finally:
+                    back.capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.layers[i] = (front, back, qkv, _param_ptrs(layer))
+        except Exception as e:  # noqa: BLE001 (any capture failure: decode goes on eagerly)
+            self.failed = f"{type(e).__name__}: {e}"
+            self.layers.clear()
+            log.warning("reviva: CUDA graphs for decode turned off (%s)", self.failed)
+        finally:
+            self.capture_ms += (time.perf_counter() - t) * 1e3
+
+
+def _param_ptrs(layer: nn.Module) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in layer.parameters())

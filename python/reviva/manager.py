@@ -30,7 +30,7 @@ from torch import nn
 from reviva.adapters import DecoderLayout, inspect_model
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
-from reviva.llama_layer import LlamaLayerPath
+from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
 from reviva.planner import Plan, budget_for, device_state, make_plan, spread
 from reviva.resources import device_resources
 
@@ -90,6 +90,9 @@ class RevivaManager:
             torch.float16,
             torch.bfloat16,
         )
+        # Note [Decode graphs] (llama_layer.py): the own decode path's compute as CUDA graphs.
+        use_graphs = self._own_decode and config.cuda_graphs
+        self._graphs = DecodeGraphs(self.layers) if use_graphs else None
 
     # --- enabling and restoring ------------------------------------------------------------------
 
@@ -171,7 +174,8 @@ class RevivaManager:
             ):
                 if i == 0:
                     self._phase["own_decode_steps"] = self._phase.get("own_decode_steps", 0) + 1
-                return self.layers.decode(cache, i, layer, hidden_states, kwargs)
+                graphs = None if self._copy_hidden else self._graphs
+                return self.layers.decode(cache, i, layer, hidden_states, kwargs, graphs)
             cache.acquire(i)
             try:
                 return original(hidden_states, *args, **kwargs)
@@ -404,6 +408,8 @@ class RevivaManager:
         self._phase = {"start": self._event(), "map_ms": self.arena.stats()["map_ms"]}
         self._phase["pin_s"] = self._pin_host_copies(plan)
         self._copy_hidden = bool(gen.output_hidden_states)
+        if self._graphs is not None:
+            self._graphs.begin_call(self.layout.layers)
         try:
             cache = RevivaCache(
                 self.engine,
@@ -515,6 +521,11 @@ class RevivaManager:
             "prompt_tokens": plan.prompt_tokens,
             "decode_steps": steps,
             "own_decode_attention": ph.get("own_decode_steps", 0) == steps > 0,
+            # Note [Decode graphs]: layer steps replayed as CUDA graphs, the host time capturing
+            # them in this call, and "on", or why they are off.
+            "decode_graph_replays": self._graphs.replays if self._graphs else 0,
+            "decode_graph_capture_ms": self._graphs.capture_ms if self._graphs else 0.0,
+            "decode_graphs": self._graphs_state(),
             "prefill_s": prefill_s,
             "decode_s": decode_s,
             "decode_tok_s": steps / decode_s if steps and decode_s > 0 else None,
@@ -524,6 +535,15 @@ class RevivaManager:
             "host_mb": st["host_bytes"] / _MiB,
             "pinned_reserved_mb": self.pool.stats()["bytes_reserved"] / _MiB,
         }
+
+    def _graphs_state(self) -> str:
+        if self._graphs is None:
+            if not self.config.cuda_graphs:
+                return "off: RevivaConfig(cuda_graphs=False)"
+            return "not used: only the CUDA half-precision decode path has them"
+        if self._graphs.failed is not None:
+            return f"off: {self._graphs.failed}"
+        return "on"
 
     def get_memory_stats(self) -> dict[str, Any]:
         """What the last generate call did: peak VRAM, VRAM saved, bytes each way, overlap ratio,

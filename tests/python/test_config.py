@@ -46,6 +46,7 @@ def test_auto_prefetch_is_refused_by_name() -> None:
         ({"host_memory": "0GB"}, "host_memory must be > 0 bytes"),
         ({"chunk_tokens": 0}, "chunk_tokens .* got 0"),
         ({"chunk_tokens": 2.5}, "chunk_tokens .* got 2.5"),
+        ({"cuda_graphs": 1}, "cuda_graphs must be True or False, got 1"),
     ],
 )
 def test_bad_values_are_named(kwargs: dict, message: str) -> None:

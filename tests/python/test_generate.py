@@ -388,6 +388,46 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
     assert steps >= 1, "the first greedy token already differs: no decode step was compared"
 
 
+@pytest.mark.gpu
+def test_gpu_decode_graphs_same_tokens_reused_and_recaptured() -> None:
+    """Note [Decode graphs]: bf16 with streamed layers, graphs on against off: the same tokens and
+    logits within bf16 rounding; the first call captures each layer after its first decode step
+    and replays the rest, the second replays every step with no capture; a batch of two
+    recaptures; output_hidden_states runs eagerly with HF's hidden states per layer."""
+    model = gpu_llama(8, 8192, torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    prompt, new, layers = 2048, 24, 8
+    ids = torch.randint(1, 32000, (2, prompt), device="cuda")
+    kwargs = dict(
+        max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    budget = budget_for(model, 2, prompt, new, 3, chunk=512, attention="chunked")
+    base = dict(vram_budget=budget, chunk_tokens=512, prefill_attention="chunked")
+    eager = RevivaManager(model, RevivaConfig(cuda_graphs=False, **base))
+    graphs = RevivaManager(model, RevivaConfig(**base))
+    for batch in (1, 1, 2):
+        x = ids[:batch]
+        ref = eager.generate(x, **kwargs)
+        assert eager.get_memory_stats()["decode_graphs"].startswith("off: RevivaConfig")
+        out = graphs.generate(x, **kwargs)
+        st = graphs.get_memory_stats()
+        assert st["decode_graphs"] == "on" and st["streamed_layers"] > 0
+        assert torch.equal(out.sequences, ref.sequences)
+        for t in range(new):
+            err = (out.logits[t].float() - ref.logits[t].float()).norm() / ref.logits[t].norm()
+            assert err <= 1e-2, (batch, t, float(err))
+        steps = new - 1
+        captured = batch == 2 or st["decode_graph_capture_ms"] > 0
+        assert st["decode_graph_replays"] == layers * (steps - 1 if captured else steps), st
+    with_hidden = dict(kwargs, output_hidden_states=True)
+    ref = eager.generate(ids[:1], **with_hidden)
+    out = graphs.generate(ids[:1], **with_hidden)
+    assert graphs.get_memory_stats()["decode_graph_replays"] == 0
+    for a, b in zip(ref.hidden_states[-1], out.hidden_states[-1], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_promotion_after_prefill_and_own_decode_attention() -> None:
     """A budget that holds 3 layers' K/V beside a large prefill working set: everything streams
     in prefill, then layers are promoted; Reviva's own decode attention call (used on CUDA in
@@ -408,6 +448,7 @@ def test_promotion_after_prefill_and_own_decode_attention() -> None:
     out = manager.generate(ids, **kwargs)
     st = manager.get_memory_stats()
     assert st["own_decode_attention"] and st["decode_steps"] == 23
+    assert st["decode_graphs"].startswith("not used") and st["decode_graph_replays"] == 0
     assert st["promoted_layers"] == plan.promotable_layers()
     assert 0 < st["promoted_layers"] < 5  # some promoted, some still streamed in decode
     assert st["decode_slots"] == 2
