@@ -29,7 +29,7 @@ import reviva
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import build_model  # noqa: E402
-from card import prepare_device  # noqa: E402
+from card import CallTimer, CardSampler, prepare_device  # noqa: E402
 
 LAYERS = 32
 FIRST_STEPS = 12  # decode steps taken apart layer by layer
@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    _prepared, _ballast, _probe, _card = prepare_device(24 * 10**9, True)
+    _prepared, _ballast, probe, _card = prepare_device(24 * 10**9, True)
     model = build_model(LAYERS)
     manager = reviva.RevivaManager(model, reviva.RevivaConfig(vram_budget="24GB"))
     manager._timeline_capacity = 1 << 16
@@ -147,7 +147,10 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(65536)
     ids = torch.randint(1, model.config.vocab_size, (1, 65536), device="cuda", generator=gen)
     out: dict[int, dict[str, Any]] = {}
-    for call in (1, 2):
+    # Calls 3 and 4 as bench_generate makes them: 3 with its streamer (a device synchronize at
+    # each token), 4 with that streamer and its card sampler (a thread polling free memory
+    # every 2 ms).
+    for call in (1, 2, 3, 4):
         events.clear()
         seen.clear()
         built.clear()
@@ -157,7 +160,10 @@ def main() -> None:
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        manager.generate(ids, max_new_tokens=32, do_sample=False)
+        timer = CallTimer(torch.cuda.synchronize) if call >= 3 else None
+        sampler = CardSampler(probe, 0.002 if call == 4 else 0.0)
+        with sampler:
+            manager.generate(ids, max_new_tokens=32, do_sample=False, streamer=timer)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         forwards: list[dict[str, dict[int, float]]] = []
@@ -207,7 +213,14 @@ def main() -> None:
         }
         brief = {k: v for k, v in out[call].items() if k not in ("stats", "copy_per_step")}
         print(json.dumps(brief)[:3000], flush=True)
-        for k, row in enumerate(out[call]["copy_per_step"][:FIRST_STEPS]):
+        st = out[call]["stats"]
+        print(
+            f"call {call}: prefill {st['prefill_s']:.3f} s, decode {st['decode_s']:.4f} s "
+            f"({st['decode_tok_s']:.2f} tok/s), graphs {st.get('decode_graphs')} captures "
+            f"{st.get('decode_graph_captures')} in {st.get('decode_graph_capture_ms', 0):.1f} ms",
+            flush=True,
+        )
+        for k, row in enumerate(out[call]["copy_per_step"][:4]):
             print(f"  step {k}: " + json.dumps({x: y for x, y in row.items() if x != "copies"}))
     path = Path(args.out) / "phases.json"
     path.write_text(json.dumps(out, indent=1))

@@ -236,9 +236,12 @@ def chunk_attention(
 # the attention output), and their temporaries come from one graph memory pool; replays run in
 # layer order on one stream, so the pool's reuse across graphs is safe. The same kernels run in
 # the same order as the eager path (the projections' GEMMs are cuBLAS's in both), so the numbers
-# are the eager path's. A layer is captured after its first eager step of a call (kernels
-# loaded, cuBLAS initialised: the capture is a warm one), on a side stream, in "thread_local"
-# capture mode so that the core's threads may keep polling their events. Graphs last as long as
+# are the eager path's. A layer is captured after a warm-up run of both halves on a side stream
+# (kernels loaded, cuBLAS initialised for the stream), on that stream, in "thread_local"
+# capture mode so that the core's threads may keep polling their events. Capture happens right
+# after a layer's prefill has been issued (the host waits on the device for most of prefill, so
+# the capture's host time is hidden), or, where prefill could not (a padding mask in prefill), after
+# the layer's first eager decode step. Graphs last as long as
 # the manager; they are dropped when a layer's parameters move (data pointers change) or the
 # batch changes, and a capture that fails turns graphs off for the manager, logged and counted.
 
@@ -252,6 +255,7 @@ class DecodeGraphs:
         self.failed: str | None = None  # why graphs were turned off, if they were
         self.capture_ms = 0.0
         self.replays = 0
+        self.captures = {"prefill": 0, "decode": 0}  # layers captured in this call, by phase
         self._static: dict[str, torch.Tensor] = {}
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
@@ -261,15 +265,17 @@ class DecodeGraphs:
         """Drops the graphs of layers whose parameters moved since their capture."""
         self.replays = 0
         self.capture_ms = 0.0
+        self.captures = {"prefill": 0, "decode": 0}
         for i in list(self.layers):
             if self.layers[i][3] != _param_ptrs(layers[i]):
                 del self.layers[i]
 
     def ready(self, i: int, h: torch.Tensor) -> bool:
+        """Layer i has graphs for decode steps of h's batch and dtype ([batch, 1, hidden])."""
         if self.failed is not None or i not in self.layers:
             return False
         st = self._static.get("h")
-        return st is not None and st.shape == h.shape and st.dtype == h.dtype
+        return st is not None and st.shape[0] == h.shape[0] and st.dtype == h.dtype
 
     def step(
         self,
@@ -307,20 +313,25 @@ class DecodeGraphs:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> None:
-        """Captures layer i's two graphs (after its eager step); on failure turns graphs off."""
+        """Captures layer i's two graphs for decode steps of h's batch (h: the layer's input in
+        prefill or in a decode step; cos/sin: their position embeddings, for the shapes). After
+        the layer's prefill, while the device works through it, the host's time capturing is
+        hidden. On failure turns graphs off for the manager."""
         if self.failed is not None:
             return
         t = time.perf_counter()
         try:
             st = self._static
-            if st.get("h") is None or st["h"].shape != h.shape or st["h"].dtype != h.dtype:
-                self.layers.clear()  # another batch: new static buffers, new graphs
+            batch, hidden = h.shape[0], h.shape[2]
+            fresh = st.get("h") is None or st["h"].shape[0] != batch or st["h"].dtype != h.dtype
+            if fresh:  # (another batch: new static buffers, new graphs)
+                self.layers.clear()
                 lay = path.layout
-                st["h"] = torch.empty_like(h)
-                st["cos"], st["sin"] = torch.empty_like(cos), torch.empty_like(sin)
-                st["att"] = torch.empty(
-                    h.shape[0], 1, lay.num_heads, lay.head_dim, dtype=h.dtype, device=h.device
-                )
+                kw = dict(dtype=h.dtype, device=h.device)
+                st["h"] = torch.zeros(batch, 1, hidden, **kw)
+                st["cos"] = torch.zeros(batch, 1, cos.shape[-1], dtype=cos.dtype, device=h.device)
+                st["sin"] = torch.zeros_like(st["cos"])
+                st["att"] = torch.zeros(batch, 1, lay.num_heads, lay.head_dim, **kw)
                 self._pool = torch.cuda.graph_pool_handle()
                 self._stream = torch.cuda.Stream(device=h.device)
                 self._cos = None
@@ -328,8 +339,9 @@ class DecodeGraphs:
             assert stream is not None
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                # Warm-up on this stream (cuBLAS's workspace for it), on a copy of the hidden
-                # state: the static one may hold a step in progress.
+                # Warm-up on this stream (kernels loaded, cuBLAS's workspace for the stream), on
+                # a copy of the hidden state: the static one may hold a step in progress.
+                path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
                 path._finish(layer, st["h"].clone(), 0, 1, st["att"])
                 front = torch.cuda.CUDAGraph()
                 front.capture_begin(pool=self._pool, capture_error_mode="thread_local")
@@ -345,6 +357,7 @@ class DecodeGraphs:
                     back.capture_end()
             torch.cuda.current_stream().wait_stream(stream)
             self.layers[i] = (front, back, qkv, _param_ptrs(layer))
+            self.captures["prefill" if h.shape[1] > 1 else "decode"] += 1
         except Exception as e:  # noqa: BLE001 (any capture failure: decode goes on eagerly)
             self.failed = f"{type(e).__name__}: {e}"
             self.layers.clear()

@@ -164,7 +164,9 @@ class RevivaManager:
             if self._copy_hidden:
                 hidden_states = hidden_states.clone()
             if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
-                return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
+                out = self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
+                self._capture_for_decode(i, layer, hidden_states, kwargs)
+                return out
             if i == 0:
                 self._mark_decode_step()
             if (
@@ -183,6 +185,21 @@ class RevivaManager:
                 cache.release(i)
 
         return forward
+
+    def _capture_for_decode(
+        self, i: int, layer: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]
+    ) -> None:
+        """Right after layer i's prefill is issued: its decode graphs (Note [Decode graphs]),
+        when decode will take the own path with graphs and has steps enough to gain from them."""
+        graphs, plan = self._graphs, self._plan
+        if graphs is None or plan is None or self._copy_hidden or graphs.ready(i, h):
+            return
+        if kwargs.get("attention_mask") is not None or "position_embeddings" not in kwargs:
+            return  # decode decides at its first step (eager, then capture)
+        if plan.capacity - plan.prompt_tokens < 3:
+            return  # one or two new tokens: a capture would cost more than it saves
+        cos, sin = kwargs["position_embeddings"]
+        graphs.capture(self.layers, i, layer, h, cos, sin)
 
     def _make_norm_forward(self, norm: nn.Module) -> Any:
         original = norm.forward
@@ -522,9 +539,11 @@ class RevivaManager:
             "decode_steps": steps,
             "own_decode_attention": ph.get("own_decode_steps", 0) == steps > 0,
             # Note [Decode graphs]: layer steps replayed as CUDA graphs, the host time capturing
-            # them in this call, and "on", or why they are off.
+            # them in this call and the layers captured (after their prefill, or after their
+            # first decode step), and "on", or why they are off.
             "decode_graph_replays": self._graphs.replays if self._graphs else 0,
             "decode_graph_capture_ms": self._graphs.capture_ms if self._graphs else 0.0,
+            "decode_graph_captures": dict(self._graphs.captures) if self._graphs else {},
             "decode_graphs": self._graphs_state(),
             "prefill_s": prefill_s,
             "decode_s": decode_s,
