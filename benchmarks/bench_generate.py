@@ -247,7 +247,10 @@ def run_call(
     import torch
     from transformers import DynamicCache
 
-    sync = torch.cuda.synchronize if cuda else None
+    # The compute stream alone: a token exists once the stream that computes it has finished
+    # (card.CallTimer). A device-wide synchronize would also wait for copies in flight ahead of
+    # compute (Reviva's prefetches of the next step's layers), which no user's streamer does.
+    sync = (lambda: torch.cuda.current_stream().synchronize()) if cuda else None
     timer = CallTimer(sync)
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, streamer=timer)
     row: dict[str, Any] = {"prompt_tokens": int(ids.shape[1]), "new_tokens_asked": new_tokens}
@@ -544,6 +547,7 @@ def card_driver(args: argparse.Namespace) -> int:
         "ballast": "cudaMalloc of (device total - card) outside torch's allocator, after "
         "torch.cuda.init() and before the model, in every card worker",
         "between_calls": "nothing: no prepare(), no empty_cache, no gc.collect",
+        "token_clock": "a streamer synchronizes the compute stream (not the device) at each token",
         "pcie_gbps_for_roofline": PCIE_GBPS,
         "kv_bytes_per_token_per_layer": kv_bytes_per_token_per_layer(
             shape, 4 if args.dry_run else 2
@@ -979,7 +983,7 @@ def run_one(model: Any, contender: str, ctx: int, new_tokens: int, budget: str |
         generator=torch.Generator(device="cuda").manual_seed(ctx),
     )
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False)
-    timer = CallTimer(torch.cuda.synchronize)
+    timer = CallTimer(lambda: torch.cuda.current_stream().synchronize())
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -319,9 +319,11 @@ def _base_streamer() -> type:
 
 
 class CallTimer(_base_streamer()):  # type: ignore[misc]
-    """A generate streamer recording when the prompt and each new token arrive (after a device
-    synchronize, so that a timestamp is the moment the token exists): prefill is the time from
-    begin() to the first new token, decode rate the tokens after it over the time after it."""
+    """A generate streamer recording when the prompt and each new token arrive (after `sync`:
+    the compute stream's synchronize, so that a timestamp is the moment the token exists; not the
+    device's, which would also wait for copies running ahead of compute, as no user's streamer
+    does): prefill is the time from begin() to the first new token, decode rate the tokens after
+    it over the time after it."""
 
     def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.sync = sync or (lambda: None)

@@ -147,9 +147,9 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(65536)
     ids = torch.randint(1, model.config.vocab_size, (1, 65536), device="cuda", generator=gen)
     out: dict[int, dict[str, Any]] = {}
-    # Calls 3 and 4 as bench_generate makes them: 3 with its streamer (a device synchronize at
-    # each token), 4 with that streamer and its card sampler (a thread polling free memory
-    # every 2 ms).
+    # Calls 3 and 4 as bench_generate makes them: 3 with its streamer (the compute stream's
+    # synchronize at each token), 4 with that streamer and its card sampler (a thread polling
+    # free memory every 2 ms).
     for call in (1, 2, 3, 4):
         events.clear()
         seen.clear()
@@ -160,7 +160,7 @@ def main() -> None:
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        timer = CallTimer(torch.cuda.synchronize) if call >= 3 else None
+        timer = CallTimer(lambda: torch.cuda.current_stream().synchronize()) if call >= 3 else None
         sampler = CardSampler(probe, 0.002 if call == 4 else 0.0)
         with sampler:
             manager.generate(ids, max_new_tokens=32, do_sample=False, streamer=timer)
