@@ -83,8 +83,9 @@ class LlamaLayerPath:
         """A decode step of one layer with Reviva's own attention call: the new tokens' queries
         against the cache's token-major K/V, grouped heads read in place (no concatenation, no
         expansion). For CUDA in half precision without a padding mask. With `graphs`, the layer's
-        compute before and after attention replays CUDA graphs (captured after the layer's first
-        eager step); the result is then in graphs' static hidden state, which is returned."""
+        compute before and after attention replays CUDA graphs once captured (until then the
+        step runs eagerly and the layer waits for capture); the result is then in the graphs'
+        static hidden state, which is returned."""
         past = cache.get_seq_length(i)
         cos, sin = kwargs["position_embeddings"]
         cache.acquire(i)
@@ -93,7 +94,7 @@ class LlamaLayerPath:
                 return graphs.step(cache, i, h, cos, sin, past)
             self._rows(cache, i, layer, h, 0, h.shape[1], past, cos, sin, None, None)
             if graphs is not None:
-                graphs.capture(self, i, layer, h, cos, sin)
+                graphs.defer(i, layer, cos, sin)
         finally:
             cache.release(i)
         return h
@@ -226,24 +227,30 @@ def chunk_attention(
 # Note [Decode graphs]
 # ~~~~~~~~~~~~~~~~~~~~
 # A decode step is tens of small kernels per layer, each issued by Python: on the H200's host
-# about 1.1-1.4 ms per layer (benchmarks/diag_host.py), which is as long as streaming a layer's
-# K/V at 64k takes. The host, not the copies, then sets the pace, and any noise on it shows up
-# as slower decode. So the compute before attention (input norm, projections, q/k norms, RoPE)
-# and after it (o_proj, residual, MLP) is captured as two CUDA graphs per layer and replayed;
-# what changes from step to step stays outside them: the K/V write into the store and the
-# attention over a length that grows (eager, on torch's stream, between the two replays).
-# The graphs read and write static buffers shared by all layers (the hidden state, cos/sin,
-# the attention output), and their temporaries come from one graph memory pool; replays run in
-# layer order on one stream, so the pool's reuse across graphs is safe. The same kernels run in
-# the same order as the eager path (the projections' GEMMs are cuBLAS's in both), so the numbers
-# are the eager path's. A layer is captured after a warm-up run of both halves on a side stream
-# (kernels loaded, cuBLAS initialised for the stream), on that stream, in "thread_local"
-# capture mode so that the core's threads may keep polling their events. Capture happens right
-# after a layer's prefill has been issued (the host waits on the device for most of prefill, so
-# the capture's host time is hidden), or, where prefill could not (a padding mask in prefill), after
-# the layer's first eager decode step. Graphs last as long as
-# the manager; they are dropped when a layer's parameters move (data pointers change) or the
-# batch changes, and a capture that fails turns graphs off for the manager, logged and counted.
+# 1.05-1.15 ms per layer (benchmarks/diag_host.py; plain HF 0.94-1.34), about as long as a
+# streamed layer's K/V takes over PCIe at 64k. The host, not the copies, then set the pace, and
+# any noise on it showed as slower decode. So the compute before attention (input norm,
+# projections, q/k norms, RoPE) and after it (o_proj, residual, MLP) is captured as two CUDA
+# graphs per layer and replayed (0.20-0.26 ms per layer on the same host); what changes from
+# step to step stays outside them: the K/V write into the store and the attention over a length
+# that grows (eager, on torch's stream, between the two replays). The graphs read and write
+# static buffers shared by all layers (the hidden state, cos/sin, the attention output), and
+# their temporaries come from one graph memory pool; replays run one after another on one
+# stream, so the pool's reuse across graphs is safe. The kernels are the eager path's, in the
+# same order (the projections' GEMMs are cuBLAS's in both).
+#
+# When: a layer runs its first decode steps of a call eagerly and waits for capture; at the end
+# of each step (the final norm: every layer of the step is issued and the device works through
+# it) the host captures waiting layers for up to CAPTURE_MS_PER_STEP, each after a warm-up of
+# both halves on a side stream (kernels loaded, cuBLAS initialised for the stream), in
+# "thread_local" capture mode so that the core's threads may keep polling their events. Capturing
+# right after each layer's prefill instead (1659665, 612b104) cost the first call's prefill on a
+# 24 GB card 1.1-2.0 s: with layers streamed in prefill the host is not ahead of the device there.
+# Graphs last as long as the manager; they are dropped when a layer's parameters move (data
+# pointers change) or the batch changes, and a capture that fails turns graphs off for the
+# manager, logged and in the stats.
+
+CAPTURE_MS_PER_STEP = 10.0
 
 
 class DecodeGraphs:
@@ -255,7 +262,9 @@ class DecodeGraphs:
         self.failed: str | None = None  # why graphs were turned off, if they were
         self.capture_ms = 0.0
         self.replays = 0
-        self.captures = {"prefill": 0, "decode": 0}  # layers captured in this call, by phase
+        self.captured = 0  # layers captured in this call
+        self.eager_steps = 0  # layer steps of this call run eagerly, before their capture
+        self._pending: dict[int, tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
         self._static: dict[str, torch.Tensor] = {}
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
@@ -265,7 +274,9 @@ class DecodeGraphs:
         """Drops the graphs of layers whose parameters moved since their capture."""
         self.replays = 0
         self.capture_ms = 0.0
-        self.captures = {"prefill": 0, "decode": 0}
+        self.captured = 0
+        self.eager_steps = 0
+        self._pending.clear()
         for i in list(self.layers):
             if self.layers[i][3] != _param_ptrs(layers[i]):
                 del self.layers[i]
@@ -304,6 +315,24 @@ class DecodeGraphs:
         self.replays += 1
         return st["h"]
 
+    def defer(self, i: int, layer: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Layer i ran a decode step eagerly: it waits for capture at the end of a step."""
+        self.eager_steps += 1
+        if self.failed is None:
+            self._pending[i] = (layer, cos, sin)
+
+    def capture_pending(self, path: LlamaLayerPath, h: torch.Tensor) -> None:
+        """At the end of a decode step (h: its hidden state, [batch, 1, hidden]): captures the
+        waiting layers, lowest first, for up to CAPTURE_MS_PER_STEP of host time."""
+        if not self._pending or h.shape[1] != 1:
+            return
+        t = time.perf_counter()
+        for i in sorted(self._pending):
+            layer, cos, sin = self._pending.pop(i)
+            self.capture(path, i, layer, h, cos, sin)
+            if (time.perf_counter() - t) * 1e3 >= CAPTURE_MS_PER_STEP:
+                break
+
     def capture(
         self,
         path: LlamaLayerPath,
@@ -313,10 +342,9 @@ class DecodeGraphs:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> None:
-        """Captures layer i's two graphs for decode steps of h's batch (h: the layer's input in
-        prefill or in a decode step; cos/sin: their position embeddings, for the shapes). After
-        the layer's prefill, while the device works through it, the host's time capturing is
-        hidden. On failure turns graphs off for the manager."""
+        """Captures layer i's two graphs for decode steps of h's batch and dtype (cos/sin: a
+        step's position embeddings, for their shapes). On failure turns graphs off for the
+        manager."""
         if self.failed is not None:
             return
         t = time.perf_counter()
@@ -357,10 +385,11 @@ class DecodeGraphs:
                     back.capture_end()
             torch.cuda.current_stream().wait_stream(stream)
             self.layers[i] = (front, back, qkv, _param_ptrs(layer))
-            self.captures["prefill" if h.shape[1] > 1 else "decode"] += 1
+            self.captured += 1
         except Exception as e:  # noqa: BLE001 (any capture failure: decode goes on eagerly)
             self.failed = f"{type(e).__name__}: {e}"
             self.layers.clear()
+            self._pending.clear()
             log.warning("reviva: CUDA graphs for decode turned off (%s)", self.failed)
         finally:
             self.capture_ms += (time.perf_counter() - t) * 1e3

@@ -164,9 +164,7 @@ class RevivaManager:
             if self._copy_hidden:
                 hidden_states = hidden_states.clone()
             if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
-                out = self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
-                self._capture_for_decode(i, layer, hidden_states, kwargs)
-                return out
+                return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
             if i == 0:
                 self._mark_decode_step()
             if (
@@ -186,26 +184,15 @@ class RevivaManager:
 
         return forward
 
-    def _capture_for_decode(
-        self, i: int, layer: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]
-    ) -> None:
-        """Right after layer i's prefill is issued: its decode graphs (Note [Decode graphs]),
-        when decode will take the own path with graphs and has steps enough to gain from them."""
-        graphs, plan = self._graphs, self._plan
-        if graphs is None or plan is None or self._copy_hidden or graphs.ready(i, h):
-            return
-        if kwargs.get("attention_mask") is not None or "position_embeddings" not in kwargs:
-            return  # decode decides at its first step (eager, then capture)
-        if plan.capacity - plan.prompt_tokens < 3:
-            return  # one or two new tokens: a capture would cost more than it saves
-        cos, sin = kwargs["position_embeddings"]
-        graphs.capture(self.layers, i, layer, h, cos, sin)
-
     def _make_norm_forward(self, norm: nn.Module) -> Any:
         original = norm.forward
 
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
             plan = self._plan
+            if self._graphs is not None and self._cache is not None and hidden_states.dim() == 3:
+                # Every layer of this decode step is issued: the device works through the step
+                # while the host captures a few layers' graphs (Note [Decode graphs]).
+                self._graphs.capture_pending(self.layers, hidden_states)
             if (
                 self._cache is None
                 or plan is None
@@ -538,12 +525,13 @@ class RevivaManager:
             "prompt_tokens": plan.prompt_tokens,
             "decode_steps": steps,
             "own_decode_attention": ph.get("own_decode_steps", 0) == steps > 0,
-            # Note [Decode graphs]: layer steps replayed as CUDA graphs, the host time capturing
-            # them in this call and the layers captured (after their prefill, or after their
-            # first decode step), and "on", or why they are off.
+            # Note [Decode graphs]: layer steps replayed as CUDA graphs and run eagerly (before
+            # the layer's capture), the layers captured in this call and the host time it took,
+            # and "on", or why they are off.
             "decode_graph_replays": self._graphs.replays if self._graphs else 0,
             "decode_graph_capture_ms": self._graphs.capture_ms if self._graphs else 0.0,
-            "decode_graph_captures": dict(self._graphs.captures) if self._graphs else {},
+            "decode_graph_captures": self._graphs.captured if self._graphs else 0,
+            "decode_graph_eager_steps": self._graphs.eager_steps if self._graphs else 0,
             "decode_graphs": self._graphs_state(),
             "prefill_s": prefill_s,
             "decode_s": decode_s,
