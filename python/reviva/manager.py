@@ -189,10 +189,13 @@ class RevivaManager:
 
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
             plan = self._plan
-            if self._graphs is not None and self._cache is not None and hidden_states.dim() == 3:
+            cache = self._cache
+            if self._graphs is not None and cache is not None and plan is not None:
                 # Every layer of this decode step is issued: the device works through the step
-                # while the host captures a few layers' graphs (Note [Decode graphs]).
-                self._graphs.capture_pending(self.layers, hidden_states)
+                # while the host captures a few layers' graphs (Note [Decode graphs]), unless
+                # the call has too few steps left to gain from them.
+                if plan.capacity - cache.get_seq_length(0) >= 4:
+                    self._graphs.capture_pending(self.layers, hidden_states)
             if (
                 self._cache is None
                 or plan is None
