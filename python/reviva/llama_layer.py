@@ -248,7 +248,8 @@ def chunk_attention(
 # 24 GB card 1.1-2.0 s: with layers streamed in prefill the host is not ahead of the device there.
 # Graphs last as long as the manager; they are dropped when a layer's parameters move (data
 # pointers change) or the batch changes, and a capture that fails turns graphs off for the
-# manager, logged and in the stats.
+# manager, logged and in the stats. A layer with forward hooks on its parts (or with global
+# module hooks, or accelerate's hooks) is not captured: a replay would skip the hooks' Python.
 
 CAPTURE_MS_PER_STEP = 10.0
 
@@ -265,6 +266,8 @@ class DecodeGraphs:
         self.captured = 0  # layers captured in this call
         self.eager_steps = 0  # layer steps of this call run eagerly, before their capture
         self._pending: dict[int, tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
+        # Layers left eager in this call, and why (hooked()).
+        self.uncaptured: dict[int, str] = {}
         self._static: dict[str, torch.Tensor] = {}
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
@@ -277,8 +280,9 @@ class DecodeGraphs:
         self.captured = 0
         self.eager_steps = 0
         self._pending.clear()
+        self.uncaptured.clear()
         for i in list(self.layers):
-            if self.layers[i][3] != _param_ptrs(layers[i]):
+            if self.layers[i][3] != _param_ptrs(layers[i]) or hooked(layers[i]) is not None:
                 del self.layers[i]
 
     def ready(self, i: int, h: torch.Tensor) -> bool:
@@ -316,10 +320,17 @@ class DecodeGraphs:
         return st["h"]
 
     def defer(self, i: int, layer: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Layer i ran a decode step eagerly: it waits for capture at the end of a step."""
+        """Layer i ran a decode step eagerly: it waits for capture at the end of a step, unless
+        something in it must run in Python at every step (hooked())."""
         self.eager_steps += 1
-        if self.failed is None:
-            self._pending[i] = (layer, cos, sin)
+        if self.failed is not None or i in self.uncaptured:
+            return
+        why = hooked(layer)
+        if why is not None:
+            self.uncaptured[i] = why
+            log.info("reviva: decode layer %d stays eager (%s)", i, why)
+            return
+        self._pending[i] = (layer, cos, sin)
 
     def capture_pending(self, path: LlamaLayerPath, h: torch.Tensor) -> None:
         """At the end of a decode step (h: its hidden state, [batch, 1, hidden]): captures the
@@ -393,6 +404,22 @@ class DecodeGraphs:
             log.warning("reviva: CUDA graphs for decode turned off (%s)", self.failed)
         finally:
             self.capture_ms += (time.perf_counter() - t) * 1e3
+
+
+def hooked(layer: nn.Module) -> str | None:
+    """Why a decoder layer's compute must not be replayed from a graph, or None: a graph replays
+    kernels only, so forward hooks on its parts (and global module hooks) would no longer run,
+    and accelerate's hooks move weights per call (a graph keeps the addresses of its capture)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return "global module forward hooks are registered"
+    for name, m in layer.named_modules():
+        if name and (m._forward_hooks or m._forward_pre_hooks):
+            return f"forward hooks on {name}"
+        if hasattr(m, "_hf_hook"):
+            return f"accelerate hook on {name or 'the layer'}"
+    return None
 
 
 def _param_ptrs(layer: nn.Module) -> tuple[int, ...]:

@@ -535,6 +535,7 @@ class RevivaManager:
             "decode_graph_capture_ms": self._graphs.capture_ms if self._graphs else 0.0,
             "decode_graph_captures": self._graphs.captured if self._graphs else 0,
             "decode_graph_eager_steps": self._graphs.eager_steps if self._graphs else 0,
+            "decode_graph_uncaptured": dict(self._graphs.uncaptured) if self._graphs else {},
             "decode_graphs": self._graphs_state(),
             "prefill_s": prefill_s,
             "decode_s": decode_s,

@@ -429,12 +429,46 @@ def test_gpu_decode_graphs_same_tokens_reused_and_recaptured() -> None:
         replays, eager_steps = st["decode_graph_replays"], st["decode_graph_eager_steps"]
         assert replays + eager_steps == layers * steps, st
         assert (eager_steps == 0) == (call == 2) and replays >= layers * (steps - 4), st
+    # A hook on a layer's part must run at every step: that layer stays eager.
+    seen = []
+    handle = model.model.layers[2].mlp.down_proj.register_forward_hook(
+        lambda m, a, o: seen.append(a[0].shape[1])
+    )
+    try:
+        out = graphs.generate(ids[:1], **kwargs)
+    finally:
+        handle.remove()
+    st = graphs.get_memory_stats()
+    assert st["decode_graph_uncaptured"] == {2: "forward hooks on mlp.down_proj"}, st
+    assert seen.count(1) == steps and st["decode_graph_replays"] == (layers - 1) * steps
+    assert torch.equal(out.sequences, eager.generate(ids[:1], **kwargs).sequences)
     with_hidden = dict(kwargs, output_hidden_states=True)
     ref = eager.generate(ids[:1], **with_hidden)
     out = graphs.generate(ids[:1], **with_hidden)
     assert graphs.get_memory_stats()["decode_graph_replays"] == 0
     for a, b in zip(ref.hidden_states[-1], out.hidden_states[-1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_decode_graphs_skip_layers_with_hooks() -> None:
+    """Note [Decode graphs]: a graph replays kernels only, so a layer whose parts carry forward
+    hooks (or any layer, under global module hooks or accelerate's hooks) is never captured."""
+    from reviva.llama_layer import hooked
+
+    layer = tiny_model("llama").model.layers[0]
+    assert hooked(layer) is None
+    handle = layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: None)
+    assert hooked(layer) == "forward hooks on self_attn.q_proj"
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert hooked(layer) == "global module forward hooks are registered"
+    finally:
+        handle.remove()
+    layer.mlp._hf_hook = object()
+    assert hooked(layer) == "accelerate hook on mlp"
+    del layer.mlp._hf_hook
+    assert hooked(layer) is None
 
 
 def test_promotion_after_prefill_and_own_decode_attention() -> None:
