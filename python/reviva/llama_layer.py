@@ -248,8 +248,13 @@ def chunk_attention(
 # 24 GB card 1.1-2.0 s: with layers streamed in prefill the host is not ahead of the device there.
 # Graphs last as long as the manager; they are dropped when a layer's parameters move (data
 # pointers change) or the batch changes, and a capture that fails turns graphs off for the
-# manager, logged and in the stats. A layer with forward hooks on its parts (or with global
-# module hooks, or accelerate's hooks) is not captured: a replay would skip the hooks' Python.
+# manager, logged and in the stats (an out-of-memory while capturing leaves that layer eager for
+# the call). A layer is captured only when each part the path calls is a plain module whose
+# forward is its kernels (uncapturable(): nn.Linear itself or transformers' own norms, MLPs and
+# activations; no forward hooks on them, no global module hooks, no accelerate hook, not
+# training): a replay skips any Python, so an adapter whose state changes between calls (a LoRA
+# merged, disabled or switched) or a hook would silently not take effect. Under autocast the
+# eager path runs (the graphs were captured without it).
 
 CAPTURE_MS_PER_STEP = 10.0
 
@@ -266,7 +271,7 @@ class DecodeGraphs:
         self.captured = 0  # layers captured in this call
         self.eager_steps = 0  # layer steps of this call run eagerly, before their capture
         self._pending: dict[int, tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
-        # Layers left eager in this call, and why (hooked()).
+        # Layers left eager in this call, and why (uncapturable(), or a failed capture).
         self.uncaptured: dict[int, str] = {}
         self._static: dict[str, torch.Tensor] = {}
         self._pool: Any = None
@@ -282,12 +287,14 @@ class DecodeGraphs:
         self._pending.clear()
         self.uncaptured.clear()
         for i in list(self.layers):
-            if self.layers[i][3] != _param_ptrs(layers[i]) or hooked(layers[i]) is not None:
+            if self.layers[i][3] != _param_ptrs(layers[i]) or uncapturable(layers[i]) is not None:
                 del self.layers[i]
 
     def ready(self, i: int, h: torch.Tensor) -> bool:
         """Layer i has graphs for decode steps of h's batch and dtype ([batch, 1, hidden])."""
-        if self.failed is not None or i not in self.layers:
+        if self.failed is not None or i not in self.layers or h.shape[1] != 1:
+            return False
+        if torch.is_autocast_enabled(h.device.type):  # the capture ran without autocast
             return False
         st = self._static.get("h")
         return st is not None and st.shape[0] == h.shape[0] and st.dtype == h.dtype
@@ -321,11 +328,11 @@ class DecodeGraphs:
 
     def defer(self, i: int, layer: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Layer i ran a decode step eagerly: it waits for capture at the end of a step, unless
-        something in it must run in Python at every step (hooked())."""
+        something in it must run in Python at every step (uncapturable())."""
         self.eager_steps += 1
         if self.failed is not None or i in self.uncaptured:
             return
-        why = hooked(layer)
+        why = uncapturable(layer)
         if why is not None:
             self.uncaptured[i] = why
             log.info("reviva: decode layer %d stays eager (%s)", i, why)
@@ -367,16 +374,23 @@ class DecodeGraphs:
                 self.layers.clear()
                 lay = path.layout
                 kw = dict(dtype=h.dtype, device=h.device)
-                st["h"] = torch.zeros(batch, 1, hidden, **kw)
-                st["cos"] = torch.zeros(batch, 1, cos.shape[-1], dtype=cos.dtype, device=h.device)
-                st["sin"] = torch.zeros_like(st["cos"])
-                st["att"] = torch.zeros(batch, 1, lay.num_heads, lay.head_dim, **kw)
-                self._pool = torch.cuda.graph_pool_handle()
-                self._stream = torch.cuda.Stream(device=h.device)
+                cos_shape = (batch, 1, cos.shape[-1])
+                new = {
+                    "h": torch.zeros(batch, 1, hidden, **kw),
+                    "cos": torch.zeros(cos_shape, dtype=cos.dtype, device=h.device),
+                    "sin": torch.zeros(cos_shape, dtype=sin.dtype, device=h.device),
+                    "att": torch.zeros(batch, 1, lay.num_heads, lay.head_dim, **kw),
+                }
+                pool = torch.cuda.graph_pool_handle()
+                st.clear()  # all or nothing: a step never sees one batch's h with another's att
+                st.update(new)
+                self._pool = pool
                 self._cos = None
+            if self._stream is None:  # one side stream for the manager's captures
+                self._stream = torch.cuda.Stream(device=h.device)
             stream = self._stream
-            assert stream is not None
-            stream.wait_stream(torch.cuda.current_stream())
+            compute = torch.cuda.current_stream(h.device)
+            stream.wait_stream(compute)
             with torch.cuda.stream(stream):
                 # Warm-up on this stream (kernels loaded, cuBLAS's workspace for the stream), on
                 # a copy of the hidden state: the static one may hold a step in progress.
@@ -394,10 +408,13 @@ class DecodeGraphs:
                     path._finish(layer, st["h"], 0, 1, st["att"])
                 finally:
                     back.capture_end()
-            torch.cuda.current_stream().wait_stream(stream)
+            compute.wait_stream(stream)
             self.layers[i] = (front, back, qkv, _param_ptrs(layer))
             self.captured += 1
-        except Exception as e:  # noqa: BLE001 (any capture failure: decode goes on eagerly)
+        except torch.OutOfMemoryError as e:  # this layer stays eager in this call
+            self.uncaptured[i] = f"out of memory while capturing: {e}"[:200]
+            log.info("reviva: decode layer %d stays eager (%s)", i, self.uncaptured[i])
+        except Exception as e:  # noqa: BLE001 (any other capture failure: decode goes on eagerly)
             self.failed = f"{type(e).__name__}: {e}"
             self.layers.clear()
             self._pending.clear()
@@ -406,20 +423,58 @@ class DecodeGraphs:
             self.capture_ms += (time.perf_counter() - t) * 1e3
 
 
-def hooked(layer: nn.Module) -> str | None:
-    """Why a decoder layer's compute must not be replayed from a graph, or None: a graph replays
-    kernels only, so forward hooks on its parts (and global module hooks) would no longer run,
-    and accelerate's hooks move weights per call (a graph keeps the addresses of its capture)."""
+# The parts of a decoder layer that the own decode path calls (LlamaLayerPath._qkv, _finish).
+_PARTS = (
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp",
+)
+
+
+def uncapturable(layer: nn.Module) -> str | None:
+    """Why a decoder layer's decode compute must not be replayed from a graph, or None. A graph
+    replays the kernels of its capture and nothing else, so every part the path calls must be
+    a plain module whose forward is its kernels: torch's nn.Linear (exactly; not an adapter or a
+    quantized subclass whose state may change between calls) or a module of transformers' own
+    model code (norms, MLPs, activations), with no forward hooks (and no global module hooks),
+    no accelerate hook (it moves weights per call), and not in training mode."""
     from torch.nn.modules import module as torch_module
 
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return "global module forward hooks are registered"
-    for name, m in layer.named_modules():
-        if name and (m._forward_hooks or m._forward_pre_hooks):
-            return f"forward hooks on {name}"
-        if hasattr(m, "_hf_hook"):
-            return f"accelerate hook on {name or 'the layer'}"
+    for part in _PARTS:
+        top = layer.get_submodule(part) if _has(layer, part) else None
+        if top is None:
+            continue
+        for sub, m in top.named_modules():
+            name = f"{part}.{sub}" if sub else part
+            if m._forward_hooks or m._forward_pre_hooks:
+                return f"forward hooks on {name}"
+            if hasattr(m, "_hf_hook"):
+                return f"accelerate hook on {name}"
+            if m.training:
+                return f"{name} is in training mode"
+            kind = type(m)
+            plain = kind is nn.Linear or kind.__module__.startswith(
+                ("transformers.models.", "transformers.activations", "torch.nn.modules.activation")
+            )
+            if not plain:
+                return f"{name} is a {kind.__module__}.{kind.__qualname__}, not a plain module"
     return None
+
+
+def _has(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def _param_ptrs(layer: nn.Module) -> tuple[int, ...]:

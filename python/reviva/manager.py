@@ -250,7 +250,7 @@ class RevivaManager:
     def _event(self) -> Any:
         if self.layout.device.type == "cuda":
             e = torch.cuda.Event(enable_timing=True)
-            e.record()
+            e.record(torch.cuda.current_stream(self.layout.device))
             return e
         return time.perf_counter()
 

@@ -424,11 +424,11 @@ def test_gpu_decode_graphs_same_tokens_reused_and_recaptured() -> None:
         assert torch.equal(out.sequences, ref.sequences)
         for t in range(new):
             err = (out.logits[t].float() - ref.logits[t].float()).norm() / ref.logits[t].norm()
-            assert err <= 1e-2, (batch, t, float(err))
+            assert err <= 1e-3, (batch, t, float(err))  # the same kernels: equal, in practice
         assert st["decode_graph_captures"] == (0 if call == 2 else layers), (call, st)
         replays, eager_steps = st["decode_graph_replays"], st["decode_graph_eager_steps"]
         assert replays + eager_steps == layers * steps, st
-        assert (eager_steps == 0) == (call == 2) and replays >= layers * (steps - 4), st
+        assert eager_steps == 0 if call == 2 else eager_steps >= layers, st
     # A hook on a layer's part must run at every step: that layer stays eager.
     seen = []
     handle = model.model.layers[2].mlp.down_proj.register_forward_hook(
@@ -448,27 +448,49 @@ def test_gpu_decode_graphs_same_tokens_reused_and_recaptured() -> None:
     assert graphs.get_memory_stats()["decode_graph_replays"] == 0
     for a, b in zip(ref.hidden_states[-1], out.hidden_states[-1], strict=True):
         assert torch.equal(a, b)
+    # and graphs are back for the next plain call (HF's recording hooks left on the model do
+    # not count): layer 2, dropped while hooked, is captured again.
+    graphs.generate(ids[:1], **kwargs)
+    st = graphs.get_memory_stats()
+    assert st["decode_graph_captures"] == 1 and st["decode_graph_replays"] > 0, st
 
 
-def test_decode_graphs_skip_layers_with_hooks() -> None:
-    """Note [Decode graphs]: a graph replays kernels only, so a layer whose parts carry forward
-    hooks (or any layer, under global module hooks or accelerate's hooks) is never captured."""
-    from reviva.llama_layer import hooked
+def test_decode_graphs_capture_only_plain_parts() -> None:
+    """Note [Decode graphs]: a graph replays kernels only, so a layer is captured only when every
+    part the decode path calls is a plain module with no hooks; hooks elsewhere (on self_attn,
+    which the path never calls, as transformers' output capturing installs them) do not count."""
+    from reviva.llama_layer import uncapturable
 
-    layer = tiny_model("llama").model.layers[0]
-    assert hooked(layer) is None
+    model = tiny_model("llama")
+    layer = model.model.layers[0]
+    assert uncapturable(layer) is None
+    ids = torch.randint(1, 211, (1, 12), generator=torch.Generator().manual_seed(2))
+    model.generate(ids, max_new_tokens=2, do_sample=False, output_hidden_states=True)
+    assert uncapturable(layer) is None  # HF's recording hooks sit on self_attn and the layer
     handle = layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: None)
-    assert hooked(layer) == "forward hooks on self_attn.q_proj"
+    assert uncapturable(layer) == "forward hooks on self_attn.q_proj"
     handle.remove()
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
     try:
-        assert hooked(layer) == "global module forward hooks are registered"
+        assert uncapturable(layer) == "global module forward hooks are registered"
     finally:
         handle.remove()
-    layer.mlp._hf_hook = object()
-    assert hooked(layer) == "accelerate hook on mlp"
-    del layer.mlp._hf_hook
-    assert hooked(layer) is None
+    layer.mlp.down_proj._hf_hook = object()
+    assert uncapturable(layer) == "accelerate hook on mlp.down_proj"
+    del layer.mlp.down_proj._hf_hook
+
+    class Adapter(torch.nn.Linear):  # e.g. a LoRA layer: state that a replay would not see
+        pass
+
+    plain = layer.self_attn.v_proj
+    layer.self_attn.v_proj = Adapter(plain.in_features, plain.out_features, bias=False).eval()
+    why = uncapturable(layer)
+    assert why is not None and why.startswith("self_attn.v_proj is a ") and "Adapter" in why
+    layer.self_attn.v_proj = plain
+    layer.train()
+    assert uncapturable(layer) == "input_layernorm is in training mode"
+    layer.eval()
+    assert uncapturable(layer) is None
 
 
 def test_promotion_after_prefill_and_own_decode_attention() -> None:
