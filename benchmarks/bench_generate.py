@@ -548,6 +548,8 @@ def card_driver(args: argparse.Namespace) -> int:
         "torch.cuda.init() and before the model, in every card worker",
         "between_calls": "nothing: no prepare(), no empty_cache, no gc.collect",
         "token_clock": "a streamer synchronizes the compute stream (not the device) at each token",
+        # Reviva's environment switches the workers inherit (e.g. REVIVA_PIN_HOST_COPIES).
+        "reviva_env": {k: v for k, v in os.environ.items() if k.startswith("REVIVA_")},
         "pcie_gbps_for_roofline": PCIE_GBPS,
         "kv_bytes_per_token_per_layer": kv_bytes_per_token_per_layer(
             shape, 4 if args.dry_run else 2

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 import weakref
@@ -42,6 +43,17 @@ _MISSING = object()
 # another) is refused rather than left to interleave its wrappers with the first's.
 _WRAPPED_BY = "_reviva_wrapped_by"
 _WRAP_LOCK = threading.Lock()
+
+
+_PIN_MODES = ("before_compute", "background")
+
+
+def _pin_mode() -> str:
+    """Where a call pins its host copies (RevivaManager._pin_host_copies)."""
+    mode = os.environ.get("REVIVA_PIN_HOST_COPIES", "before_compute")
+    if mode not in _PIN_MODES:
+        raise ValueError(f"REVIVA_PIN_HOST_COPIES must be one of {_PIN_MODES}, got {mode!r}")
+    return mode
 
 
 class RevivaManager:
@@ -436,6 +448,9 @@ class RevivaManager:
             with self:
                 out = model.generate(inputs, past_key_values=cache, **kwargs)
         finally:
+            thread = self._phase.get("pin_thread")
+            if thread is not None:
+                thread.join()  # no helper thread outlives its call
             self._phase["end"] = self._event()
             self._copy_hidden = False
             self._cache, self._plan = None, None
@@ -445,15 +460,37 @@ class RevivaManager:
         return out
 
     def _pin_host_copies(self, plan: Plan) -> float:
-        """Pins the streamed layers' host copies before the call's compute starts (the pool
-        keeps them for later calls, so from the second call of a shape this finds them there).
-        Before compute, because pinning waits for the device's queued work and holds the driver
-        meanwhile (Note [Pinning by registration] in cuda_backend.cpp: ~0.06 ms per MB on the
-        H200 host). Returns the seconds it took."""
+        """Pins the streamed layers' host copies for the call (the pool keeps them for later
+        calls, so from the second call of a shape this finds them there). Returns the seconds
+        the calling thread spent on it.
+
+        Where (REVIVA_PIN_HOST_COPIES, an experiment until measured on the GPU):
+        "before_compute" (the default) pins before the call's compute starts, because pinning
+        waited for the device's queued work behind one long kernel (Note [Pinning by
+        registration] in cuda_backend.cpp: ~0.06 ms per MB on the H200 host, 0.41-0.48 s for a
+        64k call on a 24 GB card); "background" pins on a helper thread while prefill runs (the
+        pool lets allocations wait for slabs landing, Note [Slabs landing]): the same benchmark
+        registered 2 GB in 0.056 s on a thread beside a stream of short GEMMs."""
         if plan.streamed_layers == 0:
             return 0.0
         t = time.perf_counter()
-        self.pool.reserve(plan.streamed_layers, plan.host_bytes // plan.streamed_layers)
+        count, size = plan.streamed_layers, plan.host_bytes // plan.streamed_layers
+        if _pin_mode() == "before_compute":
+            self.pool.reserve(count, size)
+            return time.perf_counter() - t
+
+        def pin() -> None:
+            t0 = time.perf_counter()
+            try:
+                self.pool.reserve(count, size)
+            except Exception as e:  # noqa: BLE001 (the call's own allocations raise theirs)
+                self._phase["pin_error"] = f"{type(e).__name__}: {e}"[:300]
+            finally:
+                self._phase["pin_background_s"] = time.perf_counter() - t0
+
+        thread = threading.Thread(target=pin, name="reviva-pin", daemon=True)
+        self._phase["pin_thread"] = thread
+        thread.start()
         return time.perf_counter() - t
 
     def _finish_call(self, cache: RevivaCache, plan: Plan) -> None:
@@ -503,6 +540,9 @@ class RevivaManager:
             "arena_map_ms": arena["map_ms"] - ph["map_ms"],
             "host_copy_wait_ms": st["host_copy_wait_ms"],
             "pin_s": ph.get("pin_s", 0.0),
+            "pin_mode": _pin_mode(),
+            "pin_background_s": ph.get("pin_background_s", 0.0),
+            "pin_error": ph.get("pin_error"),
             "kv_cache_mb": kv_total / _MiB,
             "kv_device_mb": st["device_bytes"] / _MiB,
             "vram_saved_mb": max(kv_total - st["device_bytes"], 0) / _MiB,
