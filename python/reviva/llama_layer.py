@@ -339,7 +339,7 @@ class DecodeGraphs:
             return
         self._pending[i] = (layer, cos, sin)
 
-    def capture_pending(self, path: LlamaLayerPath, h: torch.Tensor) -> None:
+    def capture_pending(self, h: torch.Tensor) -> None:
         """At the end of a decode step (h: its hidden state, [batch, 1, hidden]): captures the
         waiting layers, lowest first, for up to CAPTURE_MS_PER_STEP of host time."""
         if not self._pending or h.shape[1] != 1:
@@ -347,13 +347,12 @@ class DecodeGraphs:
         t = time.perf_counter()
         for i in sorted(self._pending):
             layer, cos, sin = self._pending.pop(i)
-            self.capture(path, i, layer, h, cos, sin)
+            self.capture(i, layer, h, cos, sin)
             if (time.perf_counter() - t) * 1e3 >= CAPTURE_MS_PER_STEP:
                 break
 
     def capture(
         self,
-        path: LlamaLayerPath,
         i: int,
         layer: nn.Module,
         h: torch.Tensor,
@@ -365,6 +364,7 @@ class DecodeGraphs:
         manager."""
         if self.failed is not None:
             return
+        path = self.path
         t = time.perf_counter()
         try:
             st = self._static
@@ -449,8 +449,9 @@ def uncapturable(layer: nn.Module) -> str | None:
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return "global module forward hooks are registered"
     for part in _PARTS:
-        top = layer.get_submodule(part) if _has(layer, part) else None
-        if top is None:
+        try:
+            top = layer.get_submodule(part)
+        except AttributeError:  # (q_norm, k_norm: only some families)
             continue
         for sub, m in top.named_modules():
             name = f"{part}.{sub}" if sub else part
@@ -467,14 +468,6 @@ def uncapturable(layer: nn.Module) -> str | None:
             if not plain:
                 return f"{name} is a {kind.__module__}.{kind.__qualname__}, not a plain module"
     return None
-
-
-def _has(layer: nn.Module, path: str) -> bool:
-    try:
-        layer.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
 
 
 def _param_ptrs(layer: nn.Module) -> tuple[int, ...]:

@@ -207,7 +207,7 @@ class RevivaManager:
                 # while the host captures a few layers' graphs (Note [Decode graphs]), unless
                 # the call has too few steps left to gain from them.
                 if plan.capacity - cache.get_seq_length(0) >= 4:
-                    self._graphs.capture_pending(self.layers, hidden_states)
+                    self._graphs.capture_pending(hidden_states)
             if (
                 self._cache is None
                 or plan is None
@@ -475,7 +475,8 @@ class RevivaManager:
             return 0.0
         t = time.perf_counter()
         count, size = plan.streamed_layers, plan.host_bytes // plan.streamed_layers
-        if _pin_mode() == "before_compute":
+        self._phase["pin_mode"] = _pin_mode()
+        if self._phase["pin_mode"] == "before_compute":
             self.pool.reserve(count, size)
             return time.perf_counter() - t
 
@@ -540,7 +541,7 @@ class RevivaManager:
             "arena_map_ms": arena["map_ms"] - ph["map_ms"],
             "host_copy_wait_ms": st["host_copy_wait_ms"],
             "pin_s": ph.get("pin_s", 0.0),
-            "pin_mode": _pin_mode(),
+            "pin_mode": ph.get("pin_mode", _pin_mode()),
             "pin_background_s": ph.get("pin_background_s", 0.0),
             "pin_error": ph.get("pin_error"),
             "kv_cache_mb": kv_total / _MiB,
