@@ -241,11 +241,19 @@ def chunk_attention(
 #
 # When: a layer runs its first decode steps of a call eagerly and waits for capture; at the end
 # of each step (the final norm: every layer of the step is issued and the device works through
-# it) the host captures waiting layers for up to CAPTURE_MS_PER_STEP, each after a warm-up of
-# both halves on a side stream (kernels loaded, cuBLAS initialised for the stream), in
-# "thread_local" capture mode so that the core's threads may keep polling their events. Capturing
-# right after each layer's prefill instead (1659665, 612b104) cost the first call's prefill on a
-# 24 GB card 1.1-2.0 s: with layers streamed in prefill the host is not ahead of the device there.
+# it) the host captures waiting layers while the step is still running on the device (an event
+# recorded there is not complete), at least one per step and for at most CAPTURE_MS_MAX, so the
+# capture hides in the time the host would otherwise wait for the token. The first decode step
+# of a call is long on the device (layers promoted after prefill come back: ~106 ms at 64k on a
+# 24 GB card against ~44 ms later), so most layers are captured there. A layer is warmed up on
+# a side stream (kernels loaded, cuBLAS initialised for the stream) before its capture only if
+# no layer of the same parameter shapes was since the static buffers were made; captures run
+# in "thread_local" mode so that the core's threads may keep polling their events. A fixed
+# 10 ms per step (f9e5872) left call 1 at 19.0-19.5 tok/s against 21.6-21.7 later: 131-148 ms
+# of capture and 163-194 eager layer steps, while the host had no slack in the eager steps.
+# Capturing right after each layer's prefill instead (1659665, 612b104) cost the first call's
+# prefill on a 24 GB card 1.1-2.0 s: with layers streamed in prefill the host is not ahead of
+# the device there.
 # Graphs last as long as the manager; they are dropped when a layer's parameters move (data
 # pointers change) or the batch changes, and a capture that fails turns graphs off for the
 # manager, logged and in the stats (an out-of-memory while capturing leaves that layer eager for
@@ -256,7 +264,7 @@ def chunk_attention(
 # merged, disabled or switched) or a hook would silently not take effect. Under autocast the
 # eager path runs (the graphs were captured without it).
 
-CAPTURE_MS_PER_STEP = 10.0
+CAPTURE_MS_MAX = 200.0
 
 
 class DecodeGraphs:
@@ -277,6 +285,8 @@ class DecodeGraphs:
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         self._cos: torch.Tensor | None = None
+        # Parameter shapes (and dtypes) of layers warmed up since the static buffers were made.
+        self._warm: set[tuple[tuple[Any, ...], ...]] = set()
 
     def begin_call(self, layers: list[nn.Module]) -> None:
         """Drops the graphs of layers whose parameters moved since their capture."""
@@ -341,14 +351,17 @@ class DecodeGraphs:
 
     def capture_pending(self, h: torch.Tensor) -> None:
         """At the end of a decode step (h: its hidden state, [batch, 1, hidden]): captures the
-        waiting layers, lowest first, for up to CAPTURE_MS_PER_STEP of host time."""
+        waiting layers, lowest first, while the device still works through the step (at least
+        one per step, at most CAPTURE_MS_MAX of host time)."""
         if not self._pending or h.shape[1] != 1:
             return
         t = time.perf_counter()
+        step_done = torch.cuda.Event()
+        step_done.record(torch.cuda.current_stream(h.device))
         for i in sorted(self._pending):
             layer, cos, sin = self._pending.pop(i)
             self.capture(i, layer, h, cos, sin)
-            if (time.perf_counter() - t) * 1e3 >= CAPTURE_MS_PER_STEP:
+            if step_done.query() or (time.perf_counter() - t) * 1e3 >= CAPTURE_MS_MAX:
                 break
 
     def capture(
@@ -386,16 +399,21 @@ class DecodeGraphs:
                 st.update(new)
                 self._pool = pool
                 self._cos = None
+                self._warm.clear()
             if self._stream is None:  # one side stream for the manager's captures
                 self._stream = torch.cuda.Stream(device=h.device)
             stream = self._stream
             compute = torch.cuda.current_stream(h.device)
             stream.wait_stream(compute)
+            shapes = _param_shapes(layer)
             with torch.cuda.stream(stream):
-                # Warm-up on this stream (kernels loaded, cuBLAS's workspace for the stream), on
-                # a copy of the hidden state: the static one may hold a step in progress.
-                path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
-                path._finish(layer, st["h"].clone(), 0, 1, st["att"])
+                if shapes not in self._warm:
+                    # Warm-up on this stream (kernels loaded, cuBLAS's workspace for the
+                    # stream), on a copy of the hidden state: the static one may hold a step in
+                    # progress. Layers of the same shapes run the same kernels.
+                    path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
+                    path._finish(layer, st["h"].clone(), 0, 1, st["att"])
+                    self._warm.add(shapes)
                 front = torch.cuda.CUDAGraph()
                 front.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
@@ -472,3 +490,7 @@ def uncapturable(layer: nn.Module) -> str | None:
 
 def _param_ptrs(layer: nn.Module) -> tuple[int, ...]:
     return tuple(p.data_ptr() for p in layer.parameters())
+
+
+def _param_shapes(layer: nn.Module) -> tuple[tuple[Any, ...], ...]:
+    return tuple((tuple(p.shape), p.dtype) for p in layer.parameters())

@@ -45,12 +45,12 @@ _WRAPPED_BY = "_reviva_wrapped_by"
 _WRAP_LOCK = threading.Lock()
 
 
-_PIN_MODES = ("before_compute", "background")
+_PIN_MODES = ("background", "before_compute")
 
 
 def _pin_mode() -> str:
     """Where a call pins its host copies (RevivaManager._pin_host_copies)."""
-    mode = os.environ.get("REVIVA_PIN_HOST_COPIES", "before_compute")
+    mode = os.environ.get("REVIVA_PIN_HOST_COPIES", "background")
     if mode not in _PIN_MODES:
         raise ValueError(f"REVIVA_PIN_HOST_COPIES must be one of {_PIN_MODES}, got {mode!r}")
     return mode
@@ -464,13 +464,14 @@ class RevivaManager:
         calls, so from the second call of a shape this finds them there). Returns the seconds
         the calling thread spent on it.
 
-        Where (REVIVA_PIN_HOST_COPIES, an experiment until measured on the GPU):
-        "before_compute" (the default) pins before the call's compute starts, because pinning
-        waited for the device's queued work behind one long kernel (Note [Pinning by
-        registration] in cuda_backend.cpp: ~0.06 ms per MB on the H200 host, 0.41-0.48 s for a
-        64k call on a 24 GB card); "background" pins on a helper thread while prefill runs (the
-        pool lets allocations wait for slabs landing, Note [Slabs landing]): the same benchmark
-        registered 2 GB in 0.056 s on a thread beside a stream of short GEMMs."""
+        Where (REVIVA_PIN_HOST_COPIES): "background" (the default) pins on a helper thread
+        while prefill runs (the pool lets allocations wait for slabs landing, Note [Slabs
+        landing]); the calling thread joins it before the call returns. On the H200, 64k on a
+        24 GB card, it took call 1's prefill from 1.58x plain HF's (pinning first, 1.04 s of
+        it) to 1.08x (benchmarks/results/generate-card24-2026-12-01-974b2a9*.json).
+        "before_compute" pins before the call's compute starts (Note [Pinning by registration]
+        in cuda_backend.cpp: registration can wait for the device's queued work behind one
+        long kernel)."""
         if plan.streamed_layers == 0:
             return 0.0
         t = time.perf_counter()

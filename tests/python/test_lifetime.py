@@ -270,23 +270,27 @@ def test_activation_offload_refuses_reentry(device: str) -> None:
     assert offload.stats.saved_tensors == saved
 
 
-@pytest.mark.parametrize("mode", ["before_compute", "background"])
+@pytest.mark.parametrize("mode", ["before_compute", "background", None])
 def test_host_copies_pinned_before_compute_or_in_background(
-    device: str, mode: str, monkeypatch: pytest.MonkeyPatch
+    device: str, mode: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """REVIVA_PIN_HOST_COPIES: either way the call gives plain HF's tokens, takes its host copies
-    from the pool, leaves no helper thread and no host copy in use; a bad value is named."""
+    from the pool, leaves no helper thread and no host copy in use; unset, the helper thread
+    pins them ("background"); a bad value is named."""
     model = tiny_model(device, seed=8)
     ids = ids_for(device, 110, seed=9)
     ref = model.generate(ids, max_new_tokens=8, do_sample=False)
-    monkeypatch.setenv("REVIVA_PIN_HOST_COPIES", mode)
+    if mode is None:
+        monkeypatch.delenv("REVIVA_PIN_HOST_COPIES", raising=False)
+    else:
+        monkeypatch.setenv("REVIVA_PIN_HOST_COPIES", mode)
     manager = streaming_manager(model, 110, 8)
     for _ in range(2):
         threads = threading.active_count()
         out = manager.generate(ids, max_new_tokens=8, do_sample=False)
         assert torch.equal(out, ref)
         st = manager.get_memory_stats()
-        assert st["pin_mode"] == mode and st["pin_error"] is None
+        assert st["pin_mode"] == (mode or "background") and st["pin_error"] is None
         assert st["streamed_layers"] > 0 or st["resident_layers_in_prefill"] < 5
         assert threading.active_count() == threads
         assert manager.pool.stats()["bytes_in_use"] == 0
