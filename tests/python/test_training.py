@@ -259,7 +259,8 @@ def test_gradient_checkpointing_identical() -> None:
 @pytest.mark.gpu
 def test_gpu_gradient_checkpointing_identical(deterministic: None) -> None:
     """CUDA, bf16 weights, HF gradient checkpointing (reentrant and not): gradients identical,
-    the checkpoints offloaded and brought back once, the peak not above checkpointing alone."""
+    the checkpoints offloaded and brought back once, the peak of requested bytes not above
+    checkpointing alone (allocated bytes: within torch's unsplit remainder of a block)."""
     for reentrant in (False, True):
         model = tiny_llama(seed=34, device="cuda", attention="eager").to(torch.bfloat16)
         model.gradient_checkpointing_enable(
@@ -268,12 +269,20 @@ def test_gpu_gradient_checkpointing_identical(deterministic: None) -> None:
         model.train()
         ids = torch.randint(0, 211, (4, 2048), device="cuda")
         ref, peak_ref = cuda_step(model, ids, None)
+        requested_ref = torch.cuda.memory_stats()["requested_bytes.all.peak"]
         off = ActivationOffload(model, min_bytes=1 << 16)
         got, peak = cuda_step(model, ids, off)
+        requested = torch.cuda.memory_stats()["requested_bytes.all.peak"]
         assert_identical(ref, got)
         assert off.stats.bytes_offloaded > 0
         assert off.stats.bytes_restored == off.stats.bytes_offloaded, reentrant
-        assert peak <= peak_ref, (reentrant, peak, peak_ref)
+        # The bytes asked of torch's allocator (what tensors hold) peak no higher. Its allocated
+        # bytes count whole blocks: a cached large block reused for a request up to 1 MiB
+        # smaller is not split (torch's kSmallSize), so the allocated peak may differ by that
+        # much between two allocation histories holding the same tensors (non-reentrant: 468 KB
+        # above, at every GPU run since 6859ab0).
+        assert requested <= requested_ref, (reentrant, requested, requested_ref)
+        assert peak <= peak_ref + (1 << 20), (reentrant, peak, peak_ref)
 
 
 def test_no_growth_over_50_steps() -> None:

@@ -1,0 +1,182 @@
+"""Attention over K/V held in token blocks, merged by log-sum-exp (issue 13's first piece).
+
+Note [Block-merged attention]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A query chunk's attention over a layer's keys and values need not see them all at once: the
+keys split into blocks, each block's attention gives an output O_b and, per query row, the log of
+its softmax denominator L_b = logsumexp_k(q.k * scale). The whole attention is then
+
+    L = logsumexp_b(L_b),    O = sum_b exp(L_b - L) * O_b
+
+(exact in real arithmetic; in floating point the blocks' outputs carry their own rounding, so a
+bf16 result is within bf16 rounding of the one-call attention, not bit-identical). So a layer's
+K/V can be streamed to the device block by block (or read in place where it already is) and one
+layer's K/V never has to be on the device at once: the staging memory is a few blocks, not a
+layer.
+
+Causality: the queries are tokens [query_start, query_start + n). A block of keys wholly at or
+before query_start is seen in full by every query; the block that holds the queries' own keys
+must end exactly at the last query (query_start + n), and is causal aligned at the bottom right
+(query j sees the keys up to query_start + j); blocks of later keys are not given. A query row
+that sees no key of a block (the bottom-right block shorter than the chunk) takes nothing from
+it (its L_b is -inf).
+
+Per block, one fused call where there is one: on CUDA in half precision with head_dim <= 256,
+aten's flash attention, which returns L_b, aligns causal masks at the bottom right and reads
+grouped K/V heads in place (as `chunk_attention` in llama_layer.py). Elsewhere (the CPU, fp32)
+a reference path: scores in fp32 for the rows of a query slice at a time, grouped heads read in
+place by folding the query heads of a group into rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+# Query rows per slice of the reference path: scores of [batch, kv_heads, group * rows, block]
+# fp32 values at a time.
+_REFERENCE_ROWS = 1024
+
+
+def block_attention(
+    q: torch.Tensor,
+    blocks: Iterable[tuple[torch.Tensor, torch.Tensor, int]],
+    query_start: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of queries q ([batch, heads, n, head_dim], tokens [query_start, query_start +
+    n)) to the keys and values of `blocks`: (k, v, key_start) with k and v [batch, kv_heads,
+    tokens, head_dim] (any strides: views of a cache), covering keys [key_start, key_start +
+    tokens). Causal (Note [Block-merged attention]): a block either ends at or before
+    query_start + 1 - ... (wholly seen: it ends at or before query_start + 1) or ends exactly at
+    query_start + n (bottom-right causal). Returns [batch, heads, n, head_dim] in q's dtype."""
+    if q.dim() != 4:
+        raise ValueError(
+            f"block_attention: q must be [batch, heads, tokens, head_dim], got {tuple(q.shape)}"
+        )
+    n = q.shape[2]
+    end = query_start + n
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    for k, v, key_start in blocks:
+        _check_block(q, k, v, key_start, query_start, end)
+        tokens = k.shape[2]
+        if tokens == 0:
+            continue
+        causal = key_start + tokens > query_start + 1
+        o_b, l_b = attention_with_lse(q, k, v, causal, scale)
+        out, lse = merge(out, lse, o_b, l_b)
+    if out is None:
+        raise ValueError("block_attention: no keys (every query must see at least one block)")
+    return out.to(q.dtype)
+
+
+def _check_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_start: int,
+    query_start: int,
+    end: int,
+) -> None:
+    if k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"block_attention: k and v must be [batch, kv_heads, tokens, head_dim] of one shape, "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"block_attention: a block of shape {tuple(k.shape)} does not fit queries of shape "
+            f"{tuple(q.shape)} (same batch and head_dim; kv_heads dividing heads)"
+        )
+    stop = key_start + k.shape[2]
+    if key_start < 0 or (stop > query_start + 1 and stop != end):
+        raise ValueError(
+            f"block_attention: the block of keys [{key_start}, {stop}) must end at or before "
+            f"{query_start + 1} (seen whole by queries [{query_start}, {end})) or exactly at {end} "
+            "(bottom-right causal)"
+        )
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: (output [batch, heads, n, head_dim], lse [batch, heads, n] fp32). With
+    `causal`, aligned at the bottom right (query j sees keys up to tokens - n + j)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return res[0], res[1]
+    return _reference(q, k, v, causal, scale)
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, n, dim = q.shape
+    kv_heads, tokens = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    # The heads of a group share their K/V head: folded into rows, they read it in place.
+    qg = q.reshape(batch, kv_heads, group, n, dim)
+    kf, vf = k.float(), v.float()
+    outs, lses = [], []
+    for s in range(0, n, _REFERENCE_ROWS):
+        e = min(n, s + _REFERENCE_ROWS)
+        rows = qg[:, :, :, s:e].float().reshape(batch, kv_heads, group * (e - s), dim)
+        scores = torch.matmul(rows, kf.transpose(-1, -2)) * scale
+        if causal:  # query s + j (of the chunk) sees keys up to tokens - n + s + j
+            pos = torch.arange(s, e, device=q.device).unsqueeze(1) + (tokens - n)
+            seen = torch.arange(tokens, device=q.device).unsqueeze(0) <= pos
+            scores = scores.masked_fill(~seen.repeat(group, 1), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+        o = torch.matmul(weights, vf)
+        outs.append(o.reshape(batch, kv_heads, group, e - s, dim))
+        lses.append(lse.reshape(batch, kv_heads, group, e - s))
+    out = torch.cat(outs, dim=3).reshape(batch, heads, n, dim)
+    return out, torch.cat(lses, dim=3).reshape(batch, heads, n)
+
+
+def merge(
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    o_b: torch.Tensor,
+    l_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Folds one block's (output, lse) into the running (output fp32, lse fp32)."""
+    l_b = l_b.float()
+    seen = torch.isfinite(l_b).unsqueeze(-1)  # rows that saw no key of the block take nothing
+    o_b = torch.where(seen, o_b.float(), 0.0)
+    if out is None or lse is None:
+        return o_b, l_b
+    total = torch.logaddexp(lse, l_b)
+    # Rows that saw nothing yet in either: total is -inf; their weights are 0 (nan_to_num).
+    w_old = torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1)
+    w_new = torch.exp(l_b - total).nan_to_num(0.0).unsqueeze(-1)
+    return out * w_old + o_b * w_new, total
+
+
+def split_blocks(
+    k: torch.Tensor, v: torch.Tensor, query_start: int, n: int, block_tokens: int
+) -> Sequence[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The keys [0, query_start + n) of k and v ([batch, kv_heads, tokens, head_dim]) as blocks of
+    at most `block_tokens` for block_attention: views, the last block ending at the last query,
+    the earlier ones ending at or before query_start + 1."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+    end = query_start + n
+    if k.shape[2] < end:
+        raise ValueError(f"split_blocks: {k.shape[2]} keys, queries up to {end}")
+    # The last block: at least the queries' own keys (so that its earlier part holds keys seen
+    # whole), at most block_tokens unless the chunk is longer.
+    last_start = max(0, end - max(block_tokens, n))
+    blocks = []
+    s = 0
+    while s < last_start:
+        e = min(last_start, s + block_tokens)
+        blocks.append((k[:, :, s:e], v[:, :, s:e], s))
+        s = e
+    blocks.append((k[:, :, last_start:end], v[:, :, last_start:end], last_start))
+    return blocks
