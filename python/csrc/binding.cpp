@@ -4,7 +4,9 @@
 // for memory a copy stream still uses, and the current stream waiting on restores.
 #include "runtime.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -70,6 +72,33 @@ torch::Tensor host_view(const OffloadedPtr& h) {
   return torch::from_blob(
       h->block.data(), h->shape, [keep](void*) {},
       torch::TensorOptions().dtype(h->dtype).device(torch::kCPU));
+}
+
+// A CPU tensor over a block of the pool (uninitialized, zero copy): pinned host memory of the
+// process's one pool for a buffer that Python fills and reads (the prefill's residual stream on
+// the host, Note [Residual stream on the host] in python/reviva/llama_layer.py). The block goes
+// back to the pool with the tensor's last reference; the copies that use it must have finished
+// by then (the caller waits for its streams before dropping it).
+torch::Tensor pinned_tensor(const std::shared_ptr<PinnedHostPool>& pool, std::vector<int64_t> shape,
+                            const py::object& dtype) {
+  const torch::ScalarType st = torch::python::detail::py_object_to_dtype(dtype);
+  std::size_t numel = 1;
+  for (const int64_t d : shape) {
+    REVIVA_CHECK_ARG(d >= 0, "PinnedHostPool.tensor: negative size in shape");
+    REVIVA_CHECK_ARG(d == 0 || numel <= std::numeric_limits<std::size_t>::max() /
+                                            static_cast<std::size_t>(d),
+                     "PinnedHostPool.tensor: the shape's element count overflows");
+    numel *= static_cast<std::size_t>(d);
+  }
+  const std::size_t item = c10::elementSize(st);
+  REVIVA_CHECK_ARG(numel <= std::numeric_limits<std::size_t>::max() / item,
+                   "PinnedHostPool.tensor: the shape's byte count overflows");
+  const std::size_t bytes = std::max<std::size_t>(numel * item, 1);
+  auto block = std::make_shared<PinnedBlock>(pool->allocate(bytes));
+  void* data = block->data();
+  return torch::from_blob(
+      data, shape, [block](void*) mutable { block.reset(); },
+      torch::TensorOptions().dtype(st).device(torch::kCPU));
 }
 
 // --- TransferEngine binding --------------------------------------------------------------------
@@ -367,6 +396,9 @@ PYBIND11_MODULE(_C, m) {
       .def("synchronize_pending", &PinnedHostPool::synchronize_pending,
            py::call_guard<py::gil_scoped_release>())
       .def("check_invariants", &PinnedHostPool::check_invariants)
+      .def("tensor", &pinned_tensor, py::arg("shape"), py::arg("dtype"),
+           "An uninitialized CPU tensor over a pinned block of this pool; the block returns to "
+           "the pool with the tensor (copies using it must have finished).")
       .def_property_readonly("capacity_bytes",
                              [](const PinnedHostPool& p) { return p.options().capacity_bytes; });
 

@@ -37,6 +37,8 @@ class DecoderLayout:
     vocab_size: int
     dtype: torch.dtype
     device: torch.device
+    embed_tokens: nn.Module | None = None  # model.model.embed_tokens
+    rotary_emb: nn.Module | None = None  # model.model.rotary_emb
 
 
 def _need(obj: object, name: str, where: str) -> object:
@@ -58,8 +60,8 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError("RevivaManager: `model.model.layers` must be a non-empty nn.ModuleList")
     final_norm = _need(inner, "norm", "model.model")
-    _need(inner, "rotary_emb", "model.model")
-    _need(inner, "embed_tokens", "model.model")
+    rotary_emb = _need(inner, "rotary_emb", "model.model")
+    embed_tokens = _need(inner, "embed_tokens", "model.model")
     _need(model, "lm_head", "model")
     for i, layer in enumerate(layers):
         for part in _LAYER_PARTS:
@@ -103,4 +105,6 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
         vocab_size=cfg.vocab_size,
         dtype=param.dtype,
         device=param.device,
+        embed_tokens=embed_tokens,
+        rotary_emb=rotary_emb,
     )

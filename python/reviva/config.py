@@ -38,6 +38,10 @@ class RevivaConfig:
     cuda_graphs:    replay each layer's decode compute around attention as CUDA graphs (CUDA,
                     half precision, no padding mask): the host issues a step several times
                     faster. False runs every kernel eagerly.
+    prefill_residual: where the prompt's hidden states live through prefill: "device", "host"
+                    (pinned host memory, streamed through each layer by chunks: nothing of the
+                    prompt's size on the device but K/V), or "auto" (the device unless the plan
+                    does not fit there).
     """
 
     vram_threshold: float = 0.8
@@ -49,6 +53,7 @@ class RevivaConfig:
     chunk_tokens: int | None = None
     prefill_attention: str = "auto"
     cuda_graphs: bool = True
+    prefill_residual: str = "auto"
 
     def __post_init__(self) -> None:
         t = self.vram_threshold
@@ -88,6 +93,11 @@ class RevivaConfig:
             raise ValueError(
                 "prefill_attention must be 'auto', 'whole' or 'chunked', got "
                 f"{self.prefill_attention!r}"
+            )
+        if self.prefill_residual not in ("auto", "device", "host"):
+            raise ValueError(
+                "prefill_residual must be 'auto', 'device' or 'host', got "
+                f"{self.prefill_residual!r}"
             )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")

@@ -71,6 +71,39 @@ class LlamaLayerPath:
             cache.release(i)
         return h
 
+    def prefill_from_host(
+        self,
+        cache: RevivaCache,
+        plan: Plan,
+        i: int,
+        layer: nn.Module,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Any,
+    ) -> None:
+        """One decoder layer over the whole prompt whose hidden states live on the host
+        (Note [Residual stream on the host]): residual [tokens, batch, hidden] pinned, updated
+        by chunks; positions [1 or batch, tokens]; rotary(x, positions) gives a chunk's cos and
+        sin."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("RevivaManager prefill runs under torch.no_grad() (generate does)")
+        tokens, chunk = residual.shape[0], plan.chunk_tokens
+        device = self.layout.device
+        cache.acquire(i)
+        try:
+            cache.store.reserve(i, tokens)
+            for s in range(0, tokens, chunk):
+                e = min(tokens, s + chunk)
+                src = residual[s:e]
+                h = src.to(device, non_blocking=True).transpose(0, 1).contiguous()
+                if h.data_ptr() == src.data_ptr():  # (the host backend: the device is the host)
+                    h = h.clone()
+                cos, sin = rotary(h, positions[:, s:e])
+                self._rows(cache, i, layer, h, 0, e - s, s, cos, sin, None, None)
+                src.copy_(h.transpose(0, 1), non_blocking=True)
+        finally:
+            cache.release(i)
+
     def decode(
         self,
         cache: RevivaCache,
@@ -222,6 +255,26 @@ def chunk_attention(
     n = end - start
     causal = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+
+
+# Note [Residual stream on the host]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A long prompt's hidden states are the largest tensor of a prefill that keeps them on the device
+# (512k tokens x 4096 x bf16: 4.3 GB, issue 13), with the whole prompt's rotary tables beside
+# them. When the plan does not fit with them on the device (RevivaConfig(prefill_residual="auto"),
+# or always with "host"), they live in pinned host memory from the process's pool, token-major
+# ([tokens, batch, hidden]: a chunk is one contiguous copy), and prefill goes layer by layer:
+# each chunk of tokens is copied in, runs the layer (projections, its K/V into the cache,
+# attention of its queries to the keys so far, MLP), and is copied back, on the compute stream
+# (at 512k a layer computes for seconds against 2 x 78 ms of copies). The model's own forward
+# still drives the layers: the embedding wrapper writes the embeddings chunk by chunk to the host
+# and returns a placeholder of the prompt's shape that holds no memory (a broadcast zero), the
+# rotary wrapper returns broadcast placeholders for cos and sin (each chunk's are computed when
+# it runs), every layer returns the placeholder, and the final norm computes only the last
+# token's row, broadcast to the prompt's shape: generate asks the head for the last position's
+# logits alone (logits_to_keep=1). So nothing of the prompt's size is on the device but its K/V;
+# options that need every position (output_hidden_states, logits_to_keep != 1) or a padding mask
+# are refused by name in this mode.
 
 
 # Note [Decode graphs]

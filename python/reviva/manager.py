@@ -93,6 +93,13 @@ class RevivaManager:
         # that many copy and stall events, left in _last_timeline (ms since the store was built).
         self._timeline_capacity = 0
         self._last_timeline: list[dict[str, Any]] = []
+        # Note [Residual stream on the host] (llama_layer.py): the prompt's hidden states on the
+        # host for this call's prefill, the placeholder the model's forward passes around instead,
+        # the prompt's positions, and the rotary module's own forward (each chunk's cos and sin).
+        self._residual: torch.Tensor | None = None
+        self._placeholder: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._rotary_forward: Any = None
         # Layers return new tensors instead of updating the hidden states in place, when HF
         # records each layer's output (output_hidden_states): else every entry aliases one.
         self._copy_hidden = False
@@ -142,6 +149,12 @@ class RevivaManager:
             for i, layer in enumerate(self.layout.layers):
                 self._wrap(layer, self._make_layer_forward(i, layer))
             self._wrap(self.layout.final_norm, self._make_norm_forward(self.layout.final_norm))
+            if self.layout.embed_tokens is not None and self.layout.rotary_emb is not None:
+                self._wrap(
+                    self.layout.embed_tokens, self._make_embed_forward(self.layout.embed_tokens)
+                )
+                self._rotary_forward = self.layout.rotary_emb.forward
+                self._wrap(self.layout.rotary_emb, self._make_rotary_forward())
         except BaseException:
             self._restore()
             raise
@@ -173,6 +186,19 @@ class RevivaManager:
             cache = kwargs.get("past_key_values")
             if cache is not self._cache or cache is None:
                 return original(hidden_states, *args, **kwargs)
+            if hidden_states is self._placeholder and self._residual is not None:
+                # (No padding here, _check_host_residual: a mask HF passes is the causal one,
+                # which the chunks' attention applies itself.)
+                self.layers.prefill_from_host(
+                    cache,
+                    self._plan,
+                    i,
+                    layer,
+                    self._residual,
+                    self._positions,
+                    self._rotary_forward,
+                )
+                return hidden_states
             if self._copy_hidden:
                 hidden_states = hidden_states.clone()
             if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
@@ -196,12 +222,68 @@ class RevivaManager:
 
         return forward
 
+    def _make_embed_forward(self, embed: nn.Module) -> Any:
+        original = embed.forward
+
+        def forward(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            plan, cache = self._plan, self._cache
+            if (
+                cache is None
+                or plan is None
+                or not plan.residual_on_host
+                or self._residual is not None
+                or input_ids.dim() != 2
+                or input_ids.shape[1] != plan.prompt_tokens
+                or cache.get_seq_length(0) != 0
+            ):
+                return original(input_ids, *args, **kwargs)
+            # The prompt's embeddings go to the host by chunks; the model's forward passes a
+            # placeholder of their shape that holds no memory (Note [Residual stream on the host]).
+            batch, tokens = input_ids.shape
+            residual = None
+            for s in range(0, tokens, plan.chunk_tokens):
+                e = min(tokens, s + plan.chunk_tokens)
+                x = original(input_ids[:, s:e], *args, **kwargs)
+                if residual is None:
+                    residual = self.pool.tensor([tokens, batch, x.shape[2]], x.dtype)
+                residual[s:e].copy_(x.transpose(0, 1), non_blocking=True)
+            self._residual = residual
+            self._placeholder = torch.zeros((), dtype=x.dtype, device=x.device).expand(
+                batch, tokens, x.shape[2]
+            )
+            return self._placeholder
+
+        return forward
+
+    def _make_rotary_forward(self) -> Any:
+        original = self._rotary_forward
+
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if x is not self._placeholder or self._residual is None:
+                return original(x, *args, **kwargs)
+            positions = kwargs.pop("position_ids", None)
+            if positions is None:
+                positions, *args = args
+            self._positions = positions
+            # Each chunk's cos and sin are computed when it runs: broadcast placeholders here.
+            cos, sin = original(x[:, :1], positions[:, :1], *args, **kwargs)
+            shape = (cos.shape[0], x.shape[1], cos.shape[2])
+            return cos.expand(shape), sin.expand(shape)
+
+        return forward
+
     def _make_norm_forward(self, norm: nn.Module) -> Any:
         original = norm.forward
 
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
             plan = self._plan
             cache = self._cache
+            if hidden_states is self._placeholder and self._residual is not None:
+                # The last token's row alone (generate asks for its logits only), broadcast to
+                # the prompt's shape (Note [Residual stream on the host]).
+                last = self._residual[-1:].to(self.layout.device).transpose(0, 1)
+                out = original(last.contiguous())
+                return out.expand(hidden_states.shape[0], hidden_states.shape[1], out.shape[2])
             if self._graphs is not None and cache is not None and plan is not None:
                 # Every layer of this decode step is issued: the device works through the step
                 # while the host captures a few layers' graphs (Note [Decode graphs]), unless
@@ -419,6 +501,8 @@ class RevivaManager:
             plan.chunk_tokens,
             plan.layer_kv_bytes / _MiB,
         )
+        if plan.residual_on_host:
+            self._check_host_residual(gen, kwargs, padded)
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.layout.device)
         self.arena.reset_peak()
@@ -454,10 +538,33 @@ class RevivaManager:
             self._phase["end"] = self._event()
             self._copy_hidden = False
             self._cache, self._plan = None, None
-            if cache is not None:
-                self._finish_call(cache, plan)
+            try:
+                if cache is not None:
+                    self._finish_call(cache, plan)
+            finally:
+                if self._residual is not None and cuda:  # its copies end before it goes back
+                    torch.cuda.synchronize(self.layout.device)
+                self._residual, self._placeholder, self._positions = None, None, None
             self.arena.reclaim(True)
         return out
+
+    def _check_host_residual(self, gen: Any, kwargs: dict[str, Any], padded: bool) -> None:
+        """Refuses, by name, what the prompt's hidden states on the host cannot give (Note
+        [Residual stream on the host]): every position's hidden states or logits, padding."""
+        why = (
+            "the prompt's hidden states stay on the host through prefill (RevivaConfig("
+            f"prefill_residual={self.config.prefill_residual!r}) and a plan that needs it)"
+        )
+        if gen.output_hidden_states:
+            raise ValueError(f"RevivaManager.generate: output_hidden_states=True while {why}")
+        if padded:
+            raise ValueError(f"RevivaManager.generate: a padded batch while {why}")
+        keep = kwargs.get("logits_to_keep")
+        if keep not in (None, 1) or not self.layout.model._supports_logits_to_keep():
+            raise ValueError(
+                f"RevivaManager.generate: logits of every prompt position (logits_to_keep={keep!r}"
+                f", or a model without logits_to_keep) while {why}"
+            )
 
     def _pin_host_copies(self, plan: Plan) -> float:
         """Pins the streamed layers' host copies for the call (the pool keeps them for later
@@ -566,6 +673,8 @@ class RevivaManager:
             "promotions_refused_by_device": ph.get("promotions_refused_by_device", 0),
             "prefetch_window": plan.prefetch_layers,
             "chunk_tokens": plan.chunk_tokens,
+            "prefill_residual": "host" if plan.residual_on_host else "device",
+            "residual_host_mb": plan.residual_host_bytes / _MiB,
             "layer_kv_mb": layer_kv / _MiB,
             "prompt_tokens": plan.prompt_tokens,
             "decode_steps": steps,

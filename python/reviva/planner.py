@@ -122,6 +122,17 @@ class Plan:
     resident_layers: tuple[int, ...]
     slots: int
     prefetch_layers: int
+    # Note [Residual stream on the host] (llama_layer.py): the prompt's hidden states live in
+    # pinned host memory through prefill and stream through each layer by chunks.
+    residual_on_host: bool = False
+    hidden_bytes_per_token: int = 0  # one token's hidden state (hidden_size x dtype bytes)
+
+    @property
+    def residual_host_bytes(self) -> int:
+        """Pinned bytes of the prompt's hidden states when they live on the host (else 0)."""
+        if not self.residual_on_host:
+            return 0
+        return self.batch * self.prompt_tokens * self.hidden_bytes_per_token
 
     @property
     def streamed_layers(self) -> int:
@@ -161,8 +172,36 @@ def make_plan(
     model: MemoryModel = MODEL,
 ) -> Plan:
     """How a generate call of this shape uses the budget; raises RevivaOutOfMemoryError naming
-    the numbers when the weights, the minimum working set and one layer's K/V do not fit."""
+    the numbers when the weights, the minimum working set and one layer's K/V do not fit.
+
+    The prompt's hidden states stay on the device (the measured path) unless they do not fit
+    there: then, with config.prefill_residual "auto" (or always, with "host"), they live in
+    pinned host memory through prefill (Note [Residual stream on the host] in llama_layer.py),
+    which takes them and the whole prompt's rotary tables out of the working set."""
     _check_shape(batch, prompt_tokens, new_tokens)
+    args = (layout, config, state, batch, prompt_tokens, new_tokens, padded, model)
+    mode = config.prefill_residual
+    if mode == "host":
+        return _make_plan(*args, host_residual=True)
+    try:
+        return _make_plan(*args, host_residual=False)
+    except RevivaOutOfMemoryError:
+        if mode != "auto" or padded:
+            raise
+    return _make_plan(*args, host_residual=True)
+
+
+def _make_plan(
+    layout: DecoderLayout,
+    config: RevivaConfig,
+    state: DeviceState,
+    batch: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    padded: bool,
+    model: MemoryModel,
+    host_residual: bool,
+) -> Plan:
     lay = layout
     e = lay.dtype.itemsize
     requested = config.budget_bytes(state.total)
@@ -196,8 +235,11 @@ def make_plan(
         m = model.chunk_multiple
         chunk = max(m, target // (per_token + score * prompt_tokens) // m * m)
     chunk = min(chunk, prompt_tokens)
-    hidden = batch * prompt_tokens * lay.hidden_size * e
-    rotary = batch * prompt_tokens * lay.head_dim * (2 * e + 8)
+    # The prompt's hidden states and rotary tables: on the device for the whole prompt, or (the
+    # residual on the host) a chunk's at a time, already in per_token's residual tensors.
+    rows = chunk if host_residual else prompt_tokens
+    hidden = 0 if host_residual else batch * prompt_tokens * lay.hidden_size * e
+    rotary = batch * rows * lay.head_dim * (2 * e + 8)
     mask = batch * prompt_tokens * capacity if padded else 0
     logits = batch * lay.vocab_size * (e + model.logits_bytes_per_vocab)
     # Whole-prompt attention needs the queries and the output of all tokens at once (and,
@@ -214,7 +256,9 @@ def make_plan(
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     n = lay.num_layers
     window = min(config.prefetch_layers, n)
-    if chunk >= prompt_tokens or config.prefill_attention == "whole":
+    if host_residual:  # a chunk's queries at a time: nothing of the prompt's size on the device
+        whole_attention = False
+    elif chunk >= prompt_tokens or config.prefill_attention == "whole":
         whole_attention = True
     elif config.prefill_attention == "chunked":
         whole_attention = False
@@ -245,12 +289,13 @@ def make_plan(
                 if budget < requested
                 else ""
             )
+            where = ", its hidden states on the host" if host_residual else ""
             raise RevivaOutOfMemoryError(
                 f"RevivaManager: the budget of {_fmt(budget)}{capped} cannot hold what is "
                 f"already on the device ({_fmt(baseline)}: weights and buffers) plus the working "
                 f"set of a {prompt_tokens}-token prompt ({_fmt(working)} at {chunk}-token "
-                f"chunks) plus one layer's K/V ({_fmt(layer_kv)} for {capacity} tokens, batch "
-                f"{batch}): {_fmt(baseline + working + layer_kv)} needed. Raise vram_budget, "
+                f"chunks{where}) plus one layer's K/V ({_fmt(layer_kv)} for {capacity} tokens, "
+                f"batch {batch}): {_fmt(baseline + working + layer_kv)} needed. Raise vram_budget, "
                 "lower chunk_tokens, or shorten the prompt."
             )
         resident = min(n, (avail - slots * layer_kv) // layer_kv)
@@ -275,12 +320,19 @@ def make_plan(
         slots=slots,
         prefetch_layers=prefetch,
         num_layers=n,
+        residual_on_host=host_residual,
+        hidden_bytes_per_token=lay.hidden_size * e,
     )
     host_cap = config.host_memory_bytes()
-    if host_cap and plan.host_bytes > host_cap:
+    if host_cap and plan.host_bytes + plan.residual_host_bytes > host_cap:
+        residual = (
+            f" and the prompt's hidden states {_fmt(plan.residual_host_bytes)}"
+            if host_residual
+            else ""
+        )
         raise RevivaOutOfMemoryError(
             f"RevivaManager: {plan.streamed_layers} streamed layers need {_fmt(plan.host_bytes)}"
-            f" of pinned host memory for {capacity} tokens, over host_memory="
+            f"{residual} of pinned host memory for {capacity} tokens, over host_memory="
             f"{_fmt(host_cap)}. Raise host_memory or vram_budget, or shorten the prompt."
         )
     return plan
