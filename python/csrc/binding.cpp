@@ -85,9 +85,9 @@ torch::Tensor pinned_tensor(const std::shared_ptr<PinnedHostPool>& pool, std::ve
   std::size_t numel = 1;
   for (const int64_t d : shape) {
     REVIVA_CHECK_ARG(d >= 0, "PinnedHostPool.tensor: negative size in shape");
-    REVIVA_CHECK_ARG(d == 0 || numel <= std::numeric_limits<std::size_t>::max() /
-                                            static_cast<std::size_t>(d),
-                     "PinnedHostPool.tensor: the shape's element count overflows");
+    REVIVA_CHECK_ARG(
+        d == 0 || numel <= std::numeric_limits<std::size_t>::max() / static_cast<std::size_t>(d),
+        "PinnedHostPool.tensor: the shape's element count overflows");
     numel *= static_cast<std::size_t>(d);
   }
   const std::size_t item = c10::elementSize(st);
