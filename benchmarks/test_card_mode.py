@@ -307,6 +307,67 @@ def test_card_256k_roofline_check() -> None:
     assert 1.0 < c["calls"][0]["ratio_to_roofline"] < 1.1
 
 
+def _long_rows(prefill_512k: float, tok_s: float = 0.78, calls: int = 1) -> list[dict]:
+    """256k and 512k on the card in one run, a no-card compute run at 256k only."""
+    rows = [
+        _row(
+            "no_card",
+            "reviva_default",
+            262144,
+            1,
+            decode_tok_s=20.0,
+            reviva={"streamed_layers": 0},
+        )
+    ]
+    for call in range(1, calls + 1):
+        rows.append(
+            _row(
+                "card",
+                "reviva",
+                262144,
+                call,
+                prefill_s=62.0,
+                decode_tok_s=1.77,
+                reviva={"streamed_layers": 28},
+            )
+        )
+        rows.append(
+            _row(
+                "card",
+                "reviva",
+                524288,
+                call,
+                prefill_s=prefill_512k,
+                decode_tok_s=tok_s,
+                reviva={"streamed_layers": 32},
+            )
+        )
+    return rows
+
+
+def test_card_512k_check_bounds_the_compute_from_256k_and_compares_prefill() -> None:
+    """card24_512k_bf16: 32 streamed layers at 512k move 32 * 4096 * 524296 B = 68.7 GB a token,
+    1.249 s at 55 GB/s; 0.78 tok/s (1.282 s) is 1.03x. No no-card run at 512k: the 256k one
+    (0.05 s a token) bounds the compute at 0.1 s, under the transfer, so the roofline is the
+    transfer. Prefill 250 s is 4.03x the 256k call's 62 s (<= 4.4x); 280 s (4.5x) fails."""
+    settings = _settings(calls_per_worker=1)
+    c = bench_generate.analyse_card(_long_rows(250.0), settings)["checks"]["card24_512k_bf16"]
+    assert c["pass"], json.dumps(c, indent=1)
+    call = c["calls"][0]
+    assert 1.0 < call["ratio_to_roofline"] < 1.1
+    assert abs(call["prefill_vs_reference"] - 250 / 62) < 1e-9
+    out = bench_generate.analyse_card(_long_rows(280.0), settings)
+    assert not out["checks"]["card24_512k_bf16"]["pass"]
+    roof = [r for r in out["rooflines"] if r["context"] == 524288][0]
+    assert roof["compute_from"].startswith("bound: no_card reviva_default call 1 at 262144")
+    slow = bench_generate.analyse_card(_long_rows(250.0, tok_s=0.6), settings)
+    assert not slow["checks"]["card24_512k_bf16"]["calls"][0]["roofline_ok"]
+    alone = [r for r in _long_rows(250.0) if r["context"] == 524288]
+    c = bench_generate.analyse_card(alone, settings)["checks"]["card24_512k_bf16"]
+    assert not c["pass"] and any("prefill reference" in m for m in c["missing"])
+    assert any("compute term" in m for m in c["missing"])
+
+
 # --- bench_train ----------------------------------------------------------------------------------
 
 
