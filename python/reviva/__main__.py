@@ -2,13 +2,16 @@
 
     python -m reviva demo [--device cuda|cpu] [--prompt N]
     python -m reviva transfers [--device cuda|cpu] [--mib N]
+    python -m reviva plan [--model llama3-8b|qwen2.5-32b|CONFIG] [--context 512k] [--card 24GB]
 
 `demo` runs a long prompt through a random-init Llama-shaped model, with and without Reviva
 (which streams half the layers' K/V from pinned host memory), and prints peak VRAM, prefill
 time, decode rate, VRAM saved and overlap (see reviva/demo.py). `transfers` offloads a set of
 random tensors to pinned host memory and brings them back through the TransferEngine, checks
 every byte, and prints what moved and how fast. Both run on the GPU when there is one, else on
-the host backend, and say which.
+the host backend, and say which. `plan` prints how a generate call of a shape would use a card
+(the planner's own plan, on a model built on the meta device) and its estimated prefill time and
+decode rate (reviva/forecast.py: calibrated on the H200), without a GPU.
 """
 
 from __future__ import annotations
@@ -80,6 +83,166 @@ def _transfers(args: argparse.Namespace) -> int:
     return 0 if exact else 1
 
 
+# Shapes for `plan` (HF config fields; bf16). Any other: a config.json or a folder holding one.
+PRESETS = {
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
+    "qwen2.5-32b": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        use_sliding_window=False,
+    ),
+}
+
+
+def _parse_tokens(text: str) -> int:
+    t = text.strip().lower()
+    try:
+        n = int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a token count: {text!r} (e.g. 65536 or 64k)"
+        ) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a token count must be >= 1, got {text!r}")
+    return n
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import reviva
+    from reviva.adapters import inspect_model
+    from reviva.forecast import CUDA_CONTEXT_BYTES, forecast
+    from reviva.planner import DeviceState, make_plan
+
+    if args.model in PRESETS:
+        fields = dict(PRESETS[args.model])
+        cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    elif os.path.exists(args.model):
+        cfg = AutoConfig.from_pretrained(args.model)
+    else:
+        print(
+            f"reviva plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}) "
+            "nor a config.json or a folder holding one",
+            file=sys.stderr,
+        )
+        return 2
+    cfg.max_position_embeddings = max(
+        getattr(cfg, "max_position_embeddings", 0) or 0, args.context + args.new_tokens
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    layout = dataclasses.replace(inspect_model(model), device=torch.device("cuda", 0))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    card = reviva.parse_bytes(args.card)
+    state = DeviceState(
+        total=card,
+        baseline=weights,
+        available=max(card - CUDA_CONTEXT_BYTES - weights, 0),
+        granularity=2 << 20,
+    )
+    config = reviva.RevivaConfig(
+        vram_budget=args.vram_budget or args.card, prefill_residual=args.prefill_residual
+    )
+    shape = (
+        f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, "
+        f"{layout.num_heads}/{layout.num_kv_heads} heads, bf16 ({weights / 1e9:.2f} GB of weights)"
+    )
+    call = f"{args.context}-token prompt + {args.new_tokens} new, batch {args.batch}"
+    try:
+        plan = make_plan(layout, config, state, args.batch, args.context, args.new_tokens)
+    except reviva.RevivaOutOfMemoryError as e:
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "model": shape,
+                        "call": call,
+                        "card": args.card,
+                        "fits": False,
+                        "error": str(e),
+                    },
+                    indent=1,
+                )
+            )
+        else:
+            print(f"reviva plan: {shape}\n  {call} on a {args.card} card: does not fit\n  {e}")
+        return 1
+    f = forecast(layout, plan, weights)
+    if args.json:
+        out = {
+            "model": shape,
+            "call": call,
+            "card": args.card,
+            "fits": True,
+            "plan": dataclasses.asdict(plan),
+            "host_bytes": plan.host_bytes + plan.residual_host_bytes,
+            "promotable_layers": plan.promotable_layers(),
+            "forecast": f.to_dict(),
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    gb = 1e9
+    resident = len(plan.resident_layers)
+    promoted = min(plan.promotable_layers(), plan.streamed_layers)
+    decode_slots = plan.decode_slots if plan.streamed_layers > promoted else 0
+    print(f"reviva plan: {shape}")
+    print(f"  {call} on a {args.card} card (CUDA context {CUDA_CONTEXT_BYTES / gb:.2f} GB)")
+    print(
+        f"  device: weights {weights / gb:.2f} GB, working set {plan.working_set / gb:.2f} GB, "
+        f"K/V {plan.layer_kv_bytes / gb:.2f} GB a layer: {resident} resident + {plan.slots} "
+        f"slots in prefill, {resident + promoted} resident + {decode_slots} slots in decode"
+    )
+    print(
+        f"  prefill: chunks of {plan.chunk_tokens} tokens, attention "
+        + ("over the whole prompt" if plan.whole_attention else "by query chunks")
+        + (
+            f", hidden states on the host ({plan.residual_host_bytes / gb:.2f} GB pinned)"
+            if plan.residual_on_host
+            else ", hidden states on the device"
+        )
+    )
+    print(
+        f"  host: {plan.host_bytes / gb:.2f} GB pinned for {plan.streamed_layers} streamed "
+        f"layers' K/V"
+        + (
+            f" + {plan.residual_host_bytes / gb:.2f} GB hidden states"
+            if plan.residual_on_host
+            else ""
+        )
+    )
+    print(
+        f"  estimate ({f.calibration}): prefill {f.prefill_s:.1f} s (linear "
+        f"{f.prefill_linear_s:.1f}, attention {f.prefill_attention_s:.1f}, residual copies "
+        f"{f.prefill_residual_copies_s:.1f}); decode {f.decode_tok_s:.2f} tok/s "
+        f"({f.decode_bound}-bound: compute "
+        f"{f.decode_compute_s * 1e3:.1f} ms, transfer {f.decode_transfer_s * 1e3:.1f} ms a token),"
+        f" first step +{f.first_step_extra_s * 1e3:.0f} ms (promotions): "
+        f"{f.decode_call_tok_s:.2f} tok/s over the call's {args.new_tokens - 1} steps"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="reviva", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,7 +254,27 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("transfers", help="offload and restore tensors, check them, print figures")
     tr.add_argument("--device", default=None, help="cuda[:N] or cpu (default: cuda if present)")
     tr.add_argument("--mib", type=int, default=256, help="MiB of tensors to move (default 256)")
+    pl = sub.add_parser("plan", help="how a generate call of a shape would use a card (no GPU)")
+    pl.add_argument(
+        "--model",
+        default="llama3-8b",
+        help=f"a preset ({', '.join(PRESETS)}) or a HF config.json / folder (default llama3-8b)",
+    )
+    pl.add_argument("--context", type=_parse_tokens, default=65536, help="prompt tokens (64k)")
+    pl.add_argument("--new-tokens", type=_parse_tokens, default=32)
+    pl.add_argument("--batch", type=_parse_tokens, default=1)
+    pl.add_argument("--card", default="24GB", help="the card's memory (default 24GB)")
+    pl.add_argument("--vram-budget", default=None, help="RevivaConfig.vram_budget (the card's)")
+    pl.add_argument(
+        "--prefill-residual",
+        default="auto",
+        choices=("auto", "device", "host"),
+        help="RevivaConfig.prefill_residual",
+    )
+    pl.add_argument("--json", action="store_true", help="the plan and estimate as JSON")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "demo":
         from reviva.demo import run_demo
 

@@ -1,0 +1,110 @@
+"""What a generate call of a given shape will take, before running it: `python -m reviva plan`.
+
+The memory comes from the planner itself (reviva.planner.make_plan on the model's layout, built
+on the meta device: no weights are made); the times from a model of the H200 calibrated on this
+repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mode 24 GB):
+
+- decode, compute: a step reads every weight and every token's K/V from device memory. Fitted to
+  the no-card all-resident runs with decode graphs (64k: 11.0 ms a token, 90.8 tok/s, 13a52f1;
+  128k: 13.2 ms, 75.5 tok/s, 612b104): 16.1 GB of weights at an effective 1.82 TB/s and 128 KiB of
+  K/V per token at 3.9 TB/s (launch and host costs folded in).
+- decode, transfer: the streamed layers' K/V over PCIe at 55 GB/s (pinned H2D, measured by
+  bench_transfer), a step taking the slower of the two (the copies overlap the compute).
+- prefill: linear layers (2 x parameters x tokens FLOPs) at 546 TFLOP/s, causal attention
+  (2 x layers x tokens^2 x heads x head_dim) at 530 TFLOP/s in one call over the prompt and 325
+  TFLOP/s by query chunks (fitted to 64k 3.80 s, 128k 11.84 s no card, 256k 62.0 s by chunks on
+  the card); with the residual on the host, each layer's input and output cross PCIe once more.
+
+Other GPUs differ; the figures say what they were calibrated on. An estimate, not a
+measurement: `benchmarks/bench_generate.py` measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from reviva.adapters import DecoderLayout
+from reviva.planner import Plan
+
+CALIBRATION = "H200 (PCIe Gen5 x16), Llama-3-8B shape, bf16, torch 2.11; benchmarks/results/"
+PCIE_BPS = 55e9
+WEIGHT_READ_BPS = 1.82e12
+KV_READ_BPS = 3.9e12
+LINEAR_FLOPS = 546e12
+WHOLE_ATTENTION_FLOPS = 530e12
+CHUNKED_ATTENTION_FLOPS = 325e12
+# What a process holds on the card beside torch's tensors and Reviva's arena: the CUDA context
+# (24 - 23.35 GB free after it, card mode) and what a call leaves (cuBLAS workspaces, the decode
+# graphs' pool): the planner saw 23.28 GB to plan with in call 1 and 23.18 GB in later calls of
+# generate-card24-2026-12-01-13a52f1.json (device_limit_mb).
+CUDA_CONTEXT_BYTES = 820_000_000
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Estimated times of one generate call (seconds) and what sets them."""
+
+    prefill_s: float
+    prefill_linear_s: float
+    prefill_attention_s: float
+    prefill_residual_copies_s: float
+    decode_step_s: float
+    decode_compute_s: float
+    decode_transfer_s: float
+    decode_tok_s: float  # steady: one token a step
+    decode_bound: str  # "transfer" or "compute"
+    first_step_extra_s: float  # promotions after prefill, moved in the first decode step
+    # The call's decode as bench_generate times it: the steps after the first token, the first
+    # of them bringing the promoted layers in.
+    decode_call_tok_s: float
+    calibration: str = CALIBRATION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def forecast(layout: DecoderLayout, plan: Plan, weight_bytes: int) -> Forecast:
+    """Times of a call planned as `plan` on `layout` (see the module docstring)."""
+    e = layout.dtype.itemsize
+    params = weight_bytes / e
+    # The embedding is a lookup and the head runs on one position: not prefill FLOPs.
+    vocab_params = 2 * layout.vocab_size * layout.hidden_size
+    tokens = plan.batch * plan.prompt_tokens
+    linear = 2 * max(params - vocab_params, 0) * tokens / LINEAR_FLOPS
+    attn_flops = (
+        2
+        * layout.num_layers
+        * plan.batch
+        * plan.prompt_tokens**2
+        * layout.num_heads
+        * layout.head_dim
+    )
+    attention = attn_flops / (
+        WHOLE_ATTENTION_FLOPS if plan.whole_attention else CHUNKED_ATTENTION_FLOPS
+    )
+    residual = 2 * layout.num_layers * plan.residual_host_bytes / PCIE_BPS
+    mean_len = plan.prompt_tokens + (plan.capacity - plan.prompt_tokens) / 2
+    kv_bytes = layout.num_layers * mean_len * plan.kv_token_bytes
+    compute = weight_bytes / WEIGHT_READ_BPS + kv_bytes / KV_READ_BPS
+    streamed = plan.num_layers - min(
+        plan.num_layers, len(plan.resident_layers) + plan.promotable_layers()
+    )
+    transfer = streamed * mean_len * plan.kv_token_bytes / PCIE_BPS
+    step = max(compute, transfer)
+    promoted = min(plan.promotable_layers(), plan.streamed_layers)
+    first_extra = promoted * plan.prompt_tokens * plan.kv_token_bytes / PCIE_BPS
+    steps = plan.capacity - plan.prompt_tokens - 1
+    return Forecast(
+        prefill_s=linear + attention + residual,
+        prefill_linear_s=linear,
+        prefill_attention_s=attention,
+        prefill_residual_copies_s=residual,
+        decode_step_s=step,
+        decode_compute_s=compute,
+        decode_transfer_s=transfer,
+        decode_tok_s=1 / step if step > 0 else float("inf"),
+        decode_bound="transfer" if transfer > compute else "compute",
+        first_step_extra_s=first_extra,
+        decode_call_tok_s=steps / (steps * step + first_extra) if steps and step > 0 else 0.0,
+    )

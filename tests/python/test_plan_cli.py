@@ -1,0 +1,60 @@
+"""`python -m reviva plan` (reviva/forecast.py): the planner's plan of a shape on a card, and an
+estimate calibrated on the H200, held against the measurements committed in benchmarks/results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reviva.__main__ import main
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    rc = main(["plan", "--json", *args])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == (0 if out["fits"] else 1)
+    return out
+
+
+# (context, measured prefill s, measured decode tok/s of call 2 on the 24 GB card; files under
+# benchmarks/results/: generate-card24-2026-12-01-13a52f1.json,
+# generate-128k-card24-2026-12-01-612b104.json, generate-256k-card24-merged-2026-12-01-13a52f1)
+MEASURED = [("64k", 3.87, 21.79), ("128k", 11.98, 4.46), ("256k", 61.99, 1.80)]
+
+
+@pytest.mark.parametrize(("context", "prefill_s", "tok_s"), MEASURED)
+def test_estimate_within_12_percent_of_the_h200_measurements(
+    capsys: pytest.CaptureFixture[str], context: str, prefill_s: float, tok_s: float
+) -> None:
+    out = plan_json(capsys, "--context", context)
+    f = out["forecast"]
+    assert abs(f["prefill_s"] / prefill_s - 1) <= 0.12, (f["prefill_s"], prefill_s)
+    assert abs(f["decode_call_tok_s"] / tok_s - 1) <= 0.12, (f["decode_call_tok_s"], tok_s)
+    assert f["decode_bound"] == "transfer"
+
+
+def test_512k_fits_with_the_residual_on_the_host(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--context", "512k", "--new-tokens", "16")
+    plan = out["plan"]
+    assert plan["residual_on_host"] and not plan["whole_attention"]
+    assert out["host_bytes"] > 64 * 2**30
+    refused = plan_json(capsys, "--context", "512k", "--prefill-residual", "device")
+    assert not refused["fits"] and "524288-token prompt" in refused["error"]
+
+
+def test_a_model_larger_than_the_card_is_refused_with_the_numbers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = plan_json(capsys, "--model", "qwen2.5-32b", "--context", "32k")
+    assert not out["fits"] and "65.53 GB: weights and buffers" in out["error"]
+
+
+def test_text_output_and_bad_input(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # noqa: ANN001
+    assert main(["plan", "--context", "64k"]) == 0
+    text = capsys.readouterr().out
+    assert "hidden states on the device" in text and "tok/s" in text
+    assert main(["plan", "--model", str(tmp_path / "nope")]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--context", "lots"])
