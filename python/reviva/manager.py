@@ -32,7 +32,7 @@ from reviva.adapters import DecoderLayout, inspect_model
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
 from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
-from reviva.planner import Plan, budget_for, device_state, make_plan, spread
+from reviva.planner import Plan, budget_for, device_state, host_state, make_plan, spread
 from reviva.resources import device_resources
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,10 @@ class RevivaManager:
         """How a generate call of this shape would use the budget now (reviva.planner); raises
         RevivaOutOfMemoryError naming the numbers when even one layer's K/V cannot fit."""
         state = device_state(self.layout, self.arena)
-        return make_plan(self.layout, self.config, state, batch, prompt_tokens, new_tokens, padded)
+        host = host_state(self.pool)
+        return make_plan(
+            self.layout, self.config, state, batch, prompt_tokens, new_tokens, padded, host=host
+        )
 
     def budget_for(
         self,

@@ -98,6 +98,41 @@ def device_state(layout: DecoderLayout, arena: object) -> DeviceState:
 
 
 @dataclass(frozen=True)
+class HostState:
+    """Pinned host memory a call can still take (bytes): what the system can give without
+    swapping (MemAvailable, less a reserve for the rest of the process) plus what Reviva's pool
+    holds pinned and unused. Pinned memory cannot be paged out: a plan past this would push the
+    machine into swap or the OOM killer instead of failing with the numbers."""
+
+    available: int
+    system_available: int  # MemAvailable
+    reserve: int  # kept for the process's other host memory
+    pool_cached: int  # pinned by the pool, unused
+
+
+def host_state(pool: object) -> HostState | None:
+    """The host's side, now; None where /proc/meminfo is not there (no check then)."""
+    system = _mem_available()
+    if system is None:
+        return None
+    st = pool.stats()
+    cached = max(int(st["bytes_reserved"]) - int(st["bytes_in_use"]), 0)
+    reserve = max(1 << 30, system // 20)
+    return HostState(max(system - reserve, 0) + cached, system, reserve, cached)
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass(frozen=True)
 class Plan:
     """How one generate call uses the budget (all figures in bytes)."""
 
@@ -170,16 +205,18 @@ def make_plan(
     new_tokens: int,
     padded: bool = False,
     model: MemoryModel = MODEL,
+    host: HostState | None = None,
 ) -> Plan:
     """How a generate call of this shape uses the budget; raises RevivaOutOfMemoryError naming
-    the numbers when the weights, the minimum working set and one layer's K/V do not fit.
+    the numbers when the weights, the minimum working set and one layer's K/V do not fit, or
+    (given `host`) when the pinned host memory it needs is more than the host can give.
 
     The prompt's hidden states stay on the device (the measured path) unless they do not fit
     there: then, with config.prefill_residual "auto" (or always, with "host"), they live in
     pinned host memory through prefill (Note [Residual stream on the host] in llama_layer.py),
     which takes them and the whole prompt's rotary tables out of the working set."""
     _check_shape(batch, prompt_tokens, new_tokens)
-    args = (layout, config, state, batch, prompt_tokens, new_tokens, padded, model)
+    args = (layout, config, state, batch, prompt_tokens, new_tokens, padded, model, host)
     mode = config.prefill_residual
     if mode == "host":
         return _make_plan(*args, host_residual=True)
@@ -200,6 +237,7 @@ def _make_plan(
     new_tokens: int,
     padded: bool,
     model: MemoryModel,
+    host: HostState | None,
     host_residual: bool,
 ) -> Plan:
     lay = layout
@@ -334,6 +372,17 @@ def _make_plan(
             f"RevivaManager: {plan.streamed_layers} streamed layers need {_fmt(plan.host_bytes)}"
             f"{residual} of pinned host memory for {capacity} tokens, over host_memory="
             f"{_fmt(host_cap)}. Raise host_memory or vram_budget, or shorten the prompt."
+        )
+    pinned = plan.host_bytes + plan.residual_host_bytes
+    if host is not None and pinned > host.available:
+        raise RevivaOutOfMemoryError(
+            f"RevivaManager: {plan.streamed_layers} streamed layers' K/V "
+            + ("and the prompt's hidden states " if host_residual else "")
+            + f"need {_fmt(pinned)} of pinned host memory for {capacity} tokens, batch {batch}; "
+            f"the host can give {_fmt(host.available)} ({_fmt(host.system_available)} available "
+            f"to the system less {_fmt(host.reserve)} kept for the process, plus "
+            f"{_fmt(host.pool_cached)} pinned and unused in Reviva's pool). Raise vram_budget, "
+            "or shorten the prompt or the batch."
         )
     return plan
 

@@ -211,3 +211,28 @@ def test_gpu_host_residual_bf16_tokens_and_memory() -> None:
     assert torch.equal(outs["host"], outs["device"])
     hidden_mb = 8192 * 2048 * 2 / (1 << 20)
     assert peaks["host"] <= peaks["device"] - hidden_mb, peaks
+
+
+def test_a_plan_never_pins_more_than_the_host_can_give(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pinned host memory a call needs (streamed K/V, and the hidden states when they live on
+    the host) is checked against what the host can give (MemAvailable less a reserve, plus the
+    pool's unused pinned bytes): past it the call is refused with the numbers, before any work,
+    instead of pushing the machine into swap."""
+    import reviva.planner as planner
+
+    model = tiny_model("llama", seed=9)
+    ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(1))
+    budget = budget_for(model, 1, 150, 8, 2, 32, "chunked")
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget, chunk_tokens=32))
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(manager.generate(ids, max_new_tokens=8, do_sample=False), ref)
+    st = manager.get_memory_stats()
+    assert st["streamed_layers"] > 0
+    reviva.release_pinned_memory()  # nothing cached in the pool: the system alone counts
+    host = planner.host_state(manager.pool)
+    assert host is not None and host.available <= host.system_available - (1 << 30)
+    monkeypatch.setattr(planner, "_mem_available", lambda: (1 << 30) + 1000)
+    with pytest.raises(reviva.RevivaOutOfMemoryError, match=r"pinned host memory .* host can give"):
+        manager.generate(ids, max_new_tokens=8, do_sample=False)
+    monkeypatch.undo()
+    assert torch.equal(manager.generate(ids, max_new_tokens=8, do_sample=False), ref)
