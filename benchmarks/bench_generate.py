@@ -490,10 +490,15 @@ def card_driver(args: argparse.Namespace) -> int:
     card = args.card
     card_bytes = parse_bytes(card)
     contexts = [parse_tokens(c) for c in split_list(args.contexts)]
+    no_card_contexts = (
+        [parse_tokens(c) for c in split_list(args.no_card_contexts)]
+        if args.no_card_contexts is not None
+        else contexts
+    )
     on_card = split_list(args.contenders)
     no_card = split_list(args.no_card_contenders)
     runs: list[dict[str, Any]] = []
-    for ctx in contexts:
+    for ctx in sorted(set(contexts) | set(no_card_contexts)):
         if args.warmup_tokens and args.warmup_tokens == ctx:
             raise ValueError(
                 f"--warmup-tokens {args.warmup_tokens} is the measured shape: a warm-up must "
@@ -510,6 +515,7 @@ def card_driver(args: argparse.Namespace) -> int:
                 "calls": args.calls,
             }
             for name in on_card
+            if ctx in contexts
         ]
         no_card_runs = [
             {
@@ -522,6 +528,7 @@ def card_driver(args: argparse.Namespace) -> int:
                 "calls": args.no_card_calls or args.calls,
             }
             for name in no_card
+            if ctx in no_card_contexts
         ]
         # The checks' data first (a run killed at the device's time limit keeps it): the first
         # card contender, the no-card references, then the other card contenders.
@@ -537,6 +544,7 @@ def card_driver(args: argparse.Namespace) -> int:
         "contexts": contexts,
         "contenders": on_card,
         "no_card_contenders": no_card,
+        "no_card_contexts": no_card_contexts,
         "calls_per_worker": args.calls,
         "calls_per_no_card_worker": args.no_card_calls or args.calls,
         "new_tokens": args.new_tokens,
@@ -1423,6 +1431,12 @@ def main() -> int:
         default="hf,reviva_default",
         help="card mode: contenders run without a card at each context (prefill reference, "
         "roofline compute); '' for none",
+    )
+    parser.add_argument(
+        "--no-card-contexts",
+        default=None,
+        help="card mode: prompt lengths of the no-card contenders (default: --contexts); e.g. "
+        "64k for the compute term that bounds a longer context's (the 512k check)",
     )
     parser.add_argument("--calls", type=int, default=3, help="card mode: calls per worker")
     parser.add_argument(
