@@ -228,7 +228,12 @@ def spread(values: list[float | None]) -> float | None:
 
 
 def choose_budget(
-    model: Any, ids: Any, new_tokens: int, cuda: bool, attempts: list[dict]
+    model: Any,
+    ids: Any,
+    new_tokens: int,
+    cuda: bool,
+    attempts: list[dict],
+    residual: str = "auto",
 ) -> tuple[Any, int]:
     """A manager whose budget streams layers in decode, and the budget (attempts recorded)."""
     import reviva
@@ -237,7 +242,7 @@ def choose_budget(
     n = model.config.num_hidden_layers
     budget = None
     layer_kv = None
-    manager = reviva.RevivaManager(model, reviva.RevivaConfig())
+    manager = reviva.RevivaManager(model, reviva.RevivaConfig(prefill_residual=residual))
     try:
         from reviva.planner import device_state, smallest_budget
 
@@ -267,7 +272,8 @@ def choose_budget(
         attempts.append({"from": "weights + 96 MiB + half the K/V", "budget": budget})
     assert layer_kv is not None
     for _ in range(2 * n):
-        manager = reviva.RevivaManager(model, reviva.RevivaConfig(vram_budget=budget))
+        config = reviva.RevivaConfig(vram_budget=budget, prefill_residual=residual)
+        manager = reviva.RevivaManager(model, config)
         rec: dict[str, Any] = {"budget": budget}
         try:
             manager.generate(ids, max_new_tokens=new_tokens, do_sample=False)
@@ -327,6 +333,7 @@ def repeat(
             rec.update(
                 streamed_layers=st.get("streamed_layers"),
                 resident_layers_in_prefill=st.get("resident_layers_in_prefill"),
+                prefill_residual=st.get("prefill_residual"),
                 device=device_memory(cuda),
                 pinned=pinned_figures(st),
                 rss=rss_bytes(),
@@ -525,7 +532,13 @@ def interrupted_call(
 
 
 def interrupt(
-    model: Any, ids: Any, new_tokens: int, budget: int, cuda: bool, dtype_name: str
+    model: Any,
+    ids: Any,
+    new_tokens: int,
+    budget: int,
+    cuda: bool,
+    dtype_name: str,
+    residual: str = "auto",
 ) -> dict[str, Any]:
     import torch
 
@@ -534,7 +547,8 @@ def interrupt(
     prompt = ids.shape[1]
     kw = dict(max_new_tokens=new_tokens, do_sample=False)
     hf_tokens = model.generate(ids, **kw)[0, prompt:].tolist()
-    manager = reviva.RevivaManager(model, reviva.RevivaConfig(vram_budget=budget))
+    config = reviva.RevivaConfig(vram_budget=budget, prefill_residual=residual)
+    manager = reviva.RevivaManager(model, config)
     watch = CacheWatch(model)
     clean = []
     for _ in range(2):  # the steady state the interrupted calls start from
@@ -606,6 +620,13 @@ def main() -> int:
     parser.add_argument(
         "--interrupt-dtypes", default=None, help="default float32,bfloat16 (CPU: float32)"
     )
+    parser.add_argument(
+        "--prefill-residual",
+        default="auto",
+        choices=("auto", "device", "host"),
+        help="RevivaConfig.prefill_residual of every manager (host: the prompt's hidden states "
+        "in pinned host memory through prefill)",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="lifetime")
     args = parser.parse_args()
@@ -639,6 +660,7 @@ def main() -> int:
             "allocator": "torch defaults (" + ", ".join(ALLOC_CONF_VARS) + " unset)",
             "removed_alloc_conf": os.environ.get("REVIVA_BENCH_REMOVED_ALLOC_CONF"),
             "flat_from_call": FLAT_FROM_CALL,
+            "prefill_residual": args.prefill_residual,
             "device_tolerance_bytes": DEVICE_TOLERANCE,
             "rss_tolerance": RSS_TOLERANCE,
         },
@@ -658,7 +680,9 @@ def main() -> int:
     attempts: list[dict] = []
     budget = None
     try:
-        manager, budget = choose_budget(model, ids, args.new_tokens, cuda, attempts)
+        manager, budget = choose_budget(
+            model, ids, args.new_tokens, cuda, attempts, args.prefill_residual
+        )
         payload["settings"]["budget_bytes"] = budget
         payload["budget_attempts"] = attempts
         say(f"# repeat: budget {budget} bytes ({attempts[-1]})")
@@ -684,8 +708,12 @@ def main() -> int:
         dtype_attempts: list[dict] = []
         try:
             # Chosen again for each model: what the device holds (its baseline) moved since.
-            _, b = choose_budget(model, ids, args.new_tokens, cuda, dtype_attempts)
-            per_dtype[name] = interrupt(model, ids, args.new_tokens, b, cuda, name)
+            _, b = choose_budget(
+                model, ids, args.new_tokens, cuda, dtype_attempts, args.prefill_residual
+            )
+            per_dtype[name] = interrupt(
+                model, ids, args.new_tokens, b, cuda, name, args.prefill_residual
+            )
             per_dtype[name]["budget_attempts"] = dtype_attempts
         except Exception as e:
             per_dtype[name] = {"pass": False, **error_fields(e)}
