@@ -147,6 +147,7 @@ DRY_DEFAULTS = {"contexts": "256,512", "card": "16MB"}
 # LONG_PREFILL_LIMIT times, no offload penalty on top).
 CHECK_CONTEXTS = {65536: "full", 131072: "roofline", 262144: "roofline", 524288: "long"}
 LONG_PREFILL_LIMIT = 4.4
+FP8_DECODE_GAIN = 1.8
 LONG_PREFILL_REFERENCE = 262144
 DRY_CHECK_CONTEXTS = {256: "full", 512: "roofline"}
 MIN_DECODE_TOK_S = 20.0
@@ -198,6 +199,10 @@ def contender_spec(name: str, card: str | None) -> dict[str, Any]:
                 "without a card; use reviva_default or reviva=<bytes> among --no-card-contenders"
             )
         return {"kind": "reviva", "vram_budget": card}
+    if name == "reviva_fp8":  # issue 13: fp8 K/V (Note [fp8 K/V rows]) on the card
+        if card is None:
+            raise ValueError("contender 'reviva_fp8' runs on the card: use it in --contenders")
+        return {"kind": "reviva", "vram_budget": card, "kv_dtype": "fp8"}
     if name.startswith("reviva="):
         from reviva import parse_bytes
 
@@ -205,7 +210,8 @@ def contender_spec(name: str, card: str | None) -> dict[str, Any]:
         parse_bytes(budget)  # ValueError naming it
         return {"kind": "reviva", "vram_budget": budget}
     raise ValueError(
-        f"unknown contender {name!r}: use hf, hf_offload, reviva, reviva_default or reviva=<bytes>"
+        f"unknown contender {name!r}: use hf, hf_offload, reviva, reviva_fp8, reviva_default or "
+        "reviva=<bytes>"
     )
 
 
@@ -352,10 +358,11 @@ def card_worker(args: argparse.Namespace) -> int:
         if spec["kind"] == "reviva":
             import reviva
 
+            kv = spec.get("kv_dtype", "auto")
             cfg = (
-                reviva.RevivaConfig(vram_budget=spec["vram_budget"])
+                reviva.RevivaConfig(vram_budget=spec["vram_budget"], kv_dtype=kv)
                 if spec["vram_budget"]
-                else reviva.RevivaConfig()
+                else reviva.RevivaConfig(kv_dtype=kv)
             )
             info["reviva_config"] = repr(cfg)
             t = time.perf_counter()
@@ -847,6 +854,8 @@ def analyse_card(rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[s
     for r in rows:
         if r["mode"] != "card" or not r["contender"].startswith("reviva"):
             continue
+        if r["contender"] == "reviva_fp8":  # other bytes per token; its check is against bf16
+            continue
         if not r.get("completed") or not r.get("decode_tok_s"):
             continue
         st = r.get("reviva") or {}
@@ -992,6 +1001,46 @@ def analyse_card(rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[s
             "missing": missing,
             "calls": per_call,
             "pass": not missing and all(c["ok"] for c in per_call),
+        }
+    # card24_512k_fp8 (issue 13): fp8 K/V completes and decodes >= FP8_DECODE_GAIN x the bf16
+    # decode of the same run, call by call.
+    for ctx, kind in sorted(settings["check_contexts"].items(), key=lambda kv: int(kv[0])):
+        ctx = int(ctx)
+        fp8 = by.get(("card", "reviva_fp8", ctx))
+        if kind != "long" or not fp8:
+            continue
+        bf16 = {r["call"]: r for r in by.get(("card", "reviva", ctx), [])}
+        missing = [] if bf16 else [f"no card bf16 Reviva run at {ctx} tokens in this run"]
+        per_call = []
+        for r in fp8:
+            ref = bf16.get(r["call"])
+            ref_rate = ref.get("decode_tok_s") if ref and ref.get("completed") else None
+            rate = r.get("decode_tok_s")
+            gain = rate / ref_rate if rate and ref_rate else None
+            st = r.get("reviva") or {}
+            per_call.append(
+                {
+                    "call": r["call"],
+                    "completed": bool(r.get("completed")),
+                    "error": r.get("error"),
+                    "prefill_s": r.get("prefill_s"),
+                    "decode_tok_s": rate,
+                    "bf16_decode_tok_s": ref_rate,
+                    "decode_gain": gain,
+                    "kv_fp8_rel_error": st.get("kv_fp8_rel_error"),
+                    "streamed_layers": st.get("streamed_layers"),
+                    "ok": bool(r.get("completed") and gain and gain >= FP8_DECODE_GAIN),
+                }
+            )
+        checks[f"{label}_{ctx_label(ctx)}_fp8"] = {
+            "kind": "fp8",
+            "context": ctx,
+            "card": settings["card"],
+            "criteria": f"completes; decode >= {FP8_DECODE_GAIN}x the bf16 decode of the same "
+            "run and call",
+            "missing": missing,
+            "calls": per_call,
+            "pass": not missing and bool(per_call) and all(c["ok"] for c in per_call),
         }
     return {"rooflines": rooflines, "checks": checks}
 

@@ -368,6 +368,32 @@ def test_card_512k_check_bounds_the_compute_from_256k_and_compares_prefill() -> 
     assert any("compute term" in m for m in c["missing"])
 
 
+def test_card_512k_fp8_check_against_the_same_runs_bf16() -> None:
+    """card24_512k_fp8: fp8 K/V decodes >= 1.8x the bf16 decode of the same run and call."""
+    rows = _long_rows(250.0, tok_s=0.8)
+    rows.append(
+        _row(
+            "card",
+            "reviva_fp8",
+            524288,
+            1,
+            prefill_s=255.0,
+            decode_tok_s=1.5,
+            reviva={"streamed_layers": 30, "kv_fp8_rel_error": 0.02},
+        )
+    )
+    settings = _settings(calls_per_worker=1)
+    c = bench_generate.analyse_card(rows, settings)["checks"]["card24_512k_fp8"]
+    assert c["pass"] and abs(c["calls"][0]["decode_gain"] - 1.5 / 0.8) < 1e-9, c
+    rows[-1]["decode_tok_s"] = 1.3  # 1.625x
+    assert not bench_generate.analyse_card(rows, settings)["checks"]["card24_512k_fp8"]["pass"]
+    alone = [r for r in rows if r["contender"] != "reviva"]
+    c = bench_generate.analyse_card(alone, settings)["checks"]["card24_512k_fp8"]
+    assert not c["pass"] and c["missing"]
+    spec = bench_generate.contender_spec("reviva_fp8", "24GB")
+    assert spec == {"kind": "reviva", "vram_budget": "24GB", "kv_dtype": "fp8"}
+
+
 # --- bench_train ----------------------------------------------------------------------------------
 
 

@@ -133,7 +133,7 @@ def _plan(args: argparse.Namespace) -> int:
     import reviva
     from reviva.adapters import inspect_model
     from reviva.forecast import CUDA_CONTEXT_BYTES, forecast
-    from reviva.planner import DeviceState, make_plan
+    from reviva.planner import DeviceState, HostState, make_plan
 
     if args.model in PRESETS:
         fields = dict(PRESETS[args.model])
@@ -162,15 +162,23 @@ def _plan(args: argparse.Namespace) -> int:
         granularity=2 << 20,
     )
     config = reviva.RevivaConfig(
-        vram_budget=args.vram_budget or args.card, prefill_residual=args.prefill_residual
+        vram_budget=args.vram_budget or args.card,
+        prefill_residual=args.prefill_residual,
+        kv_dtype=args.kv_dtype,
     )
+    host = None
+    if args.host_memory:  # the host's memory for pinning: what the planner may count on
+        total = reviva.parse_bytes(args.host_memory)
+        host = HostState(total, total, 0, 0)
     shape = (
         f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, "
         f"{layout.num_heads}/{layout.num_kv_heads} heads, bf16 ({weights / 1e9:.2f} GB of weights)"
     )
     call = f"{args.context}-token prompt + {args.new_tokens} new, batch {args.batch}"
     try:
-        plan = make_plan(layout, config, state, args.batch, args.context, args.new_tokens)
+        plan = make_plan(
+            layout, config, state, args.batch, args.context, args.new_tokens, host=host
+        )
     except reviva.RevivaOutOfMemoryError as e:
         if args.json:
             print(
@@ -270,6 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         choices=("auto", "device", "host"),
         help="RevivaConfig.prefill_residual",
+    )
+    pl.add_argument(
+        "--kv-dtype", default="auto", choices=("auto", "fp8"), help="RevivaConfig.kv_dtype"
+    )
+    pl.add_argument(
+        "--host-memory",
+        default=None,
+        help="the host memory the plan may pin (e.g. 128GiB); default: not checked",
     )
     pl.add_argument("--json", action="store_true", help="the plan and estimate as JSON")
     args = parser.parse_args(argv)

@@ -38,6 +38,11 @@ class RevivaConfig:
     cuda_graphs:    replay each layer's decode compute around attention as CUDA graphs (CUDA,
                     half precision, no padding mask): the host issues a step several times
                     faster. False runs every kernel eagerly.
+    kv_dtype:       "auto" (K/V in the model's dtype: lossless) or "fp8" (e4m3 with a scale per
+                    token and head: half the bytes to hold and to stream, lossy; its measured
+                    error is in the stats: Note [fp8 K/V rows] in kv_fp8.py).
+    kv_block_tokens: fp8 K/V: tokens of K/V dequantized and attended at a time (> 0), None to
+                    choose it from the planner's block size (128 MiB of temporaries).
     prefill_residual: where the prompt's hidden states live through prefill: "device", "host"
                     (pinned host memory, streamed through each layer by chunks: nothing of the
                     prompt's size on the device but K/V), or "auto" (the device unless the plan
@@ -54,6 +59,8 @@ class RevivaConfig:
     prefill_attention: str = "auto"
     cuda_graphs: bool = True
     prefill_residual: str = "auto"
+    kv_dtype: str = "auto"
+    kv_block_tokens: int | None = None
 
     def __post_init__(self) -> None:
         t = self.vram_threshold
@@ -99,6 +106,11 @@ class RevivaConfig:
                 "prefill_residual must be 'auto', 'device' or 'host', got "
                 f"{self.prefill_residual!r}"
             )
+        if self.kv_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_dtype must be 'auto' or 'fp8', got {self.kv_dtype!r}")
+        b = self.kv_block_tokens
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+            raise ValueError(f"kv_block_tokens must be an int > 0 or None, got {b!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         c = self.chunk_tokens

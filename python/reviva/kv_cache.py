@@ -21,6 +21,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from reviva import kv_fp8 as fp8rows
 from reviva._C import DeviceArena, KVStore, TransferEngine
 
 
@@ -95,18 +96,28 @@ class RevivaCache(Cache):
         slots: int,
         prefetch_layers: int,
         timeline_capacity: int = 0,
+        kv_fp8: bool = False,
+        block_tokens: int = 0,
     ) -> None:
         super().__init__(layers=[RevivaCacheLayer(self, i) for i in range(num_layers)])
         self.capacity = capacity
         self.batch = batch
+        self.dtype = dtype
+        # Note [fp8 K/V rows] (kv_fp8.py): the store holds uint8 rows of head_dim + 4 bytes, read
+        # by blocks of `block_tokens` (llama_layer.attend_cache).
+        self.fp8 = kv_fp8
+        self.block_tokens = block_tokens if kv_fp8 else 0
+        self.fp8_error = 0.0  # the largest relative round-trip error seen (first writes)
+        if kv_fp8 and block_tokens <= 0:
+            raise ValueError(f"RevivaCache: fp8 K/V needs block_tokens > 0, got {block_tokens}")
         self.store = KVStore(
             engine,
             arena,
             num_layers,
             batch,
             kv_heads,
-            head_dim,
-            dtype,
+            fp8rows.row_bytes(head_dim) if kv_fp8 else head_dim,
+            torch.uint8 if kv_fp8 else dtype,
             capacity,
             prefetch_layers,
             timeline_capacity,
@@ -149,11 +160,29 @@ class RevivaCache(Cache):
 
     def write(self, layer_idx: int, first: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Writes tokens [first, first + n) of key/value ([batch, kv_heads, n, head_dim]); raises
-        naming the numbers when they exceed the capacity planned for the call."""
-        self.store.write(layer_idx, first, key, value)
+        naming the numbers when they exceed the capacity planned for the call. fp8 K/V: as
+        e4m3 rows with their scales (the first write of a layer also measures the error)."""
+        if not self.fp8:
+            self.store.write(layer_idx, first, key, value)
+            return
+        if first == 0:
+            self.fp8_error = max(
+                self.fp8_error, fp8rows.relative_error(key), fp8rows.relative_error(value)
+            )
+        self.store.write(layer_idx, first, fp8rows.quantize(key), fp8rows.quantize(value))
 
     def view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The acquired layer's first `length` tokens: K and V, [batch, kv_heads, length, D]."""
+        if self.fp8:
+            raise RuntimeError(
+                "RevivaCache: fp8 K/V is read by blocks (rows() and llama_layer.attend_cache), "
+                "never as a whole layer"
+            )
+        return self.store.kv(layer_idx, length)
+
+    def rows(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 K/V: the acquired layer's first `length` tokens as K and V rows, uint8 [batch,
+        kv_heads, length, head_dim + 4] views (Note [fp8 K/V rows])."""
         return self.store.kv(layer_idx, length)
 
     def append(
@@ -164,6 +193,11 @@ class RevivaCache(Cache):
             raise RuntimeError(
                 f"RevivaCache: layer {layer_idx} was updated outside RevivaManager's layer "
                 "wrappers (use the cache through manager.generate)"
+            )
+        if self.fp8:
+            raise RuntimeError(
+                "RevivaCache: with fp8 K/V the layers attend through Reviva's own path; HF's "
+                "attention would need each layer's K/V whole"
             )
         if key.shape[0] != self.batch:
             raise ValueError(

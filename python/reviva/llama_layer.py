@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from reviva import kv_fp8
 from reviva.adapters import DecoderLayout
+from reviva.block_attention import block_attention, split_blocks
 from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan
 
@@ -202,6 +204,10 @@ class LlamaLayerPath:
         q, k, v = self._qkv(layer, h, s, e, cos, sin)
         last = first + e - s
         cache.write(i, first, k, v)
+        if cache.fp8:  # by blocks (Note [fp8 K/V rows]); never HF's call over whole K/V
+            out = attend_cache(cache, i, q, first, last, layer.self_attn.scaling, mask)
+            self._finish(layer, h, s, e, out.transpose(1, 2))
+            return
         k_all, v_all = cache.view(i, last)
         if interface is not None:
             out = self._attend_hf(layer.self_attn, q, k_all, v_all, mask, interface)
@@ -229,6 +235,33 @@ class LlamaLayerPath:
         for s in range(0, tokens, chunk):
             e = min(tokens, s + chunk)
             self._finish(layer, h, s, e, out[:, s:e])
+
+
+def attend_cache(
+    cache: RevivaCache,
+    i: int,
+    q: torch.Tensor,
+    first: int,
+    last: int,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of the queries of tokens [first, last) to layer i's keys [0, last) in the
+    cache (bottom-right causal), [B, H, n, D]. fp8 K/V: block by block, each dequantized only
+    while it is attended, merged by log-sum-exp (Note [fp8 K/V rows], Note [Block-merged
+    attention])."""
+    if not cache.fp8:
+        k_all, v_all = cache.view(i, last)
+        return chunk_attention(q, k_all, v_all, mask, first, last, scale)
+    if mask is not None:
+        raise ValueError("RevivaManager: fp8 K/V with a padding mask is not supported")
+    k_rows, v_rows = cache.rows(i, last)
+    split = split_blocks(k_rows, v_rows, first, last - first, cache.block_tokens)
+    blocks = (
+        (kv_fp8.dequantize(kb, q.dtype), kv_fp8.dequantize(vb, q.dtype), start)
+        for kb, vb, start in split
+    )
+    return block_attention(q, blocks, first, scale)
 
 
 def chunk_attention(
@@ -381,9 +414,8 @@ class DecodeGraphs:
             self._cos = cos
         front.replay()
         cache.write(i, past, k, v)
-        k_all, v_all = cache.view(i, past + 1)
         attn = self.path.layout.layers[i].self_attn
-        out = chunk_attention(q, k_all, v_all, None, past, past + 1, attn.scaling)
+        out = attend_cache(cache, i, q, past, past + 1, attn.scaling, None)
         st["att"].copy_(out.transpose(1, 2))
         back.replay()
         self.replays += 1

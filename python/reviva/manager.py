@@ -206,7 +206,7 @@ class RevivaManager:
             if i == 0:
                 self._mark_decode_step()
             if (
-                self._own_decode
+                (self._own_decode or cache.fp8)
                 and kwargs.get("attention_mask") is None
                 and "position_embeddings" in kwargs
             ):
@@ -506,6 +506,11 @@ class RevivaManager:
         )
         if plan.residual_on_host:
             self._check_host_residual(gen, kwargs, padded)
+        if plan.kv_fp8 and padded:
+            raise ValueError(
+                "RevivaManager.generate: a padded batch with RevivaConfig(kv_dtype='fp8'): fp8 "
+                "K/V is attended by blocks without a padding mask; pass prompts without padding"
+            )
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.layout.device)
         self.arena.reset_peak()
@@ -530,6 +535,8 @@ class RevivaManager:
                 plan.slots,
                 plan.prefetch_layers,
                 self._timeline_capacity,
+                kv_fp8=plan.kv_fp8,
+                block_tokens=plan.kv_block_tokens,
             )
             self._cache, self._plan = cache, plan
             with self:
@@ -677,6 +684,11 @@ class RevivaManager:
             "prefetch_window": plan.prefetch_layers,
             "chunk_tokens": plan.chunk_tokens,
             "prefill_residual": "host" if plan.residual_on_host else "device",
+            # Note [fp8 K/V rows]: the K/V format, and the largest relative round-trip error of a
+            # layer's prompt K or V (||x - fp8(x)|| / ||x||) when it is fp8.
+            "kv_dtype": "fp8" if plan.kv_fp8 else str(self.layout.dtype).replace("torch.", ""),
+            "kv_fp8_rel_error": cache.fp8_error if plan.kv_fp8 else None,
+            "kv_block_tokens": plan.kv_block_tokens,
             "residual_host_mb": plan.residual_host_bytes / _MiB,
             "layer_kv_mb": layer_kv / _MiB,
             "prompt_tokens": plan.prompt_tokens,

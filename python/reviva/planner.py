@@ -60,6 +60,7 @@ class MemoryModel:
     chunk_min_bytes: int = 32 * _MiB
     chunk_max_bytes: int = 4096 * _MiB
     chunk_multiple: int = 256
+    kv_block_bytes: int = 128 * _MiB  # fp8 K/V: a block's dequantized K and V with temporaries
 
 
 MODEL = MemoryModel()
@@ -161,6 +162,9 @@ class Plan:
     # pinned host memory through prefill and stream through each layer by chunks.
     residual_on_host: bool = False
     hidden_bytes_per_token: int = 0  # one token's hidden state (hidden_size x dtype bytes)
+    # Note [fp8 K/V rows] (kv_fp8.py): K/V as e4m3 rows, attended by blocks of this many tokens.
+    kv_fp8: bool = False
+    kv_block_tokens: int = 0
 
     @property
     def residual_host_bytes(self) -> int:
@@ -246,7 +250,11 @@ def _make_plan(
     budget = min(requested, state.limit)
     baseline = state.baseline
     capacity = prompt_tokens + new_tokens
-    kv_token = 2 * batch * lay.num_kv_heads * lay.head_dim * e
+    fp8 = config.kv_dtype == "fp8"
+    if fp8:  # uint8 rows: head_dim e4m3 values and a 4-byte scale per token and head
+        kv_token = 2 * batch * lay.num_kv_heads * (lay.head_dim + 4)
+    else:
+        kv_token = 2 * batch * lay.num_kv_heads * lay.head_dim * e
     layer_kv = _round_up(capacity * kv_token, state.granularity)
     per_token = batch * (
         lay.hidden_size * model.hidden_fp32_copies
@@ -290,11 +298,22 @@ def _make_plan(
     # ... and a contiguous copy of the layer's keys and values (LlamaLayerPath._attend_hf).
     kv_copy = 2 * batch * prompt_tokens * lay.num_kv_heads * lay.head_dim * e
     q_and_out += kv_copy
-    base = hidden + rotary + mask + chunk * per_token + logits
+    # fp8 K/V: one block of K and V dequantized at a time (fp32 and the dtype), and the merge's
+    # fp32 accumulators for a chunk's queries.
+    block_tokens = 0
+    blocks = 0
+    if fp8:
+        per_block_token = 2 * batch * lay.num_kv_heads * lay.head_dim * (4 + e)
+        block_tokens = config.kv_block_tokens or min(
+            capacity, max(256, model.kv_block_bytes // per_block_token)
+        )
+        accumulators = 3 * batch * lay.num_heads * lay.head_dim * 4
+        blocks = block_tokens * per_block_token + chunk * accumulators
+    base = hidden + rotary + mask + chunk * per_token + logits + blocks
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     n = lay.num_layers
     window = min(config.prefetch_layers, n)
-    if host_residual:  # a chunk's queries at a time: nothing of the prompt's size on the device
+    if host_residual or fp8:  # a chunk's queries at a time (fp8: K/V by blocks, never whole)
         whole_attention = False
     elif chunk >= prompt_tokens or config.prefill_attention == "whole":
         whole_attention = True
@@ -310,6 +329,8 @@ def _make_plan(
     else:
         prefill = base + score * chunk * prompt_tokens
     decode = logits + batch * capacity * 8 + per_token + model.decode_fixed
+    if fp8:
+        decode += block_tokens * per_block_token + accumulators
     decode_margin = model.margin_fixed + int(budget * model.decode_margin_fraction)
     working = max(prefill + margin, decode + decode_margin)
     avail = budget - baseline - working
@@ -359,6 +380,8 @@ def _make_plan(
         prefetch_layers=prefetch,
         num_layers=n,
         residual_on_host=host_residual,
+        kv_fp8=fp8,
+        kv_block_tokens=block_tokens,
         hidden_bytes_per_token=lay.hidden_size * e,
     )
     host_cap = config.host_memory_bytes()

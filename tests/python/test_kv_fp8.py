@@ -1,0 +1,204 @@
+"""fp8 K/V (RevivaConfig(kv_dtype="fp8"), Note [fp8 K/V rows]): the round trip within its stated
+bound, generate against plain HF (lossy: the tiny
+models' logits within a few percent, flips only at near-ties), half the bytes, and the errors
+it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generate import FAMILIES, tiny_model
+
+import reviva
+from reviva import RevivaConfig, RevivaManager, kv_fp8
+from reviva.planner import device_state, make_plan, smallest_budget
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_within_the_stated_bound(dtype: torch.dtype) -> None:
+    """Gaussian rows, rows with one outlier, tiny values, zeros and exact e4m3 values: every
+    element within round_trip_bound; exact values and zero rows come back exactly."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 50, 64, generator=g)
+    x[0, 0, 0, 5] = 300.0  # an outlier: its row's scale grows, the others' do not
+    x[1, 2, 3] = 1e-6 * torch.randn(64, generator=g)  # tiny: relative to their own amax
+    x[2, 1, 7] = 0.0
+    x = x.to(dtype)
+    rows = kv_fp8.quantize(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (3, 4, 50, 68)
+    back = kv_fp8.dequantize(rows, dtype)
+    assert back.dtype == dtype
+    err = (back.float() - x.float()).abs()
+    bound = kv_fp8.round_trip_bound(x, dtype)
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert torch.equal(back[2, 1, 7], torch.zeros(64, dtype=dtype))
+    # the bound is not vacuous: the error reaches a good part of it somewhere
+    assert float((err / bound.clamp_min(1e-30)).max()) > 0.2
+    exact = torch.tensor([[448.0, -448.0, 1.0, 0.5, 0.0, 2.0, 3.5, -0.25]]).to(dtype)
+    assert torch.equal(kv_fp8.dequantize(kv_fp8.quantize(exact), dtype), exact)
+    assert 0.005 < kv_fp8.relative_error(x[0]) < 0.05
+
+
+def test_strided_rows_as_the_store_holds_them() -> None:
+    """Rows seen through the store's token-major layout (strided views) dequantize as their
+    contiguous copies do."""
+    x = torch.randn(2, 30, 3, 16, generator=torch.Generator().manual_seed(1))  # [B, T, H, D]
+    rows = kv_fp8.quantize(x)  # [B, T, H, 20]
+    strided = rows.transpose(1, 2)  # [B, H, T, 20], not contiguous
+    assert not strided.is_contiguous()
+    a = kv_fp8.dequantize(strided, torch.float32)
+    b = kv_fp8.dequantize(strided.contiguous(), torch.float32)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 4, got 6"):
+        kv_fp8.quantize(torch.randn(2, 6))
+
+
+def fp8_budget(model: torch.nn.Module, batch: int, prompt: int, new: int, layers: int, **kw) -> int:
+    config = RevivaConfig(kv_dtype="fp8", **kw)
+    manager = RevivaManager(model, config)
+    state = device_state(manager.layout, manager.arena)
+    return smallest_budget(
+        manager.layout,
+        config,
+        state,
+        batch,
+        prompt,
+        new,
+        lambda p: len(p.resident_layers) + p.slots >= min(layers, p.num_layers),
+    )
+
+
+def assert_close_to_exact(out, ref, prompt: int, tol: float = 0.05) -> int:  # noqa: ANN001
+    """fp8 is lossy: per sequence, the logits of every step whose context is still plain HF's
+    are within `tol` of HF's (relative, per step); where the greedy token first differs, HF's
+    own logits had a near-tie (a margin under 2 tol ||logits||, the most such an error can
+    flip). Returns the steps compared."""
+    compared = 0
+    for b in range(ref.sequences.shape[0]):
+        differ = (out.sequences[b, prompt:] != ref.sequences[b, prompt:]).nonzero()
+        last = int(differ[0]) if len(differ) else len(ref.logits) - 1
+        for t in range(last + 1):
+            a, r = out.logits[t][b].float(), ref.logits[t][b].float()
+            err = float((a - r).norm() / r.norm())
+            assert err < tol, (b, t, err)
+            compared += 1
+        if len(differ):
+            r = ref.logits[last][b].float()
+            mine, theirs = (
+                int(out.sequences[b, prompt + last]),
+                int(ref.sequences[b, prompt + last]),
+            )
+            assert float(r[theirs] - r[mine]) <= 2 * tol * float(r.norm()), (b, last)
+    return compared
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("layers", "chunk", "block"), [(99, 32, 40), (2, 48, 17), (1, 150, 1000)])
+def test_generate_with_fp8_kv(family: str, layers: int, chunk: int, block: int) -> None:
+    """Every family, all resident down to one slot, blocks of 17 to 1000 tokens, twice in a row:
+    logits within 5% of plain HF's while the context is the same, flips only at near-ties, and
+    most of the 24 steps compared; the stats report the format and its error."""
+    model = tiny_model(family)
+    ids = torch.randint(1, 211, (2, 150), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=24, do_sample=False, output_logits=True)
+    ref = model.generate(ids, return_dict_in_generate=True, **kwargs)
+    kw = dict(chunk_tokens=chunk, kv_block_tokens=block)
+    budget = fp8_budget(model, 2, 150, 24, layers, **kw)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget, kv_dtype="fp8", **kw))
+    first = None
+    for _ in range(2):
+        out = manager.generate(ids, return_dict_in_generate=True, **kwargs)
+        assert assert_close_to_exact(out, ref, 150) >= 24  # at least one sequence's worth
+        if first is None:
+            first = out.sequences
+        assert torch.equal(out.sequences, first)  # the same call gives the same tokens
+        st = manager.get_memory_stats()
+        assert st["kv_dtype"] == "fp8" and st["kv_block_tokens"] == block
+        assert 0.005 < st["kv_fp8_rel_error"] < 0.05, st["kv_fp8_rel_error"]
+        if layers < 5:
+            assert st["streamed_layers"] > 0, st
+        assert reviva.pinned_memory_stats()["bytes_in_use"] == 0
+
+
+def test_fp8_holds_more_layers_in_the_same_budget() -> None:
+    """A budget that keeps 2 layers' fp32 K/V (and 1 MiB for fp8's block temporaries) holds
+    more layers of fp8 rows (1 byte a value and 4 per 16-value head here, against 4 a value)."""
+    model = tiny_model("llama")
+    manager = RevivaManager(model)
+    state = device_state(manager.layout, manager.arena)
+    cfg = dict(chunk_tokens=32, prefill_attention="chunked", prefill_residual="device")
+
+    def held(p):  # noqa: ANN001, ANN202
+        return len(p.resident_layers) + p.slots
+
+    # 32k tokens: a layer's K/V is many arena granules (8 MiB in fp32), so bytes, not rounding,
+    # decide how many fit.
+    n = 32768
+    budget = smallest_budget(
+        manager.layout, RevivaConfig(**cfg), state, 1, n, 24, lambda p: held(p) >= 2
+    )
+    budget += 1 << 20
+    wide = make_plan(manager.layout, RevivaConfig(vram_budget=budget, **cfg), state, 1, n, 24)
+    narrow = make_plan(
+        manager.layout,
+        RevivaConfig(vram_budget=budget, kv_dtype="fp8", kv_block_tokens=256, **cfg),
+        state,
+        1,
+        n,
+        24,
+    )
+    assert narrow.kv_token_bytes * 3 < wide.kv_token_bytes
+    assert narrow.kv_fp8 and not narrow.whole_attention
+    assert held(narrow) > held(wide)
+
+
+def test_fp8_refusals() -> None:
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 211, (1, 40), generator=torch.Generator().manual_seed(5))
+    manager = RevivaManager(model, RevivaConfig(kv_dtype="fp8"))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="padded batch with RevivaConfig\\(kv_dtype='fp8'\\)"):
+        manager.generate(ids, attention_mask=mask, max_new_tokens=4)
+    with pytest.raises(ValueError, match="kv_dtype must be 'auto' or 'fp8', got 'int4'"):
+        RevivaConfig(kv_dtype="int4")
+    with pytest.raises(ValueError, match="kv_block_tokens must be an int > 0 or None, got 0"):
+        RevivaConfig(kv_block_tokens=0)
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(manager.generate(ids, max_new_tokens=4, do_sample=False), ref)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_decode_logits_against_bf16() -> None:
+    """CUDA, bf16, 8k prompt, streamed layers: fp8 K/V decode logits against bf16 K/V's (the
+    relative error is reported in the assertion message), greedy tokens of a scaled head
+    unchanged."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=16384,
+    )
+    model = AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    ids = torch.randint(1, 32000, (1, 8192), device="cuda")
+    kw = dict(max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    outs = {}
+    for kv in ("auto", "fp8"):
+        m = RevivaManager(model, RevivaConfig(kv_dtype=kv, kv_block_tokens=3000))
+        outs[kv] = m.generate(ids, **kw)
+    errs = [
+        float((a.float() - b.float()).norm() / b.float().norm())
+        for a, b in zip(outs["fp8"].logits, outs["auto"].logits, strict=True)
+    ]
+    assert max(errs) < 0.05, errs
+    assert torch.equal(outs["fp8"].sequences, outs["auto"].sequences), errs
