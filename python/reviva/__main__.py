@@ -3,6 +3,7 @@
     python -m reviva demo [--device cuda|cpu] [--prompt N]
     python -m reviva transfers [--device cuda|cpu] [--mib N]
     python -m reviva plan [--model llama3-8b|qwen2.5-32b|CONFIG] [--context 512k] [--card 24GB]
+                          [--kv-dtype auto|fp8] [--host-memory 128GiB] [--json]
 
 `demo` runs a long prompt through a random-init Llama-shaped model, with and without Reviva
 (which streams half the layers' K/V from pinned host memory), and prints peak VRAM, prefill
