@@ -231,7 +231,7 @@ class RevivaManager:
                 cache is None
                 or plan is None
                 or not plan.residual_on_host
-                or self._residual is not None
+                or self._placeholder is not None
                 or input_ids.dim() != 2
                 or input_ids.shape[1] != plan.prompt_tokens
                 or cache.get_seq_length(0) != 0
@@ -246,8 +246,10 @@ class RevivaManager:
                 x = original(input_ids[:, s:e], *args, **kwargs)
                 if residual is None:
                     residual = self.pool.tensor([tokens, batch, x.shape[2]], x.dtype)
+                    # held by the manager at once: if this call raises with copies in flight,
+                    # generate's cleanup waits for them before the block goes back to the pool
+                    self._residual = residual
                 residual[s:e].copy_(x.transpose(0, 1), non_blocking=True)
-            self._residual = residual
             self._placeholder = torch.zeros((), dtype=x.dtype, device=x.device).expand(
                 batch, tokens, x.shape[2]
             )
