@@ -205,7 +205,7 @@ def _plan(args: argparse.Namespace) -> int:
             "card": args.card,
             "fits": True,
             "plan": dataclasses.asdict(plan),
-            "host_bytes": plan.host_bytes + plan.residual_host_bytes,
+            "host_bytes": plan.pinned_host_bytes,
             "promotable_layers": plan.promotable_layers(),
             "forecast": f.to_dict(),
         }

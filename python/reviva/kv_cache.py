@@ -165,11 +165,14 @@ class RevivaCache(Cache):
         if not self.fp8:
             self.store.write(layer_idx, first, key, value)
             return
+        k_rows, v_rows = fp8rows.quantize(key), fp8rows.quantize(value)
         if first == 0:
             self.fp8_error = max(
-                self.fp8_error, fp8rows.relative_error(key), fp8rows.relative_error(value)
+                self.fp8_error,
+                fp8rows.relative_error(key, k_rows),
+                fp8rows.relative_error(value, v_rows),
             )
-        self.store.write(layer_idx, first, fp8rows.quantize(key), fp8rows.quantize(value))
+        self.store.write(layer_idx, first, k_rows, v_rows)
 
     def view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The acquired layer's first `length` tokens: K and V, [batch, kv_heads, length, D]."""

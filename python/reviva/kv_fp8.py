@@ -80,8 +80,8 @@ def round_trip_bound(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return xf.abs() * (2**-4) * (1 + out_eps) + scale * 2**-10 + xf.abs() * out_eps
 
 
-def relative_error(x: torch.Tensor) -> float:
-    """||x - round trip|| / ||x|| (Frobenius), for the stats."""
-    back = dequantize(quantize(x), torch.float32)
+def relative_error(x: torch.Tensor, rows: torch.Tensor | None = None) -> float:
+    """||x - round trip|| / ||x|| (Frobenius), for the stats; `rows`: x already quantized."""
+    back = dequantize(quantize(x) if rows is None else rows, torch.float32)
     norm = x.float().norm()
     return float((back - x.float()).norm() / norm) if norm > 0 else 0.0

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from reviva import kv_fp8
 from reviva._C import RevivaOutOfMemoryError
 from reviva.adapters import DecoderLayout
 from reviva.config import RevivaConfig
@@ -174,6 +175,11 @@ class Plan:
         return self.batch * self.prompt_tokens * self.hidden_bytes_per_token
 
     @property
+    def pinned_host_bytes(self) -> int:
+        """All the pinned host memory the call needs: streamed K/V and hidden states."""
+        return self.host_bytes + self.residual_host_bytes
+
+    @property
     def streamed_layers(self) -> int:
         return self.num_layers - len(self.resident_layers)
 
@@ -252,7 +258,7 @@ def _make_plan(
     capacity = prompt_tokens + new_tokens
     fp8 = config.kv_dtype == "fp8"
     if fp8:  # uint8 rows: head_dim e4m3 values and a 4-byte scale per token and head
-        kv_token = 2 * batch * lay.num_kv_heads * (lay.head_dim + 4)
+        kv_token = 2 * batch * lay.num_kv_heads * kv_fp8.row_bytes(lay.head_dim)
     else:
         kv_token = 2 * batch * lay.num_kv_heads * lay.head_dim * e
     layer_kv = _round_up(capacity * kv_token, state.granularity)
@@ -385,7 +391,8 @@ def _make_plan(
         hidden_bytes_per_token=lay.hidden_size * e,
     )
     host_cap = config.host_memory_bytes()
-    if host_cap and plan.host_bytes + plan.residual_host_bytes > host_cap:
+    pinned = plan.pinned_host_bytes
+    if host_cap and pinned > host_cap:
         residual = (
             f" and the prompt's hidden states {_fmt(plan.residual_host_bytes)}"
             if host_residual
@@ -396,7 +403,6 @@ def _make_plan(
             f"{residual} of pinned host memory for {capacity} tokens, over host_memory="
             f"{_fmt(host_cap)}. Raise host_memory or vram_budget, or shorten the prompt."
         )
-    pinned = plan.host_bytes + plan.residual_host_bytes
     if host is not None and pinned > host.available:
         raise RevivaOutOfMemoryError(
             f"RevivaManager: {plan.streamed_layers} streamed layers' K/V "

@@ -64,10 +64,12 @@ def budget_for(
     layers: int,
     chunk: int | None = None,
     attention: str = "auto",
+    **config_fields: object,
 ) -> int:
     """The smallest budget whose plan holds `layers` layers of K/V on the device (resident
-    layers and staging slots together), from the planner's own bisection."""
-    config = RevivaConfig(chunk_tokens=chunk, prefill_attention=attention)
+    layers and staging slots together), from the planner's own bisection; `config_fields`: more
+    RevivaConfig fields (e.g. kv_dtype)."""
+    config = RevivaConfig(chunk_tokens=chunk, prefill_attention=attention, **config_fields)
     manager = RevivaManager(model, config)
     state = device_state(manager.layout, manager.arena)
     return smallest_budget(

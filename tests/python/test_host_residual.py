@@ -7,7 +7,7 @@ import gc
 
 import pytest
 import torch
-from test_generate import FAMILIES, budget_for, tiny_model
+from test_generate import FAMILIES, budget_for, gpu_llama, tiny_model
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
@@ -185,21 +185,7 @@ def test_pinned_tensor_of_the_pool() -> None:
 def test_gpu_host_residual_bf16_tokens_and_memory() -> None:
     """CUDA, bf16, 8k prompt: the residual on the host gives the device residual's tokens, and
     torch's peak during prefill drops by about the prompt's hidden states and rotary tables."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        max_position_embeddings=16384,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).eval()
+    model = gpu_llama(4, 16384, torch.bfloat16)
     ids = torch.randint(1, 32000, (1, 8192), device="cuda")
     outs, peaks = {}, {}
     for mode in ("device", "host"):

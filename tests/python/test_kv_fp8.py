@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_generate import FAMILIES, tiny_model
+from test_generate import FAMILIES, budget_for, gpu_llama, tiny_model
 
 import reviva
 from reviva import RevivaConfig, RevivaManager, kv_fp8
@@ -53,21 +53,6 @@ def test_strided_rows_as_the_store_holds_them() -> None:
         kv_fp8.quantize(torch.randn(2, 6))
 
 
-def fp8_budget(model: torch.nn.Module, batch: int, prompt: int, new: int, layers: int, **kw) -> int:
-    config = RevivaConfig(kv_dtype="fp8", **kw)
-    manager = RevivaManager(model, config)
-    state = device_state(manager.layout, manager.arena)
-    return smallest_budget(
-        manager.layout,
-        config,
-        state,
-        batch,
-        prompt,
-        new,
-        lambda p: len(p.resident_layers) + p.slots >= min(layers, p.num_layers),
-    )
-
-
 def assert_close_to_exact(out, ref, prompt: int, tol: float = 0.05) -> int:  # noqa: ANN001
     """fp8 is lossy: per sequence, the logits of every step whose context is still plain HF's
     are within `tol` of HF's (relative, per step); where the greedy token first differs, HF's
@@ -103,7 +88,7 @@ def test_generate_with_fp8_kv(family: str, layers: int, chunk: int, block: int) 
     kwargs = dict(max_new_tokens=24, do_sample=False, output_logits=True)
     ref = model.generate(ids, return_dict_in_generate=True, **kwargs)
     kw = dict(chunk_tokens=chunk, kv_block_tokens=block)
-    budget = fp8_budget(model, 2, 150, 24, layers, **kw)
+    budget = budget_for(model, 2, 150, 24, layers, chunk, kv_dtype="fp8", kv_block_tokens=block)
     manager = RevivaManager(model, RevivaConfig(vram_budget=budget, kv_dtype="fp8", **kw))
     first = None
     for _ in range(2):
@@ -172,21 +157,7 @@ def test_fp8_refusals() -> None:
 def test_gpu_fp8_decode_logits_against_bf16() -> None:
     """CUDA, bf16, 8k prompt: fp8 K/V decode logits against bf16 K/V's (the relative errors are
     in the assertion message), flash attention per block."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        max_position_embeddings=16384,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).eval()
+    model = gpu_llama(4, 16384, torch.bfloat16)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     ids = torch.randint(1, 32000, (1, 8192), device="cuda")
