@@ -132,6 +132,8 @@ def main() -> None:
             record("pre", i)
             if i == 0:
                 host_times.append(time.perf_counter())
+            if "prefill_host" not in seen or len(seen["prefill_host"]) < LAYERS:
+                seen.setdefault("prefill_host", []).append(time.perf_counter())
 
         return hook
 
@@ -205,6 +207,10 @@ def main() -> None:
             "copy_per_step": copy_per_step(
                 manager._last_timeline, start.elapsed_time(built[0]) if built else 0.0, decode
             ),
+            # When the host issued each layer of prefill (ms since the call began), beside when
+            # the device started it (prefill_start_ms): how far ahead the host ran.
+            "prefill_host_ms": [round((t - t0) * 1e3, 1) for t in seen.get("prefill_host", [])],
+            "prefill_start_ms": [round(prefill["pre"][i], 1) for i in range(LAYERS)],
             "prefill_resident": seen.get("prefill"),
             "decode_resident": seen.get("decode"),
             "stats": {

@@ -325,21 +325,21 @@ def chunk_attention(
 # stream, so the pool's reuse across graphs is safe. The kernels are the eager path's, in the
 # same order (the projections' GEMMs are cuBLAS's in both).
 #
-# When: a layer runs its first decode steps of a call eagerly and waits for capture; at the end
-# of each step (the final norm: every layer of the step is issued and the device works through
-# it) the host captures waiting layers while the step is still running on the device (an event
-# recorded there is not complete), at least one per step and for at most CAPTURE_MS_MAX, so the
-# capture hides in the time the host would otherwise wait for the token. The first decode step
-# of a call is long on the device (layers promoted after prefill come back: ~106 ms at 64k on a
-# 24 GB card against ~44 ms later), so most layers are captured there. A layer is warmed up on
+# When: at the end of prefill (the final norm: every layer is issued and the device works
+# through the last ones, ~120 ms a layer at 64k) the host captures every layer that has no
+# graphs yet (capture_ahead), when at least 8 decode steps are to come; a layer left out (an
+# out-of-memory there) runs its decode steps eagerly and waits for capture at the end of a
+# step, while the step still runs on the device (an event recorded there is not complete), at
+# least one per step and for at most CAPTURE_MS_MAX (capture_pending). A layer is warmed up on
 # a side stream (kernels loaded, cuBLAS initialised for the stream) before its capture only if
 # no layer of the same parameter shapes was since the static buffers were made; captures run
-# in "thread_local" mode so that the core's threads may keep polling their events. A fixed
-# 10 ms per step (f9e5872) left call 1 at 19.0-19.5 tok/s against 21.6-21.7 later: 131-148 ms
-# of capture and 163-194 eager layer steps, while the host had no slack in the eager steps.
-# Capturing right after each layer's prefill instead (1659665, 612b104) cost the first call's
-# prefill on a 24 GB card 1.1-2.0 s: with layers streamed in prefill the host is not ahead of
-# the device there.
+# in "thread_local" mode so that the core's threads may keep polling their events. History,
+# call 1 of 64k on a 24 GB card (H200): a fixed 10 ms per step (f9e5872) left it at 19.0-19.5
+# tok/s against 21.6-21.7 later (163-194 eager layer steps); capturing only while the step ran
+# on the device (99852c0-0620178) gave 21.0 tok/s on a warm machine (147 eager layer steps) but
+# 18.1 on a freshly started one, whose host had no slack in decode: about one capture a step,
+# 464 eager layer steps at ~0.33 ms over a replay each. Capturing right after each layer's
+# prefill (1659665, 612b104) cost the first call's prefill 1.1-2.0 s.
 # Graphs last as long as the manager; they are dropped when a layer's parameters move (data
 # pointers change) or the batch changes, and a capture that fails turns graphs off for the
 # manager, logged and in the stats (an out-of-memory while capturing leaves that layer eager for
@@ -363,6 +363,7 @@ class DecodeGraphs:
         self.capture_ms = 0.0
         self.replays = 0
         self.captured = 0  # layers captured in this call
+        self.captured_ahead = 0  # of which at the end of prefill (capture_ahead)
         self.eager_steps = 0  # layer steps of this call run eagerly, before their capture
         self._pending: dict[int, tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
         # Layers left eager in this call, and why (uncapturable(), or a failed capture).
@@ -379,6 +380,7 @@ class DecodeGraphs:
         self.replays = 0
         self.capture_ms = 0.0
         self.captured = 0
+        self.captured_ahead = 0
         self.eager_steps = 0
         self._pending.clear()
         self.uncaptured.clear()
@@ -448,6 +450,34 @@ class DecodeGraphs:
             self.capture(i, layer, h, cos, sin)
             if step_done.query() or (time.perf_counter() - t) * 1e3 >= CAPTURE_MS_MAX:
                 break
+
+    def capture_ahead(
+        self,
+        layers: list[nn.Module],
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """At the end of prefill (every layer issued, the device still working through the
+        last ones): captures each layer that has no graphs yet, for decode steps shaped like h
+        ([batch, 1, hidden]) and cos/sin ([., 1, rotary dim]). A layer that cannot be captured
+        (uncapturable()) is left to decode, which keeps it eager; an out-of-memory here stops
+        the capture and leaves the rest to decode's own (capture_pending)."""
+        for i, layer in enumerate(layers):
+            if self.failed is not None:
+                return
+            if i in self.layers or i in self.uncaptured:
+                continue
+            why = uncapturable(layer)
+            if why is not None:
+                self.uncaptured[i] = why
+                log.info("reviva: decode layer %d stays eager (%s)", i, why)
+                continue
+            self.capture(i, layer, h, cos, sin)
+            if self.uncaptured.get(i, "").startswith("out of memory"):
+                del self.uncaptured[i]  # (decode tries again, when prefill's memory is free)
+                return
+            self.captured_ahead += i in self.layers
 
     def capture(
         self,

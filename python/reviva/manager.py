@@ -189,6 +189,8 @@ class RevivaManager:
             if hidden_states is self._placeholder and self._residual is not None:
                 # (No padding here, _check_host_residual: a mask HF passes is the causal one,
                 # which the chunks' attention applies itself.)
+                if i == 0:
+                    self._note_rope(kwargs)
                 self.layers.prefill_from_host(
                     cache,
                     self._plan,
@@ -202,6 +204,8 @@ class RevivaManager:
             if self._copy_hidden:
                 hidden_states = hidden_states.clone()
             if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
+                if i == 0:
+                    self._note_rope(kwargs)
                 return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
             if i == 0:
                 self._mark_decode_step()
@@ -287,10 +291,20 @@ class RevivaManager:
                 out = original(last.contiguous())
                 return out.expand(hidden_states.shape[0], hidden_states.shape[1], out.shape[2])
             if self._graphs is not None and cache is not None and plan is not None:
-                # Every layer of this decode step is issued: the device works through the step
-                # while the host captures a few layers' graphs (Note [Decode graphs]), unless
-                # the call has too few steps left to gain from them.
-                if plan.capacity - cache.get_seq_length(0) >= 4:
+                left = plan.capacity - cache.get_seq_length(0)  # decode steps still to come
+                rope = self._phase.pop("rope_like", None)
+                if hidden_states.shape[1] > 1 and rope is not None and left >= 8:
+                    # Every layer of prefill is issued and the device works through the last
+                    # ones: the decode graphs are captured now (Note [Decode graphs]).
+                    h = torch.zeros(
+                        (hidden_states.shape[0], 1, hidden_states.shape[2]),
+                        dtype=hidden_states.dtype,
+                        device=hidden_states.device,
+                    )
+                    self._graphs.capture_ahead(self.layout.layers, h, *rope)
+                elif left >= 4:
+                    # Every layer of this decode step is issued: the device works through the
+                    # step while the host captures layers that are still eager.
                     self._graphs.capture_pending(hidden_states)
             if (
                 self._cache is None
@@ -308,6 +322,21 @@ class RevivaManager:
             return hidden_states
 
         return forward
+
+    def _note_rope(self, kwargs: dict[str, Any]) -> None:
+        """Prefill's first layer: one position of its cos and sin (shape and dtype of a decode
+        step's) for the decode graphs captured at the end of prefill, if the call's decode runs
+        them (Reviva's own decode path, no padding mask, no per-layer hidden states kept)."""
+        pe = kwargs.get("position_embeddings")
+        if (
+            self._graphs is None
+            or pe is None
+            or self._copy_hidden
+            or self._phase.get("padded", True)
+            or not (self._own_decode or (self._cache is not None and self._cache.fp8))
+        ):
+            return
+        self._phase["rope_like"] = tuple(t[:, :1].clone() for t in pe)
 
     def _promote_after_prefill(self) -> None:
         """Prefill's working set is gone: slots beyond the plan's decode_slots are given up and
@@ -519,6 +548,7 @@ class RevivaManager:
         self.engine.reset_stats()
         cache: RevivaCache | None = None
         self._phase = {"start": self._event(), "map_ms": self.arena.stats()["map_ms"]}
+        self._phase["padded"] = padded
         self._phase["pin_s"] = self._pin_host_copies(plan)
         self._copy_hidden = bool(gen.output_hidden_states)
         if self._graphs is not None:
@@ -702,6 +732,7 @@ class RevivaManager:
             "decode_graph_replays": self._graphs.replays if self._graphs else 0,
             "decode_graph_capture_ms": self._graphs.capture_ms if self._graphs else 0.0,
             "decode_graph_captures": self._graphs.captured if self._graphs else 0,
+            "decode_graph_captures_ahead": self._graphs.captured_ahead if self._graphs else 0,
             "decode_graph_eager_steps": self._graphs.eager_steps if self._graphs else 0,
             "decode_graph_uncaptured": dict(self._graphs.uncaptured) if self._graphs else {},
             "decode_graphs": self._graphs_state(),
