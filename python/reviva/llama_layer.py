@@ -440,7 +440,7 @@ class DecodeGraphs:
         """At the end of a decode step (h: its hidden state, [batch, 1, hidden]): captures the
         waiting layers, lowest first, while the device still works through the step (at least
         one per step, at most CAPTURE_MS_MAX of host time)."""
-        if not self._pending or h.shape[1] != 1:
+        if not self._pending or h.shape[1] != 1 or torch.is_autocast_enabled(h.device.type):
             return
         t = time.perf_counter()
         step_done = torch.cuda.Event()
@@ -463,11 +463,13 @@ class DecodeGraphs:
         ([batch, 1, hidden]) and cos/sin ([., 1, rotary dim]). A layer that cannot be captured
         (uncapturable()) is left to decode, which keeps it eager; an out-of-memory here stops
         the capture and leaves the rest to decode's own (capture_pending)."""
+        if torch.is_autocast_enabled(h.device.type):  # decode runs eagerly then (ready())
+            return
         for i, layer in enumerate(layers):
             if self.failed is not None:
                 return
-            if i in self.layers or i in self.uncaptured:
-                continue
+            if i in self.uncaptured or (i in self.layers and self.ready(i, h)):
+                continue  # (graphs of another batch or dtype are replaced: capture())
             why = uncapturable(layer)
             if why is not None:
                 self.uncaptured[i] = why
