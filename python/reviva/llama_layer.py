@@ -326,11 +326,12 @@ def chunk_attention(
 # same order (the projections' GEMMs are cuBLAS's in both).
 #
 # When: at the end of prefill (the final norm: every layer is issued and the device works
-# through the last ones, ~120 ms a layer at 64k) the host captures every layer that has no
-# graphs yet (capture_ahead), when at least 8 decode steps are to come; a layer left out (an
-# out-of-memory there) runs its decode steps eagerly and waits for capture at the end of a
-# step, while the step still runs on the device (an event recorded there is not complete), at
-# least one per step and for at most CAPTURE_MS_MAX (capture_pending). A layer is warmed up on
+# through the last ones, ~120 ms a layer at 64k) the host captures layers that have no graphs
+# yet while prefill still runs on the device (an event recorded there is not complete), when
+# at least 8 decode steps are to come (capture_ahead). A layer left out runs its first decode
+# step eagerly and is captured at the end of a step: all waiting layers when at least
+# CAPTURE_ALL_STEPS steps are to come, else while the step still runs on the device, at least
+# one per step and for at most CAPTURE_MS_MAX (capture_pending). A layer is warmed up on
 # a side stream (kernels loaded, cuBLAS initialised for the stream) before its capture only if
 # no layer of the same parameter shapes was since the static buffers were made; captures run
 # in "thread_local" mode so that the core's threads may keep polling their events. History,
@@ -338,8 +339,10 @@ def chunk_attention(
 # tok/s against 21.6-21.7 later (163-194 eager layer steps); capturing only while the step ran
 # on the device (99852c0-0620178) gave 21.0 tok/s on a warm machine (147 eager layer steps) but
 # 18.1 on a freshly started one, whose host had no slack in decode: about one capture a step,
-# 464 eager layer steps at ~0.33 ms over a replay each. Capturing right after each layer's
-# prefill (1659665, 612b104) cost the first call's prefill 1.1-2.0 s.
+# 464 eager layer steps at ~0.33 ms over a replay each. Capturing every layer at the end of
+# prefill (5c3b5e3) gave call 1 21.4 tok/s with no eager step, but took 202 ms there against
+# ~116 ms of prefill left on the device. Capturing right after each layer's prefill (1659665,
+# 612b104) cost the first call's prefill 1.1-2.0 s.
 # Graphs last as long as the manager; they are dropped when a layer's parameters move (data
 # pointers change) or the batch changes, and a capture that fails turns graphs off for the
 # manager, logged and in the stats (an out-of-memory while capturing leaves that layer eager for
@@ -351,6 +354,11 @@ def chunk_attention(
 # eager path runs (the graphs were captured without it).
 
 CAPTURE_MS_MAX = 200.0
+# With this many decode steps to come, capture_pending captures every waiting layer at once: a
+# capture costs the host ~3-6 ms, an eager layer step ~0.33 ms over a replay (H200, 64k on a
+# 24 GB card: 464 eager layer steps cost call 1 ~150 ms, 0620178), so it pays for itself in
+# ~10-18 steps.
+CAPTURE_ALL_STEPS = 16
 
 
 class DecodeGraphs:
@@ -436,10 +444,11 @@ class DecodeGraphs:
             return
         self._pending[i] = (layer, cos, sin)
 
-    def capture_pending(self, h: torch.Tensor) -> None:
-        """At the end of a decode step (h: its hidden state, [batch, 1, hidden]): captures the
-        waiting layers, lowest first, while the device still works through the step (at least
-        one per step, at most CAPTURE_MS_MAX of host time)."""
+    def capture_pending(self, h: torch.Tensor, steps_left: int) -> None:
+        """At the end of a decode step (h: its hidden state, [batch, 1, hidden]; steps_left:
+        decode steps still to come): captures the waiting layers, lowest first, all of them when
+        at least CAPTURE_ALL_STEPS steps are to come, else while the device still works through
+        the step (at least one per step, at most CAPTURE_MS_MAX of host time)."""
         if not self._pending or h.shape[1] != 1 or torch.is_autocast_enabled(h.device.type):
             return
         t = time.perf_counter()
@@ -448,6 +457,8 @@ class DecodeGraphs:
         for i in sorted(self._pending):
             layer, cos, sin = self._pending.pop(i)
             self.capture(i, layer, h, cos, sin)
+            if steps_left >= CAPTURE_ALL_STEPS:
+                continue
             if step_done.query() or (time.perf_counter() - t) * 1e3 >= CAPTURE_MS_MAX:
                 break
 
@@ -459,15 +470,18 @@ class DecodeGraphs:
         sin: torch.Tensor,
     ) -> None:
         """At the end of prefill (every layer issued, the device still working through the
-        last ones): captures each layer that has no graphs yet, for decode steps shaped like h
-        ([batch, 1, hidden]) and cos/sin ([., 1, rotary dim]). A layer that cannot be captured
-        (uncapturable()) is left to decode, which keeps it eager; an out-of-memory here stops
-        the capture and leaves the rest to decode's own (capture_pending)."""
+        last ones): captures the layers that have no graphs yet, for decode steps shaped like h
+        ([batch, 1, hidden]) and cos/sin ([., 1, rotary dim]), while the device still works
+        through prefill; the rest are left to decode's captures (capture_pending), as is a
+        layer after an out-of-memory here. A layer that cannot be captured (uncapturable()) is
+        left to decode, which keeps it eager."""
         if torch.is_autocast_enabled(h.device.type):  # decode runs eagerly then (ready())
             return
+        prefill_done = torch.cuda.Event()
+        prefill_done.record(torch.cuda.current_stream(h.device))
         for i, layer in enumerate(layers):
-            if self.failed is not None:
-                return
+            if self.failed is not None or prefill_done.query():
+                return  # (the rest wait for decode's captures: capture_pending)
             if i in self.uncaptured or (i in self.layers and self.ready(i, h)):
                 continue  # (graphs of another batch or dtype are replaced: capture())
             why = uncapturable(layer)

@@ -56,6 +56,11 @@ def _pin_mode() -> str:
     return mode
 
 
+# The helper thread pins the rest of a call's host copies when the host issues this layer's
+# prefill (RevivaManager._pin_host_copies).
+_PIN_AFTER_LAYER = 2
+
+
 class RevivaManager:
     """Wraps a HF causal LM (Llama layout) to generate under a device memory budget."""
 
@@ -191,6 +196,8 @@ class RevivaManager:
                 # which the chunks' attention applies itself.)
                 if i == 0:
                     self._note_rope(kwargs)
+                elif i == _PIN_AFTER_LAYER and "pin_go" in self._phase:
+                    self._phase["pin_go"].set()
                 self.layers.prefill_from_host(
                     cache,
                     self._plan,
@@ -206,6 +213,8 @@ class RevivaManager:
             if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
                 if i == 0:
                     self._note_rope(kwargs)
+                elif i == _PIN_AFTER_LAYER and "pin_go" in self._phase:
+                    self._phase["pin_go"].set()
                 return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
             if i == 0:
                 self._mark_decode_step()
@@ -305,7 +314,7 @@ class RevivaManager:
                 elif left >= 4:
                     # Every layer of this decode step is issued: the device works through the
                     # step while the host captures layers that are still eager.
-                    self._graphs.capture_pending(hidden_states)
+                    self._graphs.capture_pending(hidden_states, left)
             if (
                 self._cache is None
                 or plan is None
@@ -383,6 +392,8 @@ class RevivaManager:
         if "prefill_end" not in self._phase:
             self._phase["prefill_end"] = self._event()
             self._phase["prefill_peak"] = self._phase_peak()
+            if "pin_go" in self._phase:  # (a prompt too short for a layered prefill)
+                self._phase["pin_go"].set()
             self._promote_after_prefill()
         self._phase["decode_steps"] = self._phase.get("decode_steps", 0) + 1
 
@@ -576,6 +587,9 @@ class RevivaManager:
         finally:
             thread = self._phase.get("pin_thread")
             if thread is not None:
+                # (a prefill that raised before layer 2: the helper ends without pinning)
+                self._phase["pin_cancel"] = not self._phase["pin_go"].is_set()
+                self._phase["pin_go"].set()
                 thread.join()  # no helper thread outlives its call
             self._phase["end"] = self._event()
             self._copy_hidden = False
@@ -613,14 +627,19 @@ class RevivaManager:
         calls, so from the second call of a shape this finds them there). Returns the seconds
         the calling thread spent on it.
 
-        Where (REVIVA_PIN_HOST_COPIES): "background" (the default) pins on a helper thread
-        while prefill runs (the pool lets allocations wait for slabs landing, Note [Slabs
-        landing]); the calling thread joins it before the call returns. On the H200, 64k on a
-        24 GB card, it took call 1's prefill from 1.58x plain HF's (pinning first, 1.04 s of
-        it) to 1.08x (benchmarks/results/generate-card24-2026-12-01-974b2a9*.json).
-        "before_compute" pins before the call's compute starts (Note [Pinning by registration]
-        in cuda_backend.cpp: registration can wait for the device's queued work behind one
-        long kernel)."""
+        Where (REVIVA_PIN_HOST_COPIES): "background" (the default) pins the copies of layers 0
+        and 1 (those streamed in prefill) before compute, and the rest on a helper thread once
+        the host issues layer 2's prefill (_PIN_AFTER_LAYER): the pool lets allocations wait for
+        slabs landing (Note [Slabs landing]); the calling thread joins the helper before the
+        call returns. Pinning registers memory with the driver, which holds up the calling
+        thread's CUDA calls meanwhile (Note [Pinning by registration] in cuda_backend.cpp); in
+        a process's first call the host, not the device, sets the pace until its first layers
+        are issued (kernels loaded, cuBLAS and cuDNN set up), so pinning then cost the call
+        what it took. From layer 2 on the host runs a layer ahead of the device and such waits
+        hide. (H200, 64k on a 24 GB card: pinning from the start of the call on the helper
+        thread left call 1's time before layer 0 and layer 0 itself ~0.6 s over a no-card
+        call 1's, benchmarks/results/logs/5c3b5e3, a19b83d.)
+        "before_compute" pins everything before the call's compute starts."""
         if plan.streamed_layers == 0:
             return 0.0
         t = time.perf_counter()
@@ -629,17 +648,29 @@ class RevivaManager:
         if self._phase["pin_mode"] == "before_compute":
             self.pool.reserve(count, size)
             return time.perf_counter() - t
+        early = [i for i in range(min(_PIN_AFTER_LAYER, plan.num_layers))]
+        first = sum(1 for i in early if i not in plan.resident_layers)
+        if first:
+            self.pool.reserve(first, size)
+        if first == count:
+            return time.perf_counter() - t
+        go = threading.Event()
 
         def pin() -> None:
+            go.wait()
+            if self._phase.get("pin_cancel"):
+                return
             t0 = time.perf_counter()
             try:
-                self.pool.reserve(count, size)
+                # (the early layers hold their blocks by now: layer 2 is issued after them)
+                self.pool.reserve(count - first, size)
             except Exception as e:  # noqa: BLE001 (the call's own allocations raise theirs)
                 self._phase["pin_error"] = f"{type(e).__name__}: {e}"[:300]
             finally:
                 self._phase["pin_background_s"] = time.perf_counter() - t0
 
         thread = threading.Thread(target=pin, name="reviva-pin", daemon=True)
+        self._phase["pin_go"] = go
         self._phase["pin_thread"] = thread
         thread.start()
         return time.perf_counter() - t

@@ -200,6 +200,8 @@ class ActivationOffload:
         self.stats = ActivationStats()
         self._cuda = self.device.type == "cuda"
         self._param_ptrs: set[int] = set()
+        # Storages of the tensors the caller passed to the model this step (_note_inputs).
+        self._input_ptrs: set[int] = set()
         # A storage saved again (a view, or saved by a second node) maps to its first copy. The
         # key is (data pointer, bytes); the storage's weak reference tells a live storage from a
         # new one that the caching allocator placed at the address of a freed one.
@@ -270,6 +272,7 @@ class ActivationOffload:
 
     def _begin(self) -> ActivationOffload:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._input_ptrs = set()
         self._by_storage.clear()
         self._reap()  # dead blocks whose last view has gone since
         self._groups = {}
@@ -289,6 +292,9 @@ class ActivationOffload:
         )
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._handles.append(
+            self.model.register_forward_pre_hook(self._note_inputs, with_kwargs=True)
+        )
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
             self._handles.append(layer.register_forward_hook(self._make_post_hook(i)))
@@ -306,6 +312,15 @@ class ActivationOffload:
             self._end(exc)
         finally:
             self._active = False
+
+    def _note_inputs(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """The model's tensor inputs are the caller's and stay alive through the step: one
+        saved for backward (the embedding saves input_ids) is kept, not offloaded, since moving
+        it would free nothing and bring a second copy back (H200: 64 KiB over checkpointing's
+        peak for a [4, 2048] batch, benchmarks/diag_ckpt_peak.py)."""
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor):
+                self._input_ptrs.add(t.untyped_storage().data_ptr())
 
     def _end(self, exc: tuple[object, ...]) -> None:
         if self._hooks_ctx is not None:
@@ -540,6 +555,7 @@ class ActivationOffload:
             or nbytes == 0
             or nbytes < self.min_bytes
             or storage.data_ptr() in self._param_ptrs
+            or storage.data_ptr() in self._input_ptrs
             or isinstance(t, nn.Parameter)
             or not 0 <= self._layer < self._regions
             or self._in_backward  # recomputed in backward (checkpointing): needed at once

@@ -270,6 +270,60 @@ def test_activation_offload_refuses_reentry(device: str) -> None:
     assert offload.stats.saved_tensors == saved
 
 
+def test_background_pinning_waits_for_layer_2(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "background": the host copies of layers 0 and 1 (the streamed ones) are reserved before
+    compute on the calling thread, the rest on the helper thread once the host issues layer 2's
+    prefill; a prefill that raises before layer 2 ends the helper without pinning, and the next
+    call is plain HF's."""
+    monkeypatch.delenv("REVIVA_PIN_HOST_COPIES", raising=False)
+    model = tiny_model(device, seed=12)
+    prompt, new = 122, 8
+    ids = ids_for(device, prompt, seed=13)
+    ref = model.generate(ids, max_new_tokens=new, do_sample=False)
+    manager = streaming_manager(model, prompt, new)
+    events: list[tuple[str, ...]] = []
+    pool = manager.pool
+
+    class Spy:  # the pool, with its reserve calls recorded
+        def __getattr__(self, name: str) -> object:
+            return getattr(pool, name)
+
+        def reserve(self, count: int, size: int) -> None:
+            events.append(("reserve", threading.current_thread().name, str(count)))
+            pool.reserve(count, size)
+
+    manager.pool = Spy()
+    hook = model.model.layers[2].register_forward_pre_hook(lambda m, a: events.append(("l2",)))
+    try:
+        out = manager.generate(ids, max_new_tokens=new, do_sample=False)
+    finally:
+        hook.remove()
+    assert torch.equal(out, ref)
+    st = manager.get_memory_stats()
+    plan_streamed = st["resident_layers_in_prefill"]  # (resident ones; the rest stream)
+    streamed = 5 - plan_streamed
+    early = [e for e in events if e[0] == "reserve" and e[1] != "reviva-pin"]
+    late = [e for e in events if e[0] == "reserve" and e[1] == "reviva-pin"]
+    assert streamed > len(early) and len(early) <= 1 and len(late) == 1, events
+    assert events.index(late[0]) > events.index(("l2",)), events  # after layer 2 was issued
+    assert int(late[0][2]) + sum(int(e[2]) for e in early) == streamed, (events, st)
+
+    def boom(module: object, args: object) -> None:
+        raise RuntimeError("boom in layer 1")
+
+    events.clear()
+    threads = threading.active_count()
+    hook = model.model.layers[1].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom in layer 1"):
+            manager.generate(ids, max_new_tokens=new, do_sample=False)
+    finally:
+        hook.remove()
+    assert threading.active_count() == threads
+    assert [e for e in events if e[1] == "reviva-pin"] == []  # the helper pinned nothing
+    assert torch.equal(manager.generate(ids, max_new_tokens=new, do_sample=False), ref)
+
+
 @pytest.mark.parametrize("mode", ["before_compute", "background", None])
 def test_host_copies_pinned_before_compute_or_in_background(
     device: str, mode: str | None, monkeypatch: pytest.MonkeyPatch

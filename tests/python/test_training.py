@@ -202,8 +202,9 @@ def test_fp32_cast_from_16_bits_moves_at_16_bits_bit_identical() -> None:
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
     assert off.stats.narrowed_tensors == 1  # `wide` (its view shares the copy); `plain` is not
     n = 256 * 64
-    # wide at 2 bytes, plain at 4; x itself (saved by both matmuls) at 4.
-    assert off.stats.bytes_offloaded == n * 2 + n * 4 + n * 4, off.stats.bytes_offloaded
+    # wide at 2 bytes, plain at 4; x itself (saved by both matmuls) is the model's input, which
+    # the caller holds: kept on the device (moving it would free nothing).
+    assert off.stats.bytes_offloaded == n * 2 + n * 4, off.stats.bytes_offloaded
 
 
 def grad_of_layer_input(
@@ -280,6 +281,30 @@ def test_gpu_gradient_checkpointing_identical(deterministic: None) -> None:
         # allocated bytes (whole blocks) within 1 MiB.
         assert requested <= requested_ref, (reentrant, requested, requested_ref)
         assert peak <= peak_ref + (1 << 20), (reentrant, peak, peak_ref)
+
+
+def test_model_inputs_are_kept_not_offloaded() -> None:
+    """The tensors passed to the model (input_ids, which the embedding saves for its backward;
+    labels) stay alive with the caller: offloading one would bring a second copy back. They are
+    kept, everything else of that size is offloaded, and the gradients are the same."""
+    model = tiny_llama(seed=44)
+    ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(45))
+    ref = grads_of(model, ids, None)
+    off = ActivationOffload(model, min_bytes=0)
+    moved: list[int] = []  # storages packed as offloaded
+    pack = off._pack
+
+    def spy(t: torch.Tensor) -> object:
+        packed = pack(t)
+        if not isinstance(packed, torch.Tensor):
+            moved.append(t.untyped_storage().data_ptr())
+        return packed
+
+    off._pack = spy  # (bound when the offload is entered)
+    got = grads_of(model, ids, off)
+    assert_identical(ref, got)
+    assert moved and ids.untyped_storage().data_ptr() not in moved
+    assert off.stats.bytes_restored == off.stats.bytes_offloaded > 0
 
 
 def test_no_growth_over_50_steps() -> None:
