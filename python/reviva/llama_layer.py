@@ -326,10 +326,10 @@ def chunk_attention(
 # same order (the projections' GEMMs are cuBLAS's in both).
 #
 # When: at the end of prefill (the final norm: every layer is issued and the device works
-# through the last ones, ~120 ms a layer at 64k) the host captures layers that have no graphs
-# yet while prefill still runs on the device (an event recorded there is not complete), when
-# at least 8 decode steps are to come (capture_ahead). A layer left out runs its first decode
-# step eagerly and is captured at the end of a step: all waiting layers when at least
+# through the last ones, ~120 ms a layer at 64k) the host captures every layer that has no
+# graphs yet, when at least 8 decode steps are to come (capture_ahead). A layer left out (an
+# out-of-memory there) runs its decode steps eagerly and is captured at the end of a step: all
+# waiting layers when at least
 # CAPTURE_ALL_STEPS steps are to come, else while the step still runs on the device, at least
 # one per step and for at most CAPTURE_MS_MAX (capture_pending). A layer is warmed up on
 # a side stream (kernels loaded, cuBLAS initialised for the stream) before its capture only if
@@ -340,9 +340,13 @@ def chunk_attention(
 # on the device (99852c0-0620178) gave 21.0 tok/s on a warm machine (147 eager layer steps) but
 # 18.1 on a freshly started one, whose host had no slack in decode: about one capture a step,
 # 464 eager layer steps at ~0.33 ms over a replay each. Capturing every layer at the end of
-# prefill (5c3b5e3) gave call 1 21.4 tok/s with no eager step, but took 202 ms there against
-# ~116 ms of prefill left on the device. Capturing right after each layer's prefill (1659665,
-# 612b104) cost the first call's prefill 1.1-2.0 s.
+# prefill (5c3b5e3) gave call 1 21.4 tok/s (1.062x the roofline) with no eager step, and took
+# 202 ms there against ~116 ms of prefill left on the device (diag_phases: ~90 ms past the last
+# layer). Capturing there only while prefill still ran on the device (0a8d6d4) captured one
+# layer (the process's first capture loads the decode-shaped kernels) and left 31 to the end of
+# decode step 1: call 1 20.2 tok/s, 1.125x. The first call's prefill has the room (1.08x plain
+# HF's there, limit 1.15x), its decode does not (limit 1.1x). Capturing right after each layer's
+# prefill (1659665, 612b104) cost the first call's prefill 1.1-2.0 s.
 # Graphs last as long as the manager; they are dropped when a layer's parameters move (data
 # pointers change) or the batch changes, and a capture that fails turns graphs off for the
 # manager, logged and in the stats (an out-of-memory while capturing leaves that layer eager for
@@ -470,18 +474,15 @@ class DecodeGraphs:
         sin: torch.Tensor,
     ) -> None:
         """At the end of prefill (every layer issued, the device still working through the
-        last ones): captures the layers that have no graphs yet, for decode steps shaped like h
-        ([batch, 1, hidden]) and cos/sin ([., 1, rotary dim]), while the device still works
-        through prefill; the rest are left to decode's captures (capture_pending), as is a
-        layer after an out-of-memory here. A layer that cannot be captured (uncapturable()) is
-        left to decode, which keeps it eager."""
+        last ones): captures every layer that has no graphs yet, for decode steps shaped like h
+        ([batch, 1, hidden]) and cos/sin ([., 1, rotary dim]). After an out-of-memory here the
+        rest are left to decode's captures (capture_pending). A layer that cannot be captured
+        (uncapturable()) is left to decode, which keeps it eager."""
         if torch.is_autocast_enabled(h.device.type):  # decode runs eagerly then (ready())
             return
-        prefill_done = torch.cuda.Event()
-        prefill_done.record(torch.cuda.current_stream(h.device))
         for i, layer in enumerate(layers):
-            if self.failed is not None or prefill_done.query():
-                return  # (the rest wait for decode's captures: capture_pending)
+            if self.failed is not None:
+                return
             if i in self.uncaptured or (i in self.layers and self.ready(i, h)):
                 continue  # (graphs of another batch or dtype are replaced: capture())
             why = uncapturable(layer)

@@ -394,8 +394,9 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
 def test_gpu_decode_graphs_same_tokens_reused_and_recaptured() -> None:
     """Note [Decode graphs]: bf16, graphs on against off: the same tokens and logits within bf16
     rounding, for a batch of two with streamed layers, then one sequence (recaptured for the new
-    batch) twice: a call that captures does so at the end of prefill and of its first decode
-    step, so that every later step replays; the second call of a batch captures nothing;
+    batch) twice: a call that captures does so at the end of prefill (what it left, at the
+    end of its first decode step), so that later steps replay; the second call of a batch
+    captures nothing;
     output_hidden_states runs eagerly with HF's hidden states per layer."""
     model = gpu_llama(8, 8192, torch.bfloat16)
     with torch.no_grad():
@@ -427,8 +428,8 @@ def test_gpu_decode_graphs_same_tokens_reused_and_recaptured() -> None:
             err = (out.logits[t].float() - ref.logits[t].float()).norm() / ref.logits[t].norm()
             assert err <= 1e-3, (batch, t, float(err))  # the same kernels: equal, in practice
         assert st["decode_graph_captures"] == (0 if call == 2 else layers), (call, st)
-        # captured at the end of prefill while the device still runs it, the rest at the end of
-        # the first decode step (23 steps to come: all of them)
+        # captured at the end of prefill; a layer left out there would be at the end of the
+        # first decode step (23 steps to come: all of them)
         ahead, eager_steps = st["decode_graph_captures_ahead"], st["decode_graph_eager_steps"]
         assert eager_steps == (0 if call == 2 else layers - ahead), st
         assert st["decode_graph_replays"] + eager_steps == layers * steps, st
