@@ -29,4 +29,19 @@ cudaError_t launch_copy_segments(const CopySegment* segments,  // [count]
 // called once when a backend is made, so that no copy pays that mid-stream.
 cudaError_t preload_copy_segments();
 
+// fp8 K/V rows (layout shared with reviva::Fp8Rows): head_dim e4m3 bytes then an fp32 scale
+// per row, rows indexed [count0][count1][count2] by byte strides from `base`.
+struct Fp8RowsArgs {
+  const void* base;
+  std::size_t count[3];
+  std::int64_t stride[3];
+  std::size_t head_dim;
+};
+
+// Writes the rows' values times their scales, contiguous [count0][count1][count2][head_dim],
+// as bf16 (`bfloat16`) or fp16, rounded to nearest even; one warp per row. cudaErrorInvalidValue
+// when head_dim, `base` or a stride is not a multiple of 4 (the scale is read as one fp32).
+cudaError_t launch_dequantize_fp8_rows(const Fp8RowsArgs& args, void* out, bool bfloat16,
+                                       cudaStream_t stream);
+
 }  // namespace reviva::kernels

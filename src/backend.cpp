@@ -2,6 +2,11 @@
 #include <reviva/backend.h>
 #include <reviva/error.h>
 
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
 namespace reviva {
 
 Backend::~Backend() = default;
@@ -23,6 +28,74 @@ const char* to_string(MemoryKind kind) noexcept {
     case MemoryKind::Managed: return "managed";
   }
   return "?";
+}
+
+void check_fp8_rows(const Fp8Rows& rows, const void* out) {
+  REVIVA_CHECK_ARG(rows.head_dim > 0 && rows.head_dim % 4 == 0,
+                   "dequantize_fp8_rows: head_dim must be a positive multiple of 4, got ",
+                   rows.head_dim);
+  const std::size_t count = rows.count[0] * rows.count[1] * rows.count[2];
+  if (count == 0) return;
+  REVIVA_CHECK_ARG(rows.base != nullptr && out != nullptr, "dequantize_fp8_rows: null pointer");
+  REVIVA_CHECK_ARG(reinterpret_cast<std::uintptr_t>(rows.base) % 4 == 0,
+                   "dequantize_fp8_rows: rows at ", rows.base,
+                   " are not 4-byte aligned (each row's fp32 scale is read whole)");
+  for (int d = 0; d < 3; ++d)
+    REVIVA_CHECK_ARG(rows.stride[d] % 4 == 0, "dequantize_fp8_rows: stride ", d, " of ",
+                     rows.stride[d], " bytes is not a multiple of 4");
+}
+
+namespace {
+
+// e4m3 (no infinities; S.1111.111 is NaN) to fp32, exactly.
+float e4m3_to_float(std::uint8_t b) {
+  const int exponent = (b >> 3) & 15, mantissa = b & 7;
+  float v;
+  if (exponent == 15 && mantissa == 7)
+    v = std::numeric_limits<float>::quiet_NaN();
+  else if (exponent == 0)
+    v = std::ldexp(static_cast<float>(mantissa), -9);
+  else
+    v = std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
+  return (b & 0x80) ? -v : v;
+}
+
+// fp32 to bf16 bits, rounded to nearest even (a NaN stays a quiet NaN).
+std::uint16_t to_bf16(float x) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if (std::isnan(x)) return static_cast<std::uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<std::uint16_t>(bits >> 16);
+}
+
+// fp32 to fp16 bits, rounded to nearest even.
+std::uint16_t to_fp16(float x) {
+  const _Float16 h = static_cast<_Float16>(x);
+  std::uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
+}  // namespace
+
+void dequantize_fp8_rows(const Fp8Rows& rows, void* out, HalfType type) {
+  check_fp8_rows(rows, out);
+  auto* o = static_cast<std::uint16_t*>(out);
+  const auto* base = static_cast<const std::uint8_t*>(rows.base);
+  for (std::size_t i0 = 0; i0 < rows.count[0]; ++i0)
+    for (std::size_t i1 = 0; i1 < rows.count[1]; ++i1)
+      for (std::size_t i2 = 0; i2 < rows.count[2]; ++i2) {
+        const std::uint8_t* row = base + static_cast<std::int64_t>(i0) * rows.stride[0] +
+                                  static_cast<std::int64_t>(i1) * rows.stride[1] +
+                                  static_cast<std::int64_t>(i2) * rows.stride[2];
+        float scale;
+        std::memcpy(&scale, row + rows.head_dim, 4);
+        for (std::size_t j = 0; j < rows.head_dim; ++j) {
+          const float v = e4m3_to_float(row[j]) * scale;
+          *o++ = type == HalfType::BFloat16 ? to_bf16(v) : to_fp16(v);
+        }
+      }
 }
 
 std::shared_ptr<Backend> make_default_backend() {

@@ -399,6 +399,18 @@ class CudaBackend final : public Backend {
         reinterpret_cast<const kernels::CopySegment*>(segments), count, as_stream(stream)));
   }
 
+  void dequantize_fp8_rows_async(const Fp8Rows& rows, void* out, HalfType type,
+                                 StreamHandle stream) override {
+    check_fp8_rows(rows, out);
+    DeviceGuard guard(device_);
+    kernels::Fp8RowsArgs args{rows.base,
+                              {rows.count[0], rows.count[1], rows.count[2]},
+                              {rows.stride[0], rows.stride[1], rows.stride[2]},
+                              rows.head_dim};
+    REVIVA_CUDA_CHECK(kernels::launch_dequantize_fp8_rows(args, out, type == HalfType::BFloat16,
+                                                          as_stream(stream)));
+  }
+
   void memset_async(void* dst, int value, std::size_t bytes, StreamHandle stream) override {
     REVIVA_CHECK_ARG(dst != nullptr, "memset_async: null pointer");
     REVIVA_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, as_stream(stream)));

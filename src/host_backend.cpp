@@ -368,6 +368,12 @@ class HostBackend final : public Backend {
     as_stream(stream)->submit([dst, value, bytes] { std::memset(dst, value, bytes); });
   }
 
+  void dequantize_fp8_rows_async(const Fp8Rows& rows, void* out, HalfType type,
+                                 StreamHandle stream) override {
+    check_fp8_rows(rows, out);
+    as_stream(stream)->submit([rows, out, type] { dequantize_fp8_rows(rows, out, type); });
+  }
+
  private:
   HostBackendOptions options_;
   std::mutex mutex_;

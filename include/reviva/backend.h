@@ -11,6 +11,7 @@
 #include <reviva/export.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -30,6 +31,20 @@ struct CopySegment {
   void* dst;
   std::size_t bytes;
 };
+
+// fp8 K/V rows (Note [fp8 K/V rows] in python/reviva/kv_fp8.py): each row is head_dim e4m3
+// bytes followed by an fp32 scale. `base` points at row [0][0][0] of a 3-D index of rows with
+// these byte strides (a view of a KVStore's token-major rows); head_dim, `base` and the strides
+// are multiples of 4.
+struct Fp8Rows {
+  const void* base = nullptr;
+  std::size_t count[3] = {0, 0, 0};
+  std::int64_t stride[3] = {0, 0, 0};  // bytes
+  std::size_t head_dim = 0;
+};
+
+// The 16-bit float types a kernel writes.
+enum class HalfType { BFloat16, Float16 };
 
 struct DeviceMemoryInfo {
   std::size_t free_bytes = 0;
@@ -104,6 +119,13 @@ class REVIVA_API Backend {
                                    StreamHandle stream) = 0;
   // Fills device or pinned memory with a byte value (tests, poisoning).
   virtual void memset_async(void* dst, int value, std::size_t bytes, StreamHandle stream) = 0;
+
+  // --- kernels of what is moved ----------------------------------------------------------------
+  // fp8 rows to 16-bit values: `out` gets them contiguous, [count0][count1][count2][head_dim] of
+  // `type`, each the e4m3 value times its row's scale in fp32, rounded to nearest even; ordered
+  // on `stream` (one kernel on CUDA, no temporaries).
+  virtual void dequantize_fp8_rows_async(const Fp8Rows& rows, void* out, HalfType type,
+                                         StreamHandle stream) = 0;
 };
 
 struct HostBackendOptions {
@@ -116,6 +138,13 @@ struct HostBackendOptions {
 
 // Threads play the role of streams; "device" memory is host memory. Always available.
 REVIVA_API std::shared_ptr<Backend> make_host_backend(HostBackendOptions options = {});
+
+// Checks the arguments of Backend::dequantize_fp8_rows_async; throws InvalidArgument naming the
+// bad value (null pointers, head_dim, base or a stride not a multiple of 4).
+REVIVA_API void check_fp8_rows(const Fp8Rows& rows, const void* out);
+// Dequantizes fp8 rows on the calling thread (the host backend's way, and the reference the CUDA
+// kernel is tested against: the same values to the bit).
+REVIVA_API void dequantize_fp8_rows(const Fp8Rows& rows, void* out, HalfType type);
 
 // True when the library was built with CUDA and at least one device is usable.
 REVIVA_API bool cuda_available() noexcept;

@@ -312,6 +312,58 @@ py::dict pool_stats(const PinnedHostPool& pool) {
   return r;
 }
 
+// Runtime.dequantize_fp8_rows: checks the tensors, then the backend's kernel on torch's current
+// stream (CUDA) or the host backend's on the runtime's own stream, waited for (torch on the CPU
+// computes synchronously).
+void dequantize_fp8_rows_into(const Runtime& rt, const torch::Tensor& rows, torch::Tensor& out) {
+  REVIVA_CHECK_ARG(rows.defined() && out.defined(), "dequantize_fp8_rows: a tensor is None");
+  REVIVA_CHECK_ARG(rows.device() == rt.device() && out.device() == rt.device(),
+                   "dequantize_fp8_rows: expected tensors on ", rt.device().str(), ", got rows ",
+                   describe(rows), " and out ", describe(out));
+  REVIVA_CHECK_ARG(rows.scalar_type() == torch::kUInt8,
+                   "dequantize_fp8_rows: rows must be uint8, "
+                   "got a ",
+                   describe(rows));
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  REVIVA_CHECK_ARG(bf16 || out.scalar_type() == torch::kHalf,
+                   "dequantize_fp8_rows: out must be bfloat16 or float16, got a ", describe(out));
+  const int64_t dims = rows.dim();
+  REVIVA_CHECK_ARG(dims >= 1 && dims <= 4,
+                   "dequantize_fp8_rows: rows must have 1 to 4 dimensions "
+                   "(up to 3 of rows, then the row's bytes), got a ",
+                   describe(rows));
+  REVIVA_CHECK_ARG(rows.size(-1) > 4 && rows.stride(-1) == 1,
+                   "dequantize_fp8_rows: each row must be dense and longer than its 4-byte "
+                   "scale, got a ",
+                   describe(rows), " with strides ", rows.strides());
+  const auto head_dim = static_cast<std::size_t>(rows.size(-1) - 4);
+  std::vector<int64_t> want(rows.sizes().begin(), rows.sizes().end());
+  want.back() = static_cast<int64_t>(head_dim);
+  REVIVA_CHECK_ARG(out.is_contiguous() && out.sizes().vec() == want,
+                   "dequantize_fp8_rows: out must be contiguous of shape ", c10::IntArrayRef(want),
+                   ", got a ", describe(out), " with strides ", out.strides());
+  Fp8Rows r;
+  r.base = rows.data_ptr();
+  r.head_dim = head_dim;
+  const int64_t lead = dims - 1;
+  for (int64_t d = 0; d < 3; ++d) {
+    const int64_t k = d - (3 - lead);  // leading dims right-aligned into the 3 of Fp8Rows
+    r.count[d] = k >= 0 ? static_cast<std::size_t>(rows.size(k)) : 1;
+    r.stride[d] = k >= 0 ? rows.stride(k) : 0;
+  }
+  check_fp8_rows(r, out.data_ptr());
+  if (out.numel() == 0) return;
+  const HalfType type = bf16 ? HalfType::BFloat16 : HalfType::Float16;
+  if (auto stream = rt.current_stream()) {
+    rt.backend()->dequantize_fp8_rows_async(r, out.data_ptr(), type, stream->handle());
+    return;
+  }
+  py::gil_scoped_release release;
+  auto stream = rt.compute_stream();
+  rt.backend()->dequantize_fp8_rows_async(r, out.data_ptr(), type, stream->handle());
+  rt.backend()->synchronize_stream(stream->handle());
+}
+
 }  // namespace
 
 std::shared_ptr<TransferEngine> engine_of(py::handle py_engine) {
@@ -375,6 +427,11 @@ PYBIND11_MODULE(_C, m) {
              const DeviceMemoryInfo info = r.backend()->device_memory_info();
              return py::make_tuple(info.free_bytes, info.total_bytes);
            })
+      .def("dequantize_fp8_rows", &dequantize_fp8_rows_into, py::arg("rows"), py::arg("out"),
+           "fp8 K/V rows (uint8 [..., head_dim + 4]: e4m3 values and an fp32 scale, Note [fp8 "
+           "K/V rows]) into `out` (contiguous bf16 or fp16 [..., head_dim]) on the runtime's "
+           "device, in torch's current stream's order: one kernel on CUDA. Up to 3 leading "
+           "dimensions, any strides that are multiples of 4 bytes, the last dimension dense.")
       .def("__repr__", &Runtime::repr);
 
   py::class_<PinnedHostPool, std::shared_ptr<PinnedHostPool>>(m, "PinnedHostPool")

@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from reviva import kv_fp8 as fp8rows
-from reviva._C import DeviceArena, KVStore, TransferEngine
+from reviva._C import DeviceArena, KVStore, Runtime, TransferEngine
 
 
 class RevivaCacheLayer(CacheLayerMixin):
@@ -98,8 +98,10 @@ class RevivaCache(Cache):
         timeline_capacity: int = 0,
         kv_fp8: bool = False,
         block_tokens: int = 0,
+        runtime: Runtime | None = None,
     ) -> None:
         super().__init__(layers=[RevivaCacheLayer(self, i) for i in range(num_layers)])
+        self.runtime = runtime  # the core's, for its kernels (fp8 rows' dequantization)
         self.capacity = capacity
         self.batch = batch
         self.dtype = dtype

@@ -23,6 +23,8 @@ layer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 E4M3_MAX = 448.0
@@ -49,10 +51,18 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(rows: torch.Tensor, dtype: torch.dtype, runtime: Any = None) -> torch.Tensor:
     """uint8 rows [..., head_dim + 4] (views of the store: strided is fine) -> [..., head_dim]
-    in `dtype`."""
+    in `dtype`. With the core's `runtime` of the rows' device, 16-bit output and a view the
+    kernel takes (up to 3 leading dimensions, strides and address multiples of 4 bytes: every
+    view of the store), one kernel writes the output (Backend::dequantize_fp8_rows_async; on the
+    host backend its C++ loop); else torch's ops, with fp32 temporaries. Both give the same
+    values to the bit."""
     head_dim = rows.shape[-1] - SCALE_BYTES
+    if runtime is not None and _kernel_takes(rows, dtype):
+        out = torch.empty(*rows.shape[:-1], head_dim, dtype=dtype, device=rows.device)
+        runtime.dequantize_fp8_rows(rows, out)
+        return out
     q = rows[..., :head_dim]
     s = rows[..., head_dim:]
     if q.stride(-1) != 1:
@@ -60,6 +70,17 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     values = q.view(torch.float8_e4m3fn).float()
     scale = _as_fp32(s)
     return (values * scale).to(dtype)
+
+
+def _kernel_takes(rows: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (
+        dtype in (torch.bfloat16, torch.float16)
+        and rows.dtype == torch.uint8
+        and 1 <= rows.dim() <= 4
+        and rows.stride(-1) == 1
+        and rows.data_ptr() % 4 == 0
+        and all(st % 4 == 0 for st in rows.stride()[:-1])
+    )
 
 
 def _as_fp32(s: torch.Tensor) -> torch.Tensor:

@@ -258,7 +258,11 @@ def attend_cache(
     k_rows, v_rows = cache.rows(i, last)
     split = split_blocks(k_rows, v_rows, first, last - first, cache.block_tokens)
     blocks = (
-        (kv_fp8.dequantize(kb, q.dtype), kv_fp8.dequantize(vb, q.dtype), start)
+        (
+            kv_fp8.dequantize(kb, q.dtype, cache.runtime),
+            kv_fp8.dequantize(vb, q.dtype, cache.runtime),
+            start,
+        )
         for kb, vb, start in split
     )
     return block_attention(q, blocks, first, scale)

@@ -580,6 +580,7 @@ class RevivaManager:
                 self._timeline_capacity,
                 kv_fp8=plan.kv_fp8,
                 block_tokens=plan.kv_block_tokens,
+                runtime=self.runtime,
             )
             self._cache, self._plan = cache, plan
             with self:

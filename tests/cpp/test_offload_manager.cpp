@@ -1562,6 +1562,11 @@ class ProbingBackend final : public Backend {
     probe("memset_async");
     inner_->memset_async(dst, value, bytes, s);
   }
+  void dequantize_fp8_rows_async(const Fp8Rows& rows, void* out, HalfType type,
+                                 StreamHandle s) override {
+    probe("dequantize_fp8_rows_async");
+    inner_->dequantize_fp8_rows_async(rows, out, type, s);
+  }
 
  private:
   void probe(const char* call) noexcept {

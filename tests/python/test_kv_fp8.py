@@ -53,6 +53,59 @@ def test_strided_rows_as_the_store_holds_them() -> None:
         kv_fp8.quantize(torch.randn(2, 6))
 
 
+def store_rows(device: str, tokens: int = 53) -> torch.Tensor:
+    """fp8 rows laid out as the store holds them, [tokens, 2 (K, V), batch 2, kv heads 3, row],
+    values of every magnitude (e4m3 subnormals too) and an all-zero vector."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, 2, 2, 3, 64, generator=g) * torch.logspace(-6, 3, 64)
+    x[0, 0, 0, 0] = 0.0
+    return kv_fp8.quantize(x).to(device)
+
+
+def check_dequantize_kernel(device: str) -> None:
+    runtime = reviva.device_resources(device).runtime
+    rows = store_rows(device)
+    for dtype in (torch.bfloat16, torch.float16):
+        for view in (rows[:, 0], rows[:, 1], rows[5:40, 0, 1], rows[:, 0, :, 2], rows[7, 1]):
+            want = kv_fp8.dequantize(view, dtype)  # torch's ops
+            got = kv_fp8.dequantize(view, dtype, runtime)  # the core's kernel
+            assert got.dtype == dtype and got.shape == want.shape
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (dtype, view.shape)
+
+
+def test_dequantize_kernel_gives_torchs_bits_and_names_bad_input() -> None:
+    """The core's fp8 dequantization (the host backend's here, the CUDA kernel on the GPU):
+    the same bits as kv_fp8's torch ops for every view of the store's layout, in bf16 and fp16;
+    tensors it cannot take are named."""
+    check_dequantize_kernel("cpu")
+    runtime = reviva.device_resources("cpu").runtime
+    rows = store_rows("cpu")
+    out = torch.empty(53, 2, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out must be contiguous of shape"):
+        runtime.dequantize_fp8_rows(rows[:, 0], out[:, :1])
+    with pytest.raises(ValueError, match="out must be bfloat16 or float16"):
+        runtime.dequantize_fp8_rows(rows[:, 0], out.float())
+    with pytest.raises(ValueError, match="rows must be uint8"):
+        runtime.dequantize_fp8_rows(rows[:, 0].to(torch.int8), out)
+    with pytest.raises(ValueError, match="1 to 4 dimensions"):
+        runtime.dequantize_fp8_rows(rows, torch.empty(53, 2, 2, 3, 64, dtype=torch.bfloat16))
+    flat = rows.flatten()
+    odd = flat[1 : 1 + 68 * 10].view(10, 68)  # rows starting one byte off
+    with pytest.raises(ValueError, match="not 4-byte aligned"):
+        runtime.dequantize_fp8_rows(odd, torch.empty(10, 64, dtype=torch.bfloat16))
+    # kv_fp8.dequantize takes torch's ops for such a view: the same bits as the kernel's
+    assert not kv_fp8._kernel_takes(odd, torch.bfloat16)
+    assert kv_fp8._kernel_takes(odd.clone(), torch.bfloat16)
+    got = kv_fp8.dequantize(odd, torch.bfloat16, runtime)
+    assert torch.equal(got, kv_fp8.dequantize(odd.clone(), torch.bfloat16, runtime))
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_kernel_gives_torchs_bits() -> None:
+    """The CUDA kernel against kv_fp8's torch ops, bit for bit, on the store's views."""
+    check_dequantize_kernel("cuda")
+
+
 def assert_close_to_exact(out, ref, prompt: int, tol: float = 0.05) -> int:  # noqa: ANN001
     """fp8 is lossy: per sequence, the logits of every step whose context is still plain HF's
     are within `tol` of HF's (relative, per step); where the greedy token first differs, HF's
