@@ -304,12 +304,14 @@ def _make_plan(
     # ... and a contiguous copy of the layer's keys and values (LlamaLayerPath._attend_hf).
     kv_copy = 2 * batch * prompt_tokens * lay.num_kv_heads * lay.head_dim * e
     q_and_out += kv_copy
-    # fp8 K/V: one block of K and V dequantized at a time (fp32 and the dtype), and the merge's
-    # fp32 accumulators for a chunk's queries.
+    # fp8 K/V: one block of K and V dequantized at a time, and the merge's fp32 accumulators for
+    # a chunk's queries. In 16 bits the core's kernel writes the block and nothing else
+    # (kv_fp8.dequantize); otherwise torch's ops hold an fp32 copy beside it.
     block_tokens = 0
     blocks = 0
     if fp8:
-        per_block_token = 2 * batch * lay.num_kv_heads * lay.head_dim * (4 + e)
+        sixteen = lay.dtype in (torch.bfloat16, torch.float16)
+        per_block_token = 2 * batch * lay.num_kv_heads * lay.head_dim * (e if sixteen else 4 + e)
         block_tokens = config.kv_block_tokens or min(
             capacity, max(256, model.kv_block_bytes // per_block_token)
         )
