@@ -194,10 +194,7 @@ class RevivaManager:
             if hidden_states is self._placeholder and self._residual is not None:
                 # (No padding here, _check_host_residual: a mask HF passes is the causal one,
                 # which the chunks' attention applies itself.)
-                if i == 0:
-                    self._note_rope(kwargs)
-                elif i == _PIN_AFTER_LAYER and "pin_go" in self._phase:
-                    self._phase["pin_go"].set()
+                self._prefill_layer_starts(i, kwargs)
                 self.layers.prefill_from_host(
                     cache,
                     self._plan,
@@ -211,10 +208,7 @@ class RevivaManager:
             if self._copy_hidden:
                 hidden_states = hidden_states.clone()
             if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
-                if i == 0:
-                    self._note_rope(kwargs)
-                elif i == _PIN_AFTER_LAYER and "pin_go" in self._phase:
-                    self._phase["pin_go"].set()
+                self._prefill_layer_starts(i, kwargs)
                 return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
             if i == 0:
                 self._mark_decode_step()
@@ -299,6 +293,8 @@ class RevivaManager:
                 last = self._residual[-1:].to(self.layout.device).transpose(0, 1)
                 out = original(last.contiguous())
                 return out.expand(hidden_states.shape[0], hidden_states.shape[1], out.shape[2])
+            if hidden_states.shape[1] > 1 and "layers_end" not in self._phase:
+                self._phase["layers_end"] = self._event()  # every layer of prefill issued
             if self._graphs is not None and cache is not None and plan is not None:
                 left = plan.capacity - cache.get_seq_length(0)  # decode steps still to come
                 rope = self._phase.pop("rope_like", None)
@@ -331,6 +327,18 @@ class RevivaManager:
             return hidden_states
 
         return forward
+
+    def _prefill_layer_starts(self, i: int, kwargs: dict[str, Any]) -> None:
+        """Layer i's prefill is about to be issued: the phase events of the call's first layers
+        (stats: prefill_before_first_layer_ms, prefill_first_layer_ms), the rotary shapes for
+        the decode graphs, and the helper thread's go (RevivaManager._pin_host_copies)."""
+        if i == 0:
+            self._phase["layer0_start"] = self._event()
+            self._note_rope(kwargs)
+        elif i == 1:
+            self._phase["layer1_start"] = self._event()
+        if i == _PIN_AFTER_LAYER and "pin_go" in self._phase:
+            self._phase["pin_go"].set()
 
     def _note_rope(self, kwargs: dict[str, Any]) -> None:
         """Prefill's first layer: one position of its cos and sin (shape and dtype of a decode
@@ -409,6 +417,12 @@ class RevivaManager:
         torch.cuda.reset_peak_memory_stats(self.layout.device)
         self.arena.reset_peak()
         return peak
+
+    def _phase_ms(self, a: str, b: str) -> float | None:
+        ph = self._phase
+        if a not in ph or b not in ph:
+            return None
+        return self._elapsed_s(ph[a], ph[b]) * 1e3
 
     @staticmethod
     def _elapsed_s(a: Any, b: Any) -> float:
@@ -769,6 +783,13 @@ class RevivaManager:
             "decode_graph_uncaptured": dict(self._graphs.uncaptured) if self._graphs else {},
             "decode_graphs": self._graphs_state(),
             "prefill_s": prefill_s,
+            # where prefill's time went: before the first layer (planning, pinning what is
+            # pinned first, embeddings), the first layer (a process's first call loads its
+            # kernels there), and after the last layer (final norm, decode graphs captured
+            # ahead, the head, the first token); ms on the device's clock, None if not reached
+            "prefill_before_first_layer_ms": self._phase_ms("start", "layer0_start"),
+            "prefill_first_layer_ms": self._phase_ms("layer0_start", "layer1_start"),
+            "prefill_after_layers_ms": self._phase_ms("layers_end", "prefill_end"),
             "decode_s": decode_s,
             "decode_tok_s": steps / decode_s if steps and decode_s > 0 else None,
             "fills": st["fills"],

@@ -270,6 +270,27 @@ def test_activation_offload_refuses_reentry(device: str) -> None:
     assert offload.stats.saved_tensors == saved
 
 
+def test_prefill_phases_in_the_stats(device: str) -> None:
+    """The stats take prefill apart: before the first layer, the first layer, after the last
+    layer; each in [0, prefill], together no more than prefill; None for what a call without a
+    decode step does not reach."""
+    model = tiny_model(device, seed=14)
+    ids = ids_for(device, 96, seed=15)
+    manager = streaming_manager(model, 96, 6)
+    manager.generate(ids, max_new_tokens=6, do_sample=False)
+    st = manager.get_memory_stats()
+    parts = [
+        st["prefill_before_first_layer_ms"],
+        st["prefill_first_layer_ms"],
+        st["prefill_after_layers_ms"],
+    ]
+    assert all(p is not None and p >= 0 for p in parts), st
+    assert sum(parts) <= st["prefill_s"] * 1e3 * 1.001 + 0.01, (parts, st["prefill_s"])
+    manager.generate(ids, max_new_tokens=1, do_sample=False)
+    st = manager.get_memory_stats()
+    assert st["prefill_after_layers_ms"] is None and st["prefill_first_layer_ms"] >= 0, st
+
+
 def test_background_pinning_waits_for_layer_2(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """ "background": the host copies of layers 0 and 1 (the streamed ones) are reserved before
     compute on the calling thread, the rest on the helper thread once the host issues layer 2's
