@@ -113,11 +113,12 @@ PRESETS = {
 
 def _parse_tokens(text: str) -> int:
     t = text.strip().lower()
+    unit = {"k": 1 << 10, "m": 1 << 20}.get(t[-1:], 1)
     try:
-        n = int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+        n = int(t[:-1] if unit > 1 else t) * unit
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"not a token count: {text!r} (e.g. 65536 or 64k)"
+            f"not a token count: {text!r} (e.g. 65536, 64k or 1M)"
         ) from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"a token count must be >= 1, got {text!r}")

@@ -8,6 +8,8 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
   the no-card all-resident runs with decode graphs (64k: 11.0 ms a token, 90.8 tok/s, 13a52f1;
   128k: 13.2 ms, 75.5 tok/s, 612b104): 16.1 GB of weights at an effective 1.82 TB/s and 128 KiB of
   K/V per token at 3.9 TB/s (launch and host costs folded in).
+- fp8 K/V (not calibrated): in each step every block of rows is read by the dequantization
+  kernel, written as 16 bits and read again by attention, at the same rate as bf16 K/V.
 - decode, transfer: the streamed layers' K/V over PCIe at 55 GB/s (pinned H2D, measured by
   bench_transfer), a step taking the slower of the two (the copies overlap the compute).
 - prefill: linear layers (2 x parameters x tokens FLOPs) at 546 TFLOP/s, causal attention
@@ -85,7 +87,10 @@ def forecast(layout: DecoderLayout, plan: Plan, weight_bytes: int) -> Forecast:
     )
     residual = 2 * layout.num_layers * plan.residual_host_bytes / PCIE_BPS
     mean_len = plan.prompt_tokens + (plan.capacity - plan.prompt_tokens) / 2
-    kv_bytes = layout.num_layers * mean_len * plan.kv_token_bytes
+    kv_read = plan.kv_token_bytes
+    if plan.kv_fp8:  # the rows, then the 16-bit block written and read back
+        kv_read += 2 * (2 * plan.batch * layout.num_kv_heads * layout.head_dim * e)
+    kv_bytes = layout.num_layers * mean_len * kv_read
     compute = weight_bytes / WEIGHT_READ_BPS + kv_bytes / KV_READ_BPS
     streamed = plan.num_layers - min(
         plan.num_layers, len(plan.resident_layers) + plan.promotable_layers()

@@ -58,6 +58,7 @@ def test_text_output_and_bad_input(capsys: pytest.CaptureFixture[str], tmp_path)
     assert "neither a preset" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--context", "lots"])
+    assert "e.g. 65536, 64k or 1M" in capsys.readouterr().err
 
 
 def test_1m_fits_with_fp8_kv_on_a_24gb_card_and_a_128gib_host(
@@ -67,7 +68,8 @@ def test_1m_fits_with_fp8_kv_on_a_24gb_card_and_a_128gib_host(
     with fp8 K/V (and the hidden states on the host), with times; bf16 K/V does not fit that
     host; at 512k fp8 is predicted >= 1.8x bf16's decode."""
     host = ("--host-memory", "128GiB", "--new-tokens", "16")
-    fp8 = plan_json(capsys, "--context", "1024k", "--kv-dtype", "fp8", *host)
+    fp8 = plan_json(capsys, "--context", "1M", "--kv-dtype", "fp8", *host)
+    assert fp8["plan"]["prompt_tokens"] == 1 << 20  # 1M: 2^20 tokens, as 64k is 2^16
     assert fp8["fits"] and fp8["plan"]["kv_fp8"] and fp8["plan"]["residual_on_host"]
     assert fp8["host_bytes"] <= 128 * 2**30
     assert fp8["forecast"]["prefill_s"] > 0 and fp8["forecast"]["decode_tok_s"] > 0
