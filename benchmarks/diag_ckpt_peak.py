@@ -16,28 +16,22 @@ import argparse
 import collections
 import gc
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import reviva
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+from test_training import tiny_llama  # noqa: E402
+
 
 def model_of(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=211,
-        max_position_embeddings=512,
-        attn_implementation="eager",
-    )
-    model = AutoModelForCausalLM.from_config(cfg).to("cuda").to(torch.bfloat16)
+    """The test's model: tiny_llama of tests/python/test_training.py, bf16, eager attention,
+    non-reentrant checkpointing, in training mode."""
+    model = tiny_llama(seed=seed, device="cuda", attention="eager").to(torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 

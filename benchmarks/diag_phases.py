@@ -133,8 +133,9 @@ def main() -> None:
             record("pre", i)
             if i == 0:
                 host_times.append(time.perf_counter())
-            if "prefill_host" not in seen or len(seen["prefill_host"]) < LAYERS:
-                seen.setdefault("prefill_host", []).append(time.perf_counter())
+            issued = seen.setdefault("prefill_host", [])
+            if len(issued) < LAYERS:
+                issued.append(time.perf_counter())
 
         return hook
 

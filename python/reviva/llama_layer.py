@@ -333,9 +333,9 @@ def chunk_attention(
 # through the last ones, ~120 ms a layer at 64k) the host captures every layer that has no
 # graphs yet, when at least 8 decode steps are to come (capture_ahead). A layer left out (an
 # out-of-memory there) runs its decode steps eagerly and is captured at the end of a step: all
-# waiting layers when at least
-# CAPTURE_ALL_STEPS steps are to come, else while the step still runs on the device, at least
-# one per step and for at most CAPTURE_MS_MAX (capture_pending). A layer is warmed up on
+# waiting layers when at least CAPTURE_ALL_STEPS steps are to come, else while the step still
+# runs on the device, at least one per step and for at most CAPTURE_MS_MAX (capture_pending).
+# A layer is warmed up on
 # a side stream (kernels loaded, cuBLAS initialised for the stream) before its capture only if
 # no layer of the same parameter shapes was since the static buffers were made; captures run
 # in "thread_local" mode so that the core's threads may keep polling their events. History,

@@ -663,7 +663,7 @@ class RevivaManager:
         if self._phase["pin_mode"] == "before_compute":
             self.pool.reserve(count, size)
             return time.perf_counter() - t
-        early = [i for i in range(min(_PIN_AFTER_LAYER, plan.num_layers))]
+        early = range(min(_PIN_AFTER_LAYER, plan.num_layers))
         first = sum(1 for i in early if i not in plan.resident_layers)
         if first:
             self.pool.reserve(first, size)
