@@ -329,9 +329,12 @@ def chunk_attention(
 # stream, so the pool's reuse across graphs is safe. The kernels are the eager path's, in the
 # same order (the projections' GEMMs are cuBLAS's in both).
 #
-# When: at the end of prefill (the final norm: every layer is issued and the device works
-# through the last ones, ~120 ms a layer at 64k) the host captures every layer that has no
-# graphs yet, when at least 8 decode steps are to come (capture_ahead). A layer left out (an
+# When: before decode, when at least 8 decode steps are to come (capture_ahead). From prefill's
+# middle layer on (once the helper thread's pinning is done), as each layer's prefill is about
+# to be issued the host captures layers while the device still works through what is queued (an
+# event recorded then; the host runs about one layer, ~120 ms at 64k, ahead of the device), so
+# that the captures hide under prefill's compute; at the end of prefill (the final norm) it
+# captures every layer still without graphs. A layer left out (an
 # out-of-memory there) runs its decode steps eagerly and is captured at the end of a step: all
 # waiting layers when at least CAPTURE_ALL_STEPS steps are to come, else while the step still
 # runs on the device, at least one per step and for at most CAPTURE_MS_MAX (capture_pending).
@@ -350,7 +353,11 @@ def chunk_attention(
 # layer (the process's first capture loads the decode-shaped kernels) and left 31 to the end of
 # decode step 1: call 1 20.2 tok/s, 1.125x. The first call's prefill has the room (1.08x plain
 # HF's there, limit 1.15x), its decode does not (limit 1.1x). Capturing right after each layer's
-# prefill (1659665, 612b104) cost the first call's prefill 1.1-2.0 s.
+# prefill, from layer 0 and whatever the device's state (1659665, 612b104), cost the first
+# call's prefill 1.1-2.0 s. Capturing all at the end of prefill (c29e16d, a fresh machine) gave
+# call 1 21.4 tok/s (1.064x) and prefill 1.058x plain HF's call 1, but 1.174x Reviva's own call 2
+# (plain HF: 1.146x): 159 ms after the last layer against 7 in call 2, the captures' 234 ms less
+# what the device still had queued. Hence the captures while prefill's later layers are issued.
 # Graphs last as long as the manager; they are dropped when a layer's parameters move (data
 # pointers change) or the batch changes, and a capture that fails turns graphs off for the
 # manager, logged and in the stats (an out-of-memory while capturing leaves that layer eager for
@@ -379,7 +386,8 @@ class DecodeGraphs:
         self.capture_ms = 0.0
         self.replays = 0
         self.captured = 0  # layers captured in this call
-        self.captured_ahead = 0  # of which at the end of prefill (capture_ahead)
+        self.captured_ahead = 0  # of which before decode (capture_ahead)
+        self.captured_in_layers = 0  # of which while prefill's layers were issued
         self.eager_steps = 0  # layer steps of this call run eagerly, before their capture
         self._pending: dict[int, tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
         # Layers left eager in this call, and why (uncapturable(), or a failed capture).
@@ -397,6 +405,7 @@ class DecodeGraphs:
         self.capture_ms = 0.0
         self.captured = 0
         self.captured_ahead = 0
+        self.captured_in_layers = 0
         self.eager_steps = 0
         self._pending.clear()
         self.uncaptured.clear()
@@ -476,14 +485,18 @@ class DecodeGraphs:
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        busy: torch.cuda.Event | None = None,
     ) -> None:
-        """At the end of prefill (every layer issued, the device still working through the
-        last ones): captures every layer that has no graphs yet, for decode steps shaped like h
-        ([batch, 1, hidden]) and cos/sin ([., 1, rotary dim]). After an out-of-memory here the
-        rest are left to decode's captures (capture_pending). A layer that cannot be captured
-        (uncapturable()) is left to decode, which keeps it eager."""
+        """Before decode: captures the layers that have no graphs yet, lowest first, for decode
+        steps shaped like h ([batch, 1, hidden]) and cos/sin ([., 1, rotary dim]). With busy (an
+        event just recorded on the compute stream, while prefill's later layers are issued),
+        only while the device has not reached it and for at most CAPTURE_MS_MAX; without (the
+        end of prefill), all of them. After an out-of-memory here the rest are left to decode's
+        captures (capture_pending). A layer that cannot be captured (uncapturable()) is left to
+        decode, which keeps it eager."""
         if torch.is_autocast_enabled(h.device.type):  # decode runs eagerly then (ready())
             return
+        t = time.perf_counter()
         for i, layer in enumerate(layers):
             if self.failed is not None:
                 return
@@ -494,11 +507,16 @@ class DecodeGraphs:
                 self.uncaptured[i] = why
                 log.info("reviva: decode layer %d stays eager (%s)", i, why)
                 continue
+            if busy is not None and (
+                busy.query() or (time.perf_counter() - t) * 1e3 >= CAPTURE_MS_MAX
+            ):
+                return
             self.capture(i, layer, h, cos, sin)
             if self.uncaptured.get(i, "").startswith("out of memory"):
                 del self.uncaptured[i]  # (decode tries again, when prefill's memory is free)
                 return
             self.captured_ahead += i in self.layers
+            self.captured_in_layers += busy is not None and i in self.layers
 
     def capture(
         self,

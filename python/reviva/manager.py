@@ -194,7 +194,7 @@ class RevivaManager:
             if hidden_states is self._placeholder and self._residual is not None:
                 # (No padding here, _check_host_residual: a mask HF passes is the causal one,
                 # which the chunks' attention applies itself.)
-                self._prefill_layer_starts(i, kwargs)
+                self._prefill_layer_starts(i, kwargs, hidden_states)
                 self.layers.prefill_from_host(
                     cache,
                     self._plan,
@@ -208,7 +208,7 @@ class RevivaManager:
             if self._copy_hidden:
                 hidden_states = hidden_states.clone()
             if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
-                self._prefill_layer_starts(i, kwargs)
+                self._prefill_layer_starts(i, kwargs, hidden_states)
                 return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
             if i == 0:
                 self._mark_decode_step()
@@ -297,16 +297,12 @@ class RevivaManager:
                 self._phase["layers_end"] = self._event()  # every layer of prefill issued
             if self._graphs is not None and cache is not None and plan is not None:
                 left = plan.capacity - cache.get_seq_length(0)  # decode steps still to come
-                rope = self._phase.pop("rope_like", None)
-                if hidden_states.shape[1] > 1 and rope is not None and left >= 8:
+                if hidden_states.shape[1] > 1:
                     # Every layer of prefill is issued and the device works through the last
-                    # ones: the decode graphs are captured now (Note [Decode graphs]).
-                    h = torch.zeros(
-                        (hidden_states.shape[0], 1, hidden_states.shape[2]),
-                        dtype=hidden_states.dtype,
-                        device=hidden_states.device,
-                    )
-                    self._graphs.capture_ahead(self.layout.layers, h, *rope)
+                    # ones: the decode graphs not yet captured are captured now (Note [Decode
+                    # graphs]).
+                    self._capture_ahead(hidden_states, busy=False)
+                    self._phase.pop("rope_like", None)
                 elif left >= 4:
                     # Every layer of this decode step is issued: the device works through the
                     # step while the host captures layers that are still eager.
@@ -328,10 +324,13 @@ class RevivaManager:
 
         return forward
 
-    def _prefill_layer_starts(self, i: int, kwargs: dict[str, Any]) -> None:
+    def _prefill_layer_starts(
+        self, i: int, kwargs: dict[str, Any], hidden_states: torch.Tensor
+    ) -> None:
         """Layer i's prefill is about to be issued: the phase events of the call's first layers
         (stats: prefill_before_first_layer_ms, prefill_first_layer_ms), the rotary shapes for
-        the decode graphs, and the helper thread's go (RevivaManager._pin_host_copies)."""
+        the decode graphs, the helper thread's go (RevivaManager._pin_host_copies), and from
+        the middle layer on the decode graphs' captures while the device is busy."""
         if i == 0:
             self._phase["layer0_start"] = self._event()
             self._note_rope(kwargs)
@@ -339,6 +338,36 @@ class RevivaManager:
             self._phase["layer1_start"] = self._event()
         if i == _PIN_AFTER_LAYER and "pin_go" in self._phase:
             self._phase["pin_go"].set()
+        if i >= max(_PIN_AFTER_LAYER + 1, len(self.layout.layers) // 2):
+            thread = self._phase.get("pin_thread")
+            if thread is None or not thread.is_alive():  # (registration holds up the host)
+                self._capture_ahead(hidden_states, busy=True)
+
+    def _capture_ahead(self, hidden_states: torch.Tensor, busy: bool) -> None:
+        """Captures the decode graphs of layers that have none yet, before decode (Note [Decode
+        graphs]), when this call's decode runs them and at least 8 steps are to come:
+        hidden_states is prefill's ([batch, tokens, hidden]). busy: prefill's later layers are
+        being issued, and the host captures only while the device works through what is
+        queued (an event recorded now); else (the end of prefill) every such layer."""
+        rope = self._phase.get("rope_like")
+        cache, plan = self._cache, self._plan
+        if self._graphs is None or rope is None or cache is None or plan is None:
+            return
+        if plan.capacity - cache.get_seq_length(0) < 8:  # decode steps still to come
+            return
+        h = self._phase.get("graph_h")
+        if h is None:
+            h = torch.zeros(
+                (hidden_states.shape[0], 1, hidden_states.shape[2]),
+                dtype=hidden_states.dtype,
+                device=hidden_states.device,
+            )
+            self._phase["graph_h"] = h
+        event = None
+        if busy:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(h.device))
+        self._graphs.capture_ahead(self.layout.layers, h, *rope, busy=event)
 
     def _note_rope(self, kwargs: dict[str, Any]) -> None:
         """Prefill's first layer: one position of its cos and sin (shape and dtype of a decode
@@ -779,6 +808,9 @@ class RevivaManager:
             "decode_graph_capture_ms": self._graphs.capture_ms if self._graphs else 0.0,
             "decode_graph_captures": self._graphs.captured if self._graphs else 0,
             "decode_graph_captures_ahead": self._graphs.captured_ahead if self._graphs else 0,
+            "decode_graph_captures_in_prefill_layers": (
+                self._graphs.captured_in_layers if self._graphs else 0
+            ),
             "decode_graph_eager_steps": self._graphs.eager_steps if self._graphs else 0,
             "decode_graph_uncaptured": dict(self._graphs.uncaptured) if self._graphs else {},
             "decode_graphs": self._graphs_state(),

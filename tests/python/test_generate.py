@@ -501,6 +501,45 @@ def test_decode_graphs_capture_only_plain_parts() -> None:
     assert uncapturable(layer) is None
 
 
+def test_capture_ahead_while_busy_stops_when_the_device_catches_up() -> None:
+    """Note [Decode graphs]: while prefill's later layers are issued, layers are captured, lowest
+    first and skipping those with graphs, only while the device has not reached the event
+    recorded before (its query turns true); at the end of prefill (no event) all the rest."""
+    from reviva.llama_layer import DecodeGraphs
+
+    model = tiny_model("llama")
+    layers = list(model.model.layers)
+    assert len(layers) >= 4
+    graphs = DecodeGraphs(path=None)  # type: ignore[arg-type]
+    order: list[int] = []
+
+    def capture(i: int, layer: torch.nn.Module, h: torch.Tensor, cos, sin) -> None:
+        order.append(i)
+        graphs.layers[i] = (None, None, (), ())
+
+    graphs.capture = capture  # type: ignore[method-assign]
+    graphs.ready = lambda i, h: i in graphs.layers  # type: ignore[method-assign]
+
+    class Event:  # the device reaches it after `busy` queries
+        def __init__(self, busy: int) -> None:
+            self.busy = busy
+
+        def query(self) -> bool:
+            self.busy -= 1
+            return self.busy < 0
+
+    h, rope = torch.zeros(1, 1, 64), (torch.zeros(1, 1, 16), torch.zeros(1, 1, 16))
+    graphs.capture_ahead(layers, h, *rope, busy=Event(2))
+    assert order == [0, 1] and graphs.captured_in_layers == 2
+    graphs.capture_ahead(layers, h, *rope, busy=Event(0))  # the device had caught up
+    assert order == [0, 1]
+    graphs.capture_ahead(layers, h, *rope, busy=Event(1))
+    assert order == [0, 1, 2]
+    graphs.capture_ahead(layers, h, *rope)  # the end of prefill: all the rest
+    assert order == list(range(len(layers)))
+    assert graphs.captured_ahead == len(layers) and graphs.captured_in_layers == 3
+
+
 def test_promotion_after_prefill_and_own_decode_attention() -> None:
     """A budget that holds 3 layers' K/V beside a large prefill working set: everything streams
     in prefill, then layers are promoted; Reviva's own decode attention call (used on CUDA in
