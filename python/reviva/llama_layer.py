@@ -33,6 +33,8 @@ class LlamaLayerPath:
 
     def __init__(self, layout: DecoderLayout) -> None:
         self.layout = layout
+        # Copy streams of the residual stream's chunks (in, out), made at first use on CUDA.
+        self._residual_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
 
     def prefill(
         self,
@@ -94,17 +96,81 @@ class LlamaLayerPath:
         cache.acquire(i)
         try:
             cache.store.reserve(i, tokens)
+            if device.type == "cuda":
+                self._prefill_chunks_streamed(cache, i, layer, residual, positions, rotary, chunk)
+                return
             for s in range(0, tokens, chunk):
                 e = min(tokens, s + chunk)
-                src = residual[s:e]
-                h = src.to(device, non_blocking=True).transpose(0, 1).contiguous()
-                if h.data_ptr() == src.data_ptr():  # (the host backend: the device is the host)
-                    h = h.clone()
+                # (the host backend: the device is the host, so a copy of the chunk)
+                h = residual[s:e].transpose(0, 1).clone(memory_format=torch.contiguous_format)
                 cos, sin = rotary(h, positions[:, s:e])
                 self._rows(cache, i, layer, h, 0, e - s, s, cos, sin, None, None)
-                src.copy_(h.transpose(0, 1), non_blocking=True)
+                residual[s:e].copy_(h.transpose(0, 1))
         finally:
             cache.release(i)
+
+    def _prefill_chunks_streamed(
+        self,
+        cache: RevivaCache,
+        i: int,
+        layer: nn.Module,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Any,
+        chunk: int,
+    ) -> None:
+        """prefill_from_host's chunks on CUDA (Note [Residual stream on the host]): chunk k+1
+        is read in on one copy stream while chunk k computes, and chunk k written back on
+        another, into two device buffers used in turn."""
+        device = self.layout.device
+        if self._residual_streams is None:
+            self._residual_streams = (
+                torch.cuda.Stream(device=device),
+                torch.cuda.Stream(device=device),
+            )
+        up, down = self._residual_streams
+        compute = torch.cuda.current_stream(device)
+        tokens, batch, hidden = residual.shape
+        starts = list(range(0, tokens, chunk))
+        n = min(chunk, tokens)
+        bufs = [torch.empty(n, batch, hidden, dtype=residual.dtype, device=device) for _ in "ab"]
+        filled = [torch.cuda.Event(), torch.cuda.Event()]  # a buffer's chunk is in
+        free = [torch.cuda.Event(), torch.cuda.Event()]  # a buffer's chunk is written back
+        # The host rows this layer reads were written by the previous layer's write-backs (or
+        # the embedding's, on the compute stream) and the buffers are new on compute's stream.
+        up.wait_stream(down)
+        up.wait_stream(compute)
+
+        def read(k: int) -> None:
+            s, e, b = starts[k], min(tokens, starts[k] + chunk), k % 2
+            with torch.cuda.stream(up):
+                if k >= 2:
+                    up.wait_event(free[b])  # chunk k-2 left this buffer
+                bufs[b][: e - s].copy_(residual[s:e], non_blocking=True)
+                filled[b].record(up)
+
+        read(0)
+        try:
+            for k, s in enumerate(starts):
+                e, b = min(tokens, s + chunk), k % 2
+                if k + 1 < len(starts):
+                    read(k + 1)  # ahead, while chunk k computes
+                compute.wait_event(filled[b])
+                h = bufs[b][: e - s].transpose(0, 1)
+                if not h.is_contiguous():  # (batch > 1: a copy, written back from there)
+                    h = h.contiguous()
+                cos, sin = rotary(h, positions[:, s:e])
+                self._rows(cache, i, layer, h, 0, e - s, s, cos, sin, None, None)
+                down.wait_stream(compute)
+                with torch.cuda.stream(down):
+                    residual[s:e].copy_(h.transpose(0, 1), non_blocking=True)
+                    free[b].record(down)
+                if h.data_ptr() != bufs[b].data_ptr():
+                    h.record_stream(down)  # (compute's memory, read on the copy stream)
+        finally:
+            # The buffers go back to compute's stream: after every copy that used them.
+            compute.wait_stream(up)
+            compute.wait_stream(down)
 
     def decode(
         self,
@@ -302,8 +368,11 @@ def chunk_attention(
 # or always with "host"), they live in pinned host memory from the process's pool, token-major
 # ([tokens, batch, hidden]: a chunk is one contiguous copy), and prefill goes layer by layer:
 # each chunk of tokens is copied in, runs the layer (projections, its K/V into the cache,
-# attention of its queries to the keys so far, MLP), and is copied back, on the compute stream
-# (at 512k a layer computes for seconds against 2 x 78 ms of copies). The model's own forward
+# attention of its queries to the keys so far, MLP), and is copied back. On CUDA the copies run
+# on two copy streams of their own, into two device buffers used in turn: chunk k+1 is read in
+# while chunk k computes, chunk k written back while chunk k+1 computes; a layer's first read
+# waits for the previous layer's last write-back (at 512k a layer computes for seconds against
+# 2 x 78 ms of copies, which ran on the compute stream until fd28304). The model's own forward
 # still drives the layers: the embedding wrapper writes the embeddings chunk by chunk to the host
 # and returns a placeholder of the prompt's shape that holds no memory (a broadcast zero), the
 # rotary wrapper returns broadcast placeholders for cos and sin (each chunk's are computed when

@@ -1,0 +1,93 @@
+"""Prefill with the prompt's hidden states on the host: their chunk copies on two copy streams
+(LlamaLayerPath._prefill_chunks_streamed, Note [Residual stream on the host]) against the same
+copies on the compute stream (the path until fd28304, kept here as the reference): an A/B in one
+process (a diagnostic).
+
+    python benchmarks/diag_residual_streams.py [--context 131072] [--rounds 2] [--out DIR]
+
+Card mode (24 GB, torch's default allocator), Llama-3-8B shape, bf16, RevivaConfig(
+vram_budget="24GB", prefill_residual="host"), 2 new tokens; a warm-up call, then the variants
+alternate (streams, compute, streams, compute, ...). Writes residual_streams.json: every call's
+prefill_s, and whether both variants gave the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import reviva
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import build_model  # noqa: E402
+from card import prepare_device  # noqa: E402
+
+
+def on_compute_stream(path: Any) -> Any:
+    """The chunk loop with its copies on the compute stream (the reference)."""
+
+    def run(cache, i, layer, residual, positions, rotary, chunk) -> None:  # noqa: ANN001
+        tokens, device = residual.shape[0], path.layout.device
+        for s in range(0, tokens, chunk):
+            e = min(tokens, s + chunk)
+            src = residual[s:e]
+            h = src.to(device, non_blocking=True).transpose(0, 1).contiguous()
+            cos, sin = rotary(h, positions[:, s:e])
+            path._rows(cache, i, layer, h, 0, e - s, s, cos, sin, None, None)
+            src.copy_(h.transpose(0, 1), non_blocking=True)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    _prepared, _ballast, _probe, _card = prepare_device(24 * 10**9, True)
+    model = build_model(32)
+    config = reviva.RevivaConfig(vram_budget="24GB", prefill_residual="host")
+    manager = reviva.RevivaManager(model, config)
+    streamed = manager.layers._prefill_chunks_streamed
+    reference = on_compute_stream(manager.layers)
+    gen = torch.Generator(device="cuda").manual_seed(args.context)
+    ids = torch.randint(1, model.config.vocab_size, (1, args.context), device="cuda", generator=gen)
+    calls: list[dict[str, Any]] = []
+    tokens: dict[str, torch.Tensor] = {}
+    order = ["streams"] + ["streams", "compute"] * args.rounds  # (the first: warm-up)
+    for n, variant in enumerate(order):
+        manager.layers._prefill_chunks_streamed = streamed if variant == "streams" else reference
+        out = manager.generate(ids, max_new_tokens=2, do_sample=False)
+        st = manager.get_memory_stats()
+        assert st["prefill_residual"] == "host", st["prefill_residual"]
+        tokens.setdefault(variant, out[0, -2:].cpu())
+        row = {"call": n + 1, "variant": variant, "warm_up": n == 0, "prefill_s": st["prefill_s"]}
+        calls.append(row)
+        print(json.dumps(row), flush=True)
+    same = torch.equal(tokens["streams"], tokens["compute"])
+    mean = {
+        v: sum(c["prefill_s"] for c in calls if c["variant"] == v and not c["warm_up"])
+        / args.rounds
+        for v in ("streams", "compute")
+    }
+    result = {
+        "context": args.context,
+        "calls": calls,
+        "mean_prefill_s": mean,
+        "streams_vs_compute": mean["streams"] / mean["compute"],
+        "same_tokens": same,
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "calls"}), flush=True)
+    Path(args.out, "residual_streams.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
