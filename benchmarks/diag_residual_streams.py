@@ -7,8 +7,9 @@ process (a diagnostic).
 
 Card mode (24 GB, torch's default allocator), Llama-3-8B shape, bf16, RevivaConfig(
 vram_budget="24GB", prefill_residual="host"), 2 new tokens; a warm-up call, then the variants
-alternate (streams, compute, streams, compute, ...). Writes residual_streams.json: every call's
-prefill_s, and whether both variants gave the same tokens.
+alternate (streams, compute, streams, compute, ...). Writes residual-streams-<date>-<sha>.json
+to --out (default benchmarks/results): every call's prefill_s, the means, and the checks
+same_tokens and streams_not_slower.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import reviva
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import build_model  # noqa: E402
 from card import prepare_device  # noqa: E402
+from common import environment, write_result  # noqa: E402
 
 
 def on_compute_stream(path: Any) -> Any:
@@ -48,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", default=".")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -78,15 +80,18 @@ def main() -> None:
         / args.rounds
         for v in ("streams", "compute")
     }
+    ratio = mean["streams"] / mean["compute"]
     result = {
-        "context": args.context,
+        "environment": environment(),
+        "settings": {"context": args.context, "rounds": args.rounds, "card": "24GB"},
         "calls": calls,
         "mean_prefill_s": mean,
-        "streams_vs_compute": mean["streams"] / mean["compute"],
-        "same_tokens": same,
+        "streams_vs_compute": ratio,
+        "checks": {"same_tokens": same, "streams_not_slower": ratio <= 1.0},
     }
     print(json.dumps({k: v for k, v in result.items() if k != "calls"}), flush=True)
-    Path(args.out, "residual_streams.json").write_text(json.dumps(result, indent=1))
+    out = Path(args.out) if args.out else None
+    print(f"wrote {write_result('residual-streams', result, out)}")
 
 
 if __name__ == "__main__":

@@ -203,14 +203,18 @@ def test_gpu_host_residual_bf16_tokens_and_memory() -> None:
 def test_gpu_host_residual_copy_streams_batch_and_a_short_last_chunk() -> None:
     """Note [Residual stream on the host]: on CUDA the chunks are read in and written back on
     copy streams, into two buffers used in turn; a batch of two (each chunk computes on a copy of
-    its buffer) and a prompt whose last chunk is short give the device residual's tokens and
-    first logits, twice in a row, and leave no pinned memory in use."""
+    its buffer) and a prompt whose last chunk is short give the device residual's tokens, and
+    first logits within bf16 rounding, twice in a row, and leave no pinned memory in use. (Both
+    attend by chunks; with whole-prompt attention in device mode the first logits differed by up
+    to 0.047 on the H200, 617485d: bf16 rounding of another kernel. A chunk read before its copy
+    landed would give another hidden state altogether.)"""
     model = gpu_llama(3, 8192, torch.bfloat16)
     ids = torch.randint(1, 32000, (2, 5000), device="cuda")
     kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True)
     outs = {}
     for mode in ("device", "host"):
-        m = RevivaManager(model, RevivaConfig(chunk_tokens=1024, prefill_residual=mode))
+        config = RevivaConfig(chunk_tokens=1024, prefill_residual=mode, prefill_attention="chunked")
+        m = RevivaManager(model, config)
         for _ in range(2):
             out = m.generate(ids, return_dict_in_generate=True, **kwargs)
             assert m.get_memory_stats()["prefill_residual"] == mode
@@ -218,7 +222,7 @@ def test_gpu_host_residual_copy_streams_batch_and_a_short_last_chunk() -> None:
             assert torch.equal(out.sequences, outs[mode].sequences)
         assert reviva.pinned_memory_stats()["bytes_in_use"] == 0
     assert torch.equal(outs["host"].sequences, outs["device"].sequences)
-    torch.testing.assert_close(outs["host"].logits[0], outs["device"].logits[0])
+    torch.testing.assert_close(outs["host"].logits[0], outs["device"].logits[0], atol=0.1, rtol=0)
 
 
 def test_a_plan_never_pins_more_than_the_host_can_give(monkeypatch: pytest.MonkeyPatch) -> None:
