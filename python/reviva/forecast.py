@@ -15,7 +15,12 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
 - prefill: linear layers (2 x parameters x tokens FLOPs) at 546 TFLOP/s, causal attention
   (2 x layers x tokens^2 x heads x head_dim) at 530 TFLOP/s in one call over the prompt and 325
   TFLOP/s by query chunks (fitted to 64k 3.80 s, 128k 11.84 s no card, 256k 62.0 s by chunks on
-  the card); with the residual on the host, each layer's input and output cross PCIe once more.
+  the card). With the residual on the host, each layer's input and output cross PCIe once more,
+  on copy streams of their own under the layer's compute (since 617485d): what the copies add
+  is each layer's first chunk read in and last chunk written back, unless the copies of a layer
+  take longer than its compute (in and out at once, PCIe being full duplex). The 128k A/B of
+  residual-streams-2026-12-02-617485d.json saved 0.84 s of the 1.25 s this model counts for
+  copies on the compute stream.
 
 Other GPUs differ; the figures say what they were calibrated on. An estimate, not a
 measurement: `benchmarks/bench_generate.py` measures.
@@ -50,7 +55,7 @@ class Forecast:
     prefill_s: float
     prefill_linear_s: float
     prefill_attention_s: float
-    prefill_residual_copies_s: float
+    prefill_residual_copies_s: float  # what the residual's copies add (the rest overlaps)
     decode_step_s: float
     decode_compute_s: float
     decode_transfer_s: float
@@ -85,7 +90,14 @@ def forecast(layout: DecoderLayout, plan: Plan, weight_bytes: int) -> Forecast:
     attention = attn_flops / (
         WHOLE_ATTENTION_FLOPS if plan.whole_attention else CHUNKED_ATTENTION_FLOPS
     )
-    residual = 2 * layout.num_layers * plan.residual_host_bytes / PCIE_BPS
+    compute_prefill = linear + attention
+    residual = 0.0
+    if plan.residual_host_bytes:
+        chunk_bytes = plan.residual_host_bytes * min(plan.chunk_tokens, plan.prompt_tokens)
+        chunk_bytes //= plan.prompt_tokens
+        exposed = 2 * layout.num_layers * chunk_bytes / PCIE_BPS
+        copies = layout.num_layers * plan.residual_host_bytes / PCIE_BPS  # in and out at once
+        residual = max(copies - compute_prefill, 0.0) + exposed
     mean_len = plan.prompt_tokens + (plan.capacity - plan.prompt_tokens) / 2
     kv_read = plan.kv_token_bytes
     if plan.kv_fp8:  # the rows, then the 16-bit block written and read back
@@ -101,7 +113,7 @@ def forecast(layout: DecoderLayout, plan: Plan, weight_bytes: int) -> Forecast:
     first_extra = promoted * plan.prompt_tokens * plan.kv_token_bytes / PCIE_BPS
     steps = plan.capacity - plan.prompt_tokens - 1
     return Forecast(
-        prefill_s=linear + attention + residual,
+        prefill_s=compute_prefill + residual,
         prefill_linear_s=linear,
         prefill_attention_s=attention,
         prefill_residual_copies_s=residual,

@@ -39,6 +39,12 @@ def test_512k_fits_with_the_residual_on_the_host(capsys: pytest.CaptureFixture[s
     plan = out["plan"]
     assert plan["residual_on_host"] and not plan["whole_attention"]
     assert out["host_bytes"] > 64 * 2**30
+    # measured: prefill 234.7 s with the residual's copies on the compute stream (a19b83d), which
+    # now overlap (617485d, not measured at 512k); decode 0.818 tok/s
+    f = out["forecast"]
+    assert 0.9 <= f["prefill_s"] / 234.7 <= 1.05, f
+    assert f["prefill_residual_copies_s"] < 0.5, f  # each layer's first and last chunk only
+    assert abs(f["decode_call_tok_s"] / 0.818 - 1) <= 0.12, f
     refused = plan_json(capsys, "--context", "512k", "--prefill-residual", "device")
     assert not refused["fits"] and "524288-token prompt" in refused["error"]
 
