@@ -33,6 +33,21 @@ class DemoShape:
     new_tokens: int
 
 
+def pass_key_text(key: int, filler_repeats: int = 40) -> str:
+    """A pass key buried in filler (about 2k tokens of SmolLM2's tokenizer at 40 repeats each
+    side), ending in the question: a real model retrieves it with attention peaked on one spot,
+    which random weights cannot check (tests/python/test_real_model.py)."""
+    filler = (
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    )
+    return (
+        filler * filler_repeats
+        + f"The pass key is {key}. Remember it. {key} is the pass key. "
+        + filler * filler_repeats
+        + "What is the pass key? The pass key is"
+    )
+
+
 GPU_SHAPE = DemoShape(2048, 16, 32, 8, 8192, 32000, torch.bfloat16, 32768, 32)
 CPU_SHAPE = DemoShape(512, 8, 8, 4, 1536, 4096, torch.float32, 4096, 32)
 
