@@ -5,9 +5,27 @@
 // waits for a fetch at acquire (rule 3), a fetch waits for the layer's last append to its host
 // copy (rule 4). Here: the residency decisions (which layers are kept, the budget's room for
 // streamed ones), the cycle declared to the scheduler, and the store's own checks and counts.
+//
+// Note [Paged layers]
+// A streamed layer brought in whole needs a layer's bytes of staging room per slot: at 64k
+// tokens of the 8B shape two slots (the one in use and the one being filled) hold 537 MB that
+// could keep another layer resident, at 512k 4.3 GB. With options.page_tokens > 0 a layer that
+// is not resident from the start is kept as pages of page_tokens tokens, each an append block of
+// the manager (its own write-through host copy, its device memory grown as tokens arrive), and
+// the decode cycle declared to the scheduler lists a paged layer's pages in order, so a step
+// brings such a layer in page by page, `prefetch_layers` pages ahead, into a staging room of
+// page_slots pages. Prefill writes a paged layer's pages as its chunks arrive, holding the pages
+// written so far (a layer's bytes: the slots' room, as before). Compute reads a paged layer by
+// pages, merging attention across them (reviva/block_attention.py). A promotion keeps a paged
+// layer's pages on the device (kept blocks: never evicted, their host copies given back), so a
+// promoted layer stays paged; one that finds no memory part way keeps what it kept and streams
+// the rest. Layers resident from the start stay whole (one contiguous block), as without pages.
+// The budget: a layer's bytes per whole resident layer and per slot, the kept pages' bytes, and
+// a page's bytes per page slot.
 #include <reviva/error.h>
 #include <reviva/kv_store.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -32,9 +50,19 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceA
   mo.budget_bytes = 1;  // set_budget(): a layer's bytes per resident layer and per slot
   mo.timeline_capacity = options_.timeline_capacity;
   manager_ = std::make_unique<OffloadManager>(engine_, allocator_, mo);
-  for (int i = 0; i < options_.num_layers; ++i)
+  const std::size_t page = options_.page_tokens;
+  const std::size_t per_layer = page > 0 ? (options_.capacity_tokens + page - 1) / page : 0;
+  for (int i = 0; i < options_.num_layers; ++i) {
     blocks_.push_back(
         manager_->register_append_block(layer_bytes(), "K/V of layer " + std::to_string(i)));
+    std::vector<BlockId> pages;
+    for (std::size_t j = 0; j < per_layer; ++j)
+      pages.push_back(manager_->register_append_block(
+          page_bytes(j), "K/V of layer " + std::to_string(i) + " page " + std::to_string(j)));
+    pages_.push_back(std::move(pages));
+    page_acquired_.emplace_back(per_layer, nullptr);
+  }
+  cycle_pages_.assign(blocks_.size(), 1);
   resident_.assign(blocks_.size(), false);
   acquired_.assign(blocks_.size(), nullptr);
   counts_.streamed_layers = options_.num_layers;
@@ -78,21 +106,63 @@ BlockId KVStore::block_at(int layer, const char* what) const {
 }
 
 void KVStore::check_acquired(int layer, const char* what) const {
-  block_at(layer, what);
+  check_whole(layer, what);
   REVIVA_CHECK_ARG(acquired_[static_cast<std::size_t>(layer)] != nullptr, "KVStore::", what,
                    ": layer ", layer, " is not acquired");
 }
 
-// The budget: a layer's bytes for each resident layer (its most) and for each slot.
-void KVStore::set_budget() {
-  const std::size_t units = static_cast<std::size_t>(counts_.resident_layers + slots_);
-  manager_->set_budget_bytes(std::max<std::size_t>(units * layer_bytes(), 1));
+void KVStore::check_whole(int layer, const char* what) const {
+  block_at(layer, what);
+  REVIVA_CHECK_ARG(!paged(layer), "KVStore::", what, ": layer ", layer, " is paged (pages of ",
+                   options_.page_tokens, " tokens): use the *_page calls");
 }
 
-// The decode cycle, one group per layer; resident layers take no place in the window.
+BlockId KVStore::page_at(int layer, std::size_t page, const char* what) const {
+  block_at(layer, what);
+  const auto& pages = pages_[static_cast<std::size_t>(layer)];
+  REVIVA_CHECK_ARG(!pages.empty(), "KVStore::", what, ": layer ", layer,
+                   " is not paged (resident from the start, or page_tokens 0)");
+  REVIVA_CHECK_ARG(page < pages.size(), "KVStore::", what, ": page ", page, " of layer ", layer,
+                   " out of range [0, ", pages.size(), ")");
+  return pages[page];
+}
+
+void KVStore::check_page_acquired(int layer, std::size_t page, const char* what) const {
+  page_at(layer, page, what);
+  REVIVA_CHECK_ARG(page_acquired_[static_cast<std::size_t>(layer)][page] != nullptr,
+                   "KVStore::", what, ": page ", page, " of layer ", layer, " is not acquired");
+}
+
+// A page's bytes: page_tokens tokens (the last page of a layer what is left of its capacity).
+std::size_t KVStore::page_bytes(std::size_t page) const {
+  const std::size_t first = page * options_.page_tokens;
+  const std::size_t tokens = std::min(options_.page_tokens, options_.capacity_tokens - first);
+  return tokens * options_.token_bytes;
+}
+
+// The budget: a layer's bytes for each whole resident layer (its most) and for each slot, the
+// kept pages' bytes, and a page's bytes for each page slot (Note [Paged layers]).
+void KVStore::set_budget() {
+  std::size_t whole = 0;
+  for (std::size_t i = 0; i < resident_.size(); ++i) whole += resident_[i] && pages_[i].empty();
+  const std::size_t page = options_.page_tokens > 0 ? page_bytes(0) : 0;
+  const std::size_t bytes = (whole + static_cast<std::size_t>(slots_)) * layer_bytes() +
+                            kept_page_bytes_ + static_cast<std::size_t>(page_slots_) * page;
+  manager_->set_budget_bytes(std::max<std::size_t>(bytes, 1));
+}
+
+// The decode cycle: one group per whole layer, one per page of a paged layer (those holding its
+// tokens, at least one); resident layers and kept pages take no place in the window.
 void KVStore::declare_cycle() {
   std::vector<std::vector<BlockId>> order;
-  for (BlockId id : blocks_) order.push_back({id});
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    if (pages_[i].empty()) {
+      order.push_back({blocks_[i]});
+      continue;
+    }
+    cycle_pages_[i] = std::max<std::size_t>(pages(static_cast<int>(i)), 1);
+    for (std::size_t j = 0; j < cycle_pages_[i]; ++j) order.push_back({pages_[i][j]});
+  }
   scheduler_->declare_order(std::move(order));
 }
 
@@ -103,6 +173,9 @@ void KVStore::make_resident(int layer) {
   REVIVA_CHECK_ARG(!started_, "KVStore::make_resident: layer ", layer,
                    ": residency is fixed once a layer was acquired (use promote)");
   manager_->keep_resident(id);  // Empty: nothing to fetch, always kept
+  for (BlockId page : pages_[i]) manager_->unregister(page);  // (Empty) the layer stays whole
+  pages_[i].clear();
+  page_acquired_[i].clear();
   resident_[i] = true;
   ++counts_.resident_layers;
   --counts_.streamed_layers;
@@ -115,6 +188,39 @@ bool KVStore::promote(int layer) {
   const auto i = static_cast<std::size_t>(layer);
   REVIVA_CHECK_ARG(!resident_[i], "KVStore::promote: layer ", layer, " is already resident");
   REVIVA_CHECK_ARG(acquired_[i] == nullptr, "KVStore::promote: layer ", layer, " is acquired");
+  if (paged(layer)) {
+    for (void* p : page_acquired_[i])
+      REVIVA_CHECK_ARG(p == nullptr, "KVStore::promote: a page of layer ", layer, " is acquired");
+    // Room for all its pages first; then each page is kept (a page on the device leaves first,
+    // to come back into memory of its own, as a whole layer does below).
+    kept_page_bytes_ += layer_bytes();
+    set_budget();
+    std::size_t newly = 0;  // bytes of pages kept now (pages kept before were counted then)
+    bool all = true;
+    for (std::size_t j = 0; j < pages_[i].size(); ++j) {
+      const BlockId page = pages_[i][j];
+      if (manager_->kept(page)) continue;  // (by a promotion that stopped part way)
+      manager_->settle(page);
+      manager_->offload(page);
+      if (!manager_->keep_resident(page)) {
+        all = false;
+        break;
+      }
+      newly += page_bytes(j);
+    }
+    kept_page_bytes_ = kept_page_bytes_ - layer_bytes() + newly;
+    set_budget();
+    declare_cycle();
+    if (!all) {
+      ++counts_.promotion_failures;
+      return false;
+    }
+    resident_[i] = true;
+    ++counts_.resident_layers;
+    --counts_.streamed_layers;
+    ++counts_.promotions;
+    return true;
+  }
   ++counts_.resident_layers;
   set_budget();  // room for it beside the slots
   // Into memory of its own: a layer on the device (prefetched) leaves its memory to the
@@ -140,6 +246,24 @@ void KVStore::add_slot() {
   check_open("add_slot");
   ++slots_;
   set_budget();
+}
+
+bool KVStore::set_page_slots(int pages) {
+  check_open("set_page_slots");
+  REVIVA_CHECK_ARG(pages >= 0, "KVStore::set_page_slots: pages must be >= 0, got ", pages);
+  REVIVA_CHECK_ARG(options_.page_tokens > 0 || pages == 0,
+                   "KVStore::set_page_slots: the store has no pages (page_tokens 0)");
+  const int before = page_slots_;
+  page_slots_ = pages;
+  try {
+    set_budget();  // pages not acquired leave (cleanly) until the rest fits
+  } catch (const OutOfMemory&) {
+    page_slots_ = before;  // the pages acquired need that room
+    set_budget();
+    return false;
+  }
+  if (pages < before) allocator_->trim();
+  return true;
 }
 
 bool KVStore::drop_slot() {
@@ -171,6 +295,7 @@ bool KVStore::drop_slot() {
 }
 
 void* KVStore::acquire(int layer, const Stream& compute) {
+  check_whole(layer, "acquire");
   const BlockId id = block_at(layer, "acquire");
   const auto i = static_cast<std::size_t>(layer);
   REVIVA_CHECK_ARG(acquired_[i] == nullptr, "KVStore::acquire: layer ", layer,
@@ -238,7 +363,105 @@ void KVStore::release(int layer, const Stream& compute) {
 }
 
 std::size_t KVStore::length(int layer) const {
-  return manager_->valid_bytes(block_at(layer, "length")) / options_.token_bytes;
+  const BlockId id = block_at(layer, "length");
+  if (!paged(layer)) return manager_->valid_bytes(id) / options_.token_bytes;
+  std::size_t bytes = 0;  // pages fill in order (wrote_page): the full ones, then one more
+  const auto& pages = pages_[static_cast<std::size_t>(layer)];
+  for (std::size_t j = 0; j < pages.size(); ++j) {
+    const std::size_t valid = manager_->valid_bytes(pages[j]);
+    bytes += valid;
+    if (valid < page_bytes(j)) break;
+  }
+  return bytes / options_.token_bytes;
+}
+
+bool KVStore::paged(int layer) const {
+  block_at(layer, "paged");
+  return !pages_[static_cast<std::size_t>(layer)].empty();
+}
+
+std::size_t KVStore::pages(int layer) const {
+  page_at(layer, 0, "pages");
+  return (length(layer) + options_.page_tokens - 1) / options_.page_tokens;
+}
+
+void* KVStore::acquire_page(int layer, std::size_t page, const Stream& compute) {
+  const BlockId id = page_at(layer, page, "acquire_page");
+  const auto i = static_cast<std::size_t>(layer);
+  REVIVA_CHECK_ARG(page_acquired_[i][page] == nullptr, "KVStore::acquire_page: page ", page,
+                   " of layer ", layer, " is already acquired");
+  started_ = true;
+  if (!manager_->kept(id)) {
+    const BlockState state = manager_->state(id);
+    if (state == BlockState::Device || state == BlockState::ToDevice) {
+      ++counts_.slot_hits;
+    } else {  // room beside what compute holds: the slots' and the page slots' (in bytes)
+      std::size_t held = page_bytes(page);
+      for (std::size_t l = 0; l < pages_.size(); ++l) {
+        if (acquired_[l] != nullptr && !resident_[l]) held += layer_bytes();
+        for (std::size_t j = 0; j < page_acquired_[l].size(); ++j)
+          if (page_acquired_[l][j] != nullptr && !manager_->kept(pages_[l][j]))
+            held += page_bytes(j);
+      }
+      const std::size_t room = static_cast<std::size_t>(slots_) * layer_bytes() +
+                               static_cast<std::size_t>(page_slots_) * page_bytes(0);
+      REVIVA_CHECK_ARG(held <= room, "KVStore::acquire_page: page ", page, " of layer ", layer,
+                       " needs ", page_bytes(page), " bytes of staging room, but compute holds ",
+                       held - page_bytes(page), " of the ", room, " there is (", slots_, " slots, ",
+                       page_slots_, " page slots): release pages, or add room");
+    }
+  }
+  const std::vector<void*> ptrs = scheduler_->acquire_group({&id, 1}, compute, Access::ReadWrite);
+  page_acquired_[i][page] = ptrs.front();
+  return ptrs.front();
+}
+
+void KVStore::reserve_page(int layer, std::size_t page, std::size_t tokens) {
+  check_page_acquired(layer, page, "reserve_page");
+  const std::size_t most = page_bytes(page) / options_.token_bytes;
+  REVIVA_CHECK_ARG(tokens <= most, "KVStore::reserve_page: ", tokens, " tokens exceed page ", page,
+                   "'s ", most);
+  if (tokens == 0) return;
+  manager_->grow(pages_[static_cast<std::size_t>(layer)][page], tokens * options_.token_bytes);
+}
+
+std::size_t KVStore::reserved_page_tokens(int layer, std::size_t page) const {
+  check_page_acquired(layer, page, "reserved_page_tokens");
+  return manager_->bytes(pages_[static_cast<std::size_t>(layer)][page]) / options_.token_bytes;
+}
+
+void KVStore::wrote_page(int layer, std::size_t page, std::size_t first, std::size_t count,
+                         const Stream& compute) {
+  check_page_acquired(layer, page, "wrote_page");
+  const auto i = static_cast<std::size_t>(layer);
+  const BlockId id = pages_[i][page];
+  const std::size_t tb = options_.token_bytes;
+  REVIVA_CHECK_ARG(page == 0 || manager_->valid_bytes(pages_[i][page - 1]) == page_bytes(page - 1),
+                   "KVStore::wrote_page: page ", page, " of layer ", layer, " written before page ",
+                   page - 1, " is full (pages fill in order)");
+  const std::size_t length = manager_->valid_bytes(id) / tb;
+  REVIVA_CHECK_ARG(first <= length, "KVStore::wrote_page: tokens from ", first,
+                   " would leave a gap after the page's ", length, " tokens");
+  const std::size_t reserved = manager_->bytes(id) / tb;
+  REVIVA_CHECK_ARG(count <= reserved && first <= reserved - count, "KVStore::wrote_page: tokens [",
+                   first, ", ", first + count, ") of page ", page, " of layer ", layer,
+                   " were not reserved (", reserved,
+                   " tokens are): call reserve_page() before compute writes them");
+  counts_.bytes_to_host += manager_->wrote(id, first * tb, count * tb, compute);
+  if (page + 1 > cycle_pages_[i]) declare_cycle();  // a new page joins the decode cycle
+}
+
+void KVStore::release_page(int layer, std::size_t page, const Stream& compute) {
+  check_page_acquired(layer, page, "release_page");
+  const auto i = static_cast<std::size_t>(layer);
+  page_acquired_[i][page] = nullptr;
+  const BlockId id = pages_[i][page];
+  scheduler_->release_group({&id, 1}, compute);
+}
+
+std::shared_ptr<ArenaBuffer> KVStore::page_buffer(int layer, std::size_t page) const {
+  check_page_acquired(layer, page, "page_buffer");
+  return allocator_->buffer_of(page_acquired_[static_cast<std::size_t>(layer)][page]);
 }
 
 bool KVStore::resident(int layer) const {
@@ -272,6 +495,11 @@ KVStoreStats KVStore::stats() {
   st.peak_device_bytes = as.peak_bytes;
   st.host_bytes = 0;
   for (BlockId id : blocks_) st.host_bytes += manager_->host_bytes(id);
+  for (const auto& pages : pages_) {
+    st.paged_layers += !pages.empty();
+    for (BlockId id : pages) st.host_bytes += manager_->host_bytes(id);
+  }
+  st.page_slots = page_slots_;
   return st;
 }
 
@@ -283,8 +511,12 @@ void KVStore::clear() {
   check_open("clear");
   for (void* p : acquired_)
     REVIVA_CHECK_ARG(p == nullptr, "KVStore::clear: a layer is still acquired");
+  for (const auto& acquired : page_acquired_)
+    for (void* p : acquired) REVIVA_CHECK_ARG(p == nullptr, "KVStore::clear: a page is acquired");
   manager_->synchronize();
   for (BlockId id : blocks_) manager_->discard(id);
+  for (const auto& pages : pages_)
+    for (BlockId id : pages) manager_->discard(id);
   declare_cycle();
 }
 

@@ -25,6 +25,12 @@
 // needed later than the window, so that the copies run while compute works on the layers before
 // them. The store shares the TransferEngine, the pinned pool and the arena; the lifetime
 // protocol is the manager's (Note [Lifetime protocol] in offload_manager.cpp). Single-threaded.
+//
+// Paged layers (options.page_tokens > 0; Note [Paged layers] in kv_store.cpp): a layer that is
+// not resident from the start keeps its K/V in pages of page_tokens tokens, each an append block
+// of its own, so that decode brings a streamed layer in page by page (the staging room is a few
+// pages, not whole layers) and a promotion keeps its pages on the device. Such a layer is used
+// through the *_page calls; the whole-layer calls refuse it.
 #pragma once
 
 #include <reviva/arena_device_allocator.h>
@@ -48,12 +54,15 @@ struct KVStoreOptions {
   std::size_t capacity_tokens = 0;    // tokens a layer may hold (prompt + new tokens)
   int prefetch_layers = 2;            // streamed layers kept in flight ahead of compute
   std::size_t timeline_capacity = 0;  // copy and stall events kept for timeline() (0: none)
+  std::size_t page_tokens = 0;        // > 0: layers not resident from the start are paged
 };
 
 struct KVStoreStats {
   int resident_layers = 0;
   int streamed_layers = 0;
   int slots = 0;
+  int paged_layers = 0;  // layers kept in pages (options.page_tokens > 0), promoted ones included
+  int page_slots = 0;
   std::uint64_t fills = 0;             // fetches (H2D of a layer's valid prefix)
   std::uint64_t prefetched_fills = 0;  // of those, started ahead of use
   std::uint64_t slot_hits = 0;         // acquires of streamed layers that found them on the device
@@ -92,6 +101,10 @@ class REVIVA_API KVStore {
   bool promote(int layer);
   // Room for one more streamed layer on the device at a time (the budget grows by a layer).
   void add_slot();
+  // Paged layers: room for `pages` streamed pages on the device at a time (beside the slots).
+  // False, changing nothing, when the pages acquired need more room.
+  bool set_page_slots(int pages);
+  int page_slots() const noexcept { return page_slots_; }
   // Gives up a slot's room (the budget shrinks by a layer; streamed layers not acquired leave
   // the device as needed, their memory going back once the streams that used it pass). False,
   // changing nothing, when the layers acquired need that room, or only one slot is left while
@@ -116,6 +129,20 @@ class REVIVA_API KVStore {
   // The arena buffer behind the acquired layer (to keep its memory mapped while views exist).
   std::shared_ptr<ArenaBuffer> buffer(int layer) const;
 
+  // Paged layers (see above). `page` counts from 0; token indices within a page. Compute uses a
+  // page between acquire_page and release_page as it uses a layer between acquire and release
+  // (a page that compute writes is written through to its host copy by wrote_page).
+  bool paged(int layer) const;
+  std::size_t page_tokens() const noexcept { return options_.page_tokens; }
+  std::size_t pages(int layer) const;  // pages holding the layer's tokens: ceil(length / page)
+  void* acquire_page(int layer, std::size_t page, const Stream& compute);
+  void reserve_page(int layer, std::size_t page, std::size_t tokens);
+  std::size_t reserved_page_tokens(int layer, std::size_t page) const;
+  void wrote_page(int layer, std::size_t page, std::size_t first, std::size_t count,
+                  const Stream& compute);
+  void release_page(int layer, std::size_t page, const Stream& compute);
+  std::shared_ptr<ArenaBuffer> page_buffer(int layer, std::size_t page) const;
+
   std::size_t length(int layer) const;
   bool resident(int layer) const;
   std::size_t layer_bytes() const noexcept;  // capacity_tokens * token_bytes
@@ -137,7 +164,11 @@ class REVIVA_API KVStore {
 
  private:
   BlockId block_at(int layer, const char* what) const;
+  BlockId page_at(int layer, std::size_t page, const char* what) const;
   void check_acquired(int layer, const char* what) const;
+  void check_page_acquired(int layer, std::size_t page, const char* what) const;
+  void check_whole(int layer, const char* what) const;
+  std::size_t page_bytes(std::size_t page) const;
   void set_budget();
   void declare_cycle();
   void check_open(const char* what) const;
@@ -152,6 +183,14 @@ class REVIVA_API KVStore {
   std::vector<bool> resident_;
   std::vector<void*> acquired_;  // the address of an acquired layer, null otherwise
   int slots_ = 0;
+  // Paged layers: each layer's pages (empty for a layer resident from the start), the address of
+  // each acquired page, the pages of each layer in the declared cycle, and the bytes of pages
+  // kept on the device (promoted layers).
+  std::vector<std::vector<BlockId>> pages_;
+  std::vector<std::vector<void*>> page_acquired_;
+  std::vector<std::size_t> cycle_pages_;
+  std::size_t kept_page_bytes_ = 0;
+  int page_slots_ = 0;
   KVStoreStats counts_;   // what the store counts itself (the rest comes from the manager)
   bool started_ = false;  // a layer was acquired: residency is fixed (promotion aside)
   bool closed_ = false;
