@@ -62,7 +62,7 @@ class PyKVStore {
  public:
   PyKVStore(py::object engine, std::shared_ptr<DeviceArena> arena, int num_layers, int64_t batch,
             int64_t kv_heads, int64_t head_dim, py::object dtype, int64_t capacity_tokens,
-            int prefetch_layers, std::size_t timeline_capacity)
+            int prefetch_layers, std::size_t timeline_capacity, int64_t page_tokens)
       : rt_(runtime_of(engine)) {
     REVIVA_CHECK_ARG(arena != nullptr, "KVStore: arena is None");
     REVIVA_CHECK_ARG(batch > 0 && kv_heads > 0 && head_dim > 0,
@@ -70,6 +70,7 @@ class PyKVStore {
                      kv_heads, ", ", head_dim);
     REVIVA_CHECK_ARG(capacity_tokens > 0, "KVStore: capacity_tokens must be > 0, got ",
                      capacity_tokens);
+    REVIVA_CHECK_ARG(page_tokens >= 0, "KVStore: page_tokens must be >= 0, got ", page_tokens);
     REVIVA_CHECK_ARG(arena->backend().kind() == rt_->backend()->kind(),
                      "KVStore: the arena belongs to another kind of device than the engine");
     dtype_ = torch::python::detail::py_object_to_dtype(dtype);
@@ -87,6 +88,7 @@ class PyKVStore {
     o.capacity_tokens = static_cast<std::size_t>(capacity_tokens);
     o.prefetch_layers = prefetch_layers;
     o.timeline_capacity = timeline_capacity;
+    o.page_tokens = static_cast<std::size_t>(page_tokens);
     store_ = std::make_unique<KVStore>(engine_of(engine), std::move(arena), o);
   }
 
@@ -119,9 +121,40 @@ class PyKVStore {
         torch::TensorOptions().dtype(dtype_).device(rt_->device()));
   }
 
+  void acquire_page(int layer, std::size_t page) {
+    auto compute = rt_->compute_stream();
+    store_->acquire_page(layer, page, *compute);
+    if (!rt_->is_cuda()) {
+      py::gil_scoped_release release;
+      compute->synchronize();  // the fill has landed before torch reads on the CPU
+    }
+  }
+
+  // [tokens, 2, batch, kv_heads, head_dim] over the first `tokens` tokens of an acquired page.
+  torch::Tensor page_view(int layer, std::size_t page, int64_t tokens) {
+    REVIVA_CHECK_ARG(tokens >= 0, "KVStore::page_view: tokens must be >= 0, got ", tokens);
+    const std::size_t mapped = store_->reserved_page_tokens(layer, page);
+    REVIVA_CHECK_ARG(static_cast<std::size_t>(tokens) <= mapped, "KVStore::page_view: ", tokens,
+                     " tokens of page ", page, " of layer ", layer, " asked, ", mapped,
+                     " reserved");
+    std::shared_ptr<ArenaBuffer> buffer = store_->page_buffer(layer, page);
+    std::vector<int64_t> shape{tokens};
+    shape.insert(shape.end(), row_.begin(), row_.end());
+    return torch::from_blob(
+        buffer->data(), shape, [buffer](void*) mutable { buffer.reset(); },
+        torch::TensorOptions().dtype(dtype_).device(rt_->device()));
+  }
+
+  std::pair<torch::Tensor, torch::Tensor> page_kv(int layer, std::size_t page, int64_t tokens) {
+    torch::Tensor rows = page_view(layer, page, tokens);
+    return {rows.select(1, 0).permute({1, 2, 0, 3}), rows.select(1, 1).permute({1, 2, 0, 3})};
+  }
+
   // Writes `key` and `value` ([batch, kv_heads, n, head_dim], any strides) as tokens
   // [first, first + n) of the acquired layer: maps them, copies them in on torch's stream and
-  // sends them on to the layer's host copy. One call for what compute writes per layer.
+  // sends them on to the layer's host copy. One call for what compute writes per layer. A paged
+  // layer (Note [Paged layers] in kv_store.cpp) is written page by page, each page acquired,
+  // written through and released here.
   void write(int layer, int64_t first, const torch::Tensor& key, const torch::Tensor& value) {
     REVIVA_CHECK_ARG(key.dim() == 4 && key.sizes() == value.sizes(),
                      "KVStore::write: key and value must be [batch, kv_heads, tokens, head_dim] "
@@ -141,6 +174,10 @@ class PyKVStore {
     REVIVA_CHECK_ARG(first >= 0 && n <= capacity && first <= capacity - n,
                      "KVStore::write: ", first + n, " tokens exceed the capacity of ", capacity,
                      " tokens (prompt + max_new_tokens) planned for this generate call");
+    if (store_->paged(layer)) {
+      write_pages(layer, first, key, value);
+      return;
+    }
     {
       py::gil_scoped_release release;
       store_->reserve(layer, static_cast<std::size_t>(first + n));
@@ -150,6 +187,37 @@ class PyKVStore {
     rows.select(1, 1).copy_(value.permute({2, 0, 1, 3}));
     store_->wrote(layer, static_cast<std::size_t>(first), static_cast<std::size_t>(n),
                   *rt_->compute_stream());
+  }
+
+  void write_pages(int layer, int64_t first, const torch::Tensor& key, const torch::Tensor& value) {
+    const auto page = static_cast<int64_t>(store_->page_tokens());
+    const int64_t n = key.size(2);
+    const auto length = static_cast<int64_t>(store_->length(layer));
+    REVIVA_CHECK_ARG(first == length, "KVStore::write: a paged layer is written at its end (",
+                     length, " tokens), got tokens from ", first);
+    auto compute = rt_->compute_stream();
+    for (int64_t done = 0; done < n;) {
+      const int64_t at = (first + done) % page;
+      const auto j = static_cast<std::size_t>((first + done) / page);
+      const int64_t count = std::min(n - done, page - at);
+      acquire_page(layer, j);  // (on the host runtime: after its fill has landed)
+      try {
+        {
+          py::gil_scoped_release release;
+          store_->reserve_page(layer, j, static_cast<std::size_t>(at + count));
+        }
+        torch::Tensor rows = page_view(layer, j, at + count).narrow(0, at, count);
+        rows.select(1, 0).copy_(key.narrow(2, done, count).permute({2, 0, 1, 3}));
+        rows.select(1, 1).copy_(value.narrow(2, done, count).permute({2, 0, 1, 3}));
+        store_->wrote_page(layer, j, static_cast<std::size_t>(at), static_cast<std::size_t>(count),
+                           *compute);
+      } catch (...) {
+        store_->release_page(layer, j, *compute);
+        throw;
+      }
+      store_->release_page(layer, j, *compute);
+      done += count;
+    }
   }
 
   // The acquired layer's first `tokens` tokens as K and V, [batch, kv_heads, tokens, head_dim]
@@ -171,6 +239,8 @@ class PyKVStore {
     r["resident_layers"] = st.resident_layers;
     r["streamed_layers"] = st.streamed_layers;
     r["slots"] = st.slots;
+    r["paged_layers"] = st.paged_layers;
+    r["page_slots"] = st.page_slots;
     r["fills"] = st.fills;
     r["prefetched_fills"] = st.prefetched_fills;
     r["slot_hits"] = st.slot_hits;
@@ -191,6 +261,7 @@ class PyKVStore {
   }
 
   KVStore& store() { return *store_; }
+  std::shared_ptr<const Stream> compute() { return rt_->compute_stream(); }
 
  private:
   std::shared_ptr<Runtime> rt_;
@@ -219,10 +290,11 @@ void bind_kv_store(py::module_& m) {
                         "host memory, append blocks of an OffloadManager driven by a "
                         "PrefetchScheduler (see include/reviva/kv_store.h)")
       .def(py::init<py::object, std::shared_ptr<DeviceArena>, int, int64_t, int64_t, int64_t,
-                    py::object, int64_t, int, std::size_t>(),
+                    py::object, int64_t, int, std::size_t, int64_t>(),
            py::arg("engine"), py::arg("arena"), py::arg("num_layers"), py::arg("batch"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("capacity_tokens"),
-           py::arg("prefetch_layers") = 2, py::arg("timeline_capacity") = 0)
+           py::arg("prefetch_layers") = 2, py::arg("timeline_capacity") = 0,
+           py::arg("page_tokens") = 0)
       .def("make_resident", [](PyKVStore& s, int layer) { s.store().make_resident(layer); })
       .def(
           "promote",
@@ -234,6 +306,22 @@ void bind_kv_store(py::module_& m) {
       .def("add_slot", [](PyKVStore& s) { s.store().add_slot(); })
       .def("drop_slot", [](PyKVStore& s) { return s.store().drop_slot(); })
       .def("acquire", &PyKVStore::acquire, py::arg("layer"))
+      .def(
+          "set_page_slots", [](PyKVStore& s, int pages) { return s.store().set_page_slots(pages); },
+          py::arg("pages"))
+      .def(
+          "paged", [](PyKVStore& s, int layer) { return s.store().paged(layer); }, py::arg("layer"))
+      .def(
+          "pages", [](PyKVStore& s, int layer) { return s.store().pages(layer); }, py::arg("layer"))
+      .def_property_readonly("page_tokens", [](PyKVStore& s) { return s.store().page_tokens(); })
+      .def("acquire_page", &PyKVStore::acquire_page, py::arg("layer"), py::arg("page"))
+      .def("page_kv", &PyKVStore::page_kv, py::arg("layer"), py::arg("page"), py::arg("tokens"))
+      .def(
+          "release_page",
+          [](PyKVStore& s, int layer, std::size_t page) {
+            s.store().release_page(layer, page, *s.compute());
+          },
+          py::arg("layer"), py::arg("page"))
       .def(
           "reserve",
           [](PyKVStore& s, int layer, std::size_t tokens) {

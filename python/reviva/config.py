@@ -43,6 +43,12 @@ class RevivaConfig:
                     error is in the stats: Note [fp8 K/V rows] in kv_fp8.py).
     kv_block_tokens: fp8 K/V: tokens of K/V dequantized and attended at a time (> 0), None to
                     choose it from the planner's block size (128 MiB of temporaries).
+    kv_page_tokens: 0 (the default): a streamed layer's K/V moves as one block, staged whole.
+                    > 0: layers not resident from the start keep their K/V in pages of this
+                    many tokens, read and written page by page (attention merged across pages,
+                    Note [Paged layers] in src/kv_store.cpp), so the staging room is a few pages
+                    instead of whole layers and more layers stay resident. Opt-in: tested on the
+                    CPU, not yet measured on a GPU.
     prefill_residual: where the prompt's hidden states live through prefill: "device", "host"
                     (pinned host memory, streamed through each layer by chunks: nothing of the
                     prompt's size on the device but K/V), or "auto" (the device unless the plan
@@ -61,6 +67,7 @@ class RevivaConfig:
     prefill_residual: str = "auto"
     kv_dtype: str = "auto"
     kv_block_tokens: int | None = None
+    kv_page_tokens: int = 0
 
     def __post_init__(self) -> None:
         t = self.vram_threshold
@@ -111,6 +118,9 @@ class RevivaConfig:
         b = self.kv_block_tokens
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
             raise ValueError(f"kv_block_tokens must be an int > 0 or None, got {b!r}")
+        g = self.kv_page_tokens
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ValueError(f"kv_page_tokens must be an int >= 0 (0: whole layers), got {g!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         c = self.chunk_tokens

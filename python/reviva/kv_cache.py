@@ -8,6 +8,10 @@ use by the core (reviva._C.KVStore). `update` returns views of the buffers in HF
 kv_heads, tokens, head_dim] layout; for batch 1 they are exactly the layout flash attention
 reads, so nothing is copied or expanded to attend.
 
+With page_tokens > 0 (RevivaConfig(kv_page_tokens=...); Note [Paged layers] in
+src/kv_store.cpp) a streamed layer's K/V lives in pages instead: it is written page by page and
+read by `page_blocks` (attention merged across pages), never as one buffer.
+
 The decoder-layer wrappers of RevivaManager acquire a layer before its forward and release it
 after; `update` appends into the acquired buffer. One cache serves one generate call: the
 manager closes it before generate returns, which gives its device memory back (`close`). Its
@@ -17,6 +21,7 @@ layers reach it through a weak reference, so that nothing keeps a cache alive in
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -99,6 +104,7 @@ class RevivaCache(Cache):
         kv_fp8: bool = False,
         block_tokens: int = 0,
         runtime: Runtime | None = None,
+        page_tokens: int = 0,
     ) -> None:
         super().__init__(layers=[RevivaCacheLayer(self, i) for i in range(num_layers)])
         self.runtime = runtime  # the core's, for its kernels (fp8 rows' dequantization)
@@ -123,7 +129,9 @@ class RevivaCache(Cache):
             capacity,
             prefetch_layers,
             timeline_capacity,
+            page_tokens,
         )
+        self.page_tokens = page_tokens
         for layer in resident_layers:
             self.store.make_resident(layer)
         for _ in range(slots):
@@ -151,14 +159,44 @@ class RevivaCache(Cache):
 
     # --- used by the layer wrappers --------------------------------------------------------------
 
+    def paged(self, layer_idx: int) -> bool:
+        """Whether the layer's K/V lives in pages (read by page_blocks, never whole)."""
+        return self.page_tokens > 0 and self.store.paged(layer_idx)
+
     def acquire(self, layer_idx: int) -> None:
-        """The layer's buffer holds its tokens so far for compute from now until release."""
-        self.store.acquire(layer_idx)
+        """The layer's buffer holds its tokens so far for compute from now until release. (A
+        paged layer's pages are acquired page by page as they are written and read.)"""
+        if not self.paged(layer_idx):
+            self.store.acquire(layer_idx)
         self._acquired.add(layer_idx)
 
     def release(self, layer_idx: int) -> None:
         self._acquired.discard(layer_idx)
-        self.store.release(layer_idx)
+        if not self.paged(layer_idx):
+            self.store.release(layer_idx)
+
+    def reserve(self, layer_idx: int, tokens: int) -> None:
+        """Maps an acquired whole layer's first `tokens` tokens at once (a paged layer maps its
+        pages as they are written)."""
+        if not self.paged(layer_idx):
+            self.store.reserve(layer_idx, tokens)
+
+    def page_blocks(
+        self, layer_idx: int, end: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """A paged layer's tokens [0, end) page by page, for block_attention: (K, V, first
+        token), [batch, kv_heads, tokens, D] views (fp8: uint8 rows, Note [fp8 K/V rows]). Each
+        page is acquired as it is reached and released when the next is asked for (the work
+        already queued on it keeps its memory: release is stream-ordered)."""
+        page = self.page_tokens
+        for j in range((end + page - 1) // page):
+            first = j * page
+            self.store.acquire_page(layer_idx, j)
+            try:
+                k, v = self.store.page_kv(layer_idx, j, min(page, end - first))
+                yield k, v, first
+            finally:
+                self.store.release_page(layer_idx, j)
 
     def write(self, layer_idx: int, first: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Writes tokens [first, first + n) of key/value ([batch, kv_heads, n, head_dim]); raises
@@ -183,6 +221,11 @@ class RevivaCache(Cache):
                 "RevivaCache: fp8 K/V is read by blocks (rows() and llama_layer.attend_cache), "
                 "never as a whole layer"
             )
+        if self.paged(layer_idx):
+            raise RuntimeError(
+                f"RevivaCache: layer {layer_idx} is paged (kv_page_tokens={self.page_tokens}): "
+                "it is read page by page (page_blocks), never as a whole layer"
+            )
         return self.store.kv(layer_idx, length)
 
     def rows(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,10 +242,10 @@ class RevivaCache(Cache):
                 f"RevivaCache: layer {layer_idx} was updated outside RevivaManager's layer "
                 "wrappers (use the cache through manager.generate)"
             )
-        if self.fp8:
+        if self.fp8 or self.paged(layer_idx):
             raise RuntimeError(
-                "RevivaCache: with fp8 K/V the layers attend through Reviva's own path; HF's "
-                "attention would need each layer's K/V whole"
+                "RevivaCache: with fp8 or paged K/V the layers attend through Reviva's own path; "
+                "HF's attention would need each layer's K/V whole"
             )
         if key.shape[0] != self.batch:
             raise ValueError(

@@ -10,8 +10,10 @@ token-major K/V, grouped heads read in place. A cache stores and this module com
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -66,7 +68,7 @@ class LlamaLayerPath:
         cache.acquire(i)
         try:
             # All of the prompt's K/V is written in this call: map it at once, not by chunks.
-            cache.store.reserve(i, h.shape[1])
+            cache.reserve(i, h.shape[1])
             if whole or not plan.whole_attention:
                 self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, interface)
             else:
@@ -95,7 +97,7 @@ class LlamaLayerPath:
         device = self.layout.device
         cache.acquire(i)
         try:
-            cache.store.reserve(i, tokens)
+            cache.reserve(i, tokens)
             if device.type == "cuda":
                 self._prefill_chunks_streamed(cache, i, layer, residual, positions, rotary, chunk)
                 return
@@ -270,8 +272,9 @@ class LlamaLayerPath:
         q, k, v = self._qkv(layer, h, s, e, cos, sin)
         last = first + e - s
         cache.write(i, first, k, v)
-        if cache.fp8:  # by blocks (Note [fp8 K/V rows]); never HF's call over whole K/V
-            out = attend_cache(cache, i, q, first, last, layer.self_attn.scaling, mask)
+        if cache.fp8 or cache.paged(i):  # by blocks or pages; never HF's call over whole K/V
+            scale = layer.self_attn.scaling
+            out = attend_cache(cache, i, q, first, last, scale, mask, k, v)
             self._finish(layer, h, s, e, out.transpose(1, 2))
             return
         k_all, v_all = cache.view(i, last)
@@ -311,11 +314,31 @@ def attend_cache(
     last: int,
     scale: float,
     mask: torch.Tensor | None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the queries of tokens [first, last) to layer i's keys [0, last) in the
     cache (bottom-right causal), [B, H, n, D]. fp8 K/V: block by block, each dequantized only
     while it is attended, merged by log-sum-exp (Note [fp8 K/V rows], Note [Block-merged
-    attention])."""
+    attention]). A paged layer (Note [Paged layers] in src/kv_store.cpp): its pages up to
+    `first`, then the queries' own keys and values k and v ([B, kv_heads, n, D], as written to
+    the cache; fp8: before quantization), merged the same way."""
+    if cache.paged(i):
+        if mask is not None:
+            raise ValueError("RevivaManager: paged K/V with a padding mask is not supported")
+        if k is None or v is None:
+            raise ValueError("attend_cache: a paged layer needs the queries' own keys and values")
+        earlier: Iterable[tuple[torch.Tensor, torch.Tensor, int]] = cache.page_blocks(i, first)
+        if cache.fp8:
+            earlier = (
+                (
+                    kv_fp8.dequantize(kb, q.dtype, cache.runtime),
+                    kv_fp8.dequantize(vb, q.dtype, cache.runtime),
+                    start,
+                )
+                for kb, vb, start in earlier
+            )
+        return block_attention(q, itertools.chain(earlier, [(k, v, first)]), first, scale)
     if not cache.fp8:
         k_all, v_all = cache.view(i, last)
         return chunk_attention(q, k_all, v_all, mask, first, last, scale)
@@ -511,7 +534,7 @@ class DecodeGraphs:
         front.replay()
         cache.write(i, past, k, v)
         attn = self.path.layout.layers[i].self_attn
-        out = attend_cache(cache, i, q, past, past + 1, attn.scaling, None)
+        out = attend_cache(cache, i, q, past, past + 1, attn.scaling, None, k, v)
         st["att"].copy_(out.transpose(1, 2))
         back.replay()
         self.replays += 1

@@ -213,7 +213,7 @@ class RevivaManager:
             if i == 0:
                 self._mark_decode_step()
             if (
-                (self._own_decode or cache.fp8)
+                (self._own_decode or cache.fp8 or cache.page_tokens > 0)
                 and kwargs.get("attention_mask") is None
                 and "position_embeddings" in kwargs
             ):
@@ -379,7 +379,10 @@ class RevivaManager:
             or pe is None
             or self._copy_hidden
             or self._phase.get("padded", True)
-            or not (self._own_decode or (self._cache is not None and self._cache.fp8))
+            or not (
+                self._own_decode
+                or (self._cache is not None and (self._cache.fp8 or self._cache.page_tokens > 0))
+            )
         ):
             return
         self._phase["rope_like"] = tuple(t[:, :1].clone() for t in pe)
@@ -591,6 +594,12 @@ class RevivaManager:
         )
         if plan.residual_on_host:
             self._check_host_residual(gen, kwargs, padded)
+        if plan.page_tokens and padded:
+            raise ValueError(
+                "RevivaManager.generate: a padded batch with RevivaConfig(kv_page_tokens="
+                f"{self.config.kv_page_tokens}): paged K/V is attended by pages without a padding "
+                "mask; pass prompts without padding"
+            )
         if plan.kv_fp8 and padded:
             raise ValueError(
                 "RevivaManager.generate: a padded batch with RevivaConfig(kv_dtype='fp8'): fp8 "
@@ -624,7 +633,10 @@ class RevivaManager:
                 kv_fp8=plan.kv_fp8,
                 block_tokens=plan.kv_block_tokens,
                 runtime=self.runtime,
+                page_tokens=plan.page_tokens,
             )
+            if plan.page_slots:
+                cache.store.set_page_slots(plan.page_slots)
             self._cache, self._plan = cache, plan
             with self:
                 out = model.generate(inputs, past_key_values=cache, **kwargs)
@@ -787,6 +799,10 @@ class RevivaManager:
             "prefetches_deferred": st["prefetches_deferred"],
             "slots": plan.slots,
             "decode_slots": st["slots"],
+            # Note [Paged layers]: layers kept in pages, the page size and the pages' staging room
+            "paged_layers": st["paged_layers"],
+            "kv_page_tokens": plan.page_tokens,
+            "page_slots": st["page_slots"],
             "promotions_refused_by_device": ph.get("promotions_refused_by_device", 0),
             "prefetch_window": plan.prefetch_layers,
             "chunk_tokens": plan.chunk_tokens,

@@ -166,6 +166,11 @@ class Plan:
     # Note [fp8 K/V rows] (kv_fp8.py): K/V as e4m3 rows, attended by blocks of this many tokens.
     kv_fp8: bool = False
     kv_block_tokens: int = 0
+    # Note [Paged layers] (src/kv_store.cpp): streamed layers' K/V in pages of page_tokens
+    # tokens; the staging room is page_slots pages of page_bytes (and `slots` is 0).
+    page_tokens: int = 0
+    page_bytes: int = 0
+    page_slots: int = 0
 
     @property
     def residual_host_bytes(self) -> int:
@@ -192,6 +197,7 @@ class Plan:
         """Streamed layers that fit once prefill's working set is gone and the slots beyond
         `decode_slots` are given up."""
         held = (len(self.resident_layers) + self.decode_slots) * self.layer_kv_bytes
+        held += self.page_slots * self.page_bytes
         room = self.budget - self.baseline - self.decode_working_set - held
         return min(max(room, 0) // self.layer_kv_bytes, self.streamed_layers)
 
@@ -317,11 +323,15 @@ def _make_plan(
         )
         accumulators = 3 * batch * lay.num_heads * lay.head_dim * 4
         blocks = block_tokens * per_block_token + chunk * accumulators
+    paged = config.kv_page_tokens > 0
+    page_bytes = _round_up(min(config.kv_page_tokens, capacity) * kv_token, state.granularity)
+    if paged and not fp8:  # the merge's fp32 accumulators of a chunk's queries across pages
+        blocks += chunk * 3 * batch * lay.num_heads * lay.head_dim * 4
     base = hidden + rotary + mask + chunk * per_token + logits + blocks
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     n = lay.num_layers
     window = min(config.prefetch_layers, n)
-    if host_residual or fp8:  # a chunk's queries at a time (fp8: K/V by blocks, never whole)
+    if host_residual or fp8 or paged:  # a chunk's queries at a time (K/V by blocks or pages)
         whole_attention = False
     elif chunk >= prompt_tokens or config.prefill_attention == "whole":
         whole_attention = True
@@ -343,8 +353,25 @@ def _make_plan(
     working = max(prefill + margin, decode + decode_margin)
     avail = budget - baseline - working
     prefetch = window
+    page_slots = 0
     if avail >= n * layer_kv:
         resident, slots = n, 0
+    elif paged:  # staging room of pages: the one in use and the window's
+        slots = 0
+        page_slots = prefetch + 1
+        while page_slots > 1 and avail < page_slots * page_bytes:
+            page_slots -= 1
+        if avail < page_slots * page_bytes:
+            raise RevivaOutOfMemoryError(
+                f"RevivaManager: the budget of {_fmt(budget)} cannot hold what is already on the "
+                f"device ({_fmt(baseline)}: weights and buffers) plus the working set of a "
+                f"{prompt_tokens}-token prompt ({_fmt(working)} at {chunk}-token chunks) plus one "
+                f"page of K/V ({_fmt(page_bytes)} for {config.kv_page_tokens} tokens, batch "
+                f"{batch}): {_fmt(baseline + working + page_bytes)} needed. Raise vram_budget, "
+                "lower kv_page_tokens or chunk_tokens, or shorten the prompt."
+            )
+        resident = min(n, (avail - page_slots * page_bytes) // layer_kv)
+        prefetch = min(prefetch, page_slots - 1)
     else:
         slots = prefetch + 1
         while slots > 1 and avail < slots * layer_kv:
@@ -391,6 +418,9 @@ def _make_plan(
         kv_fp8=fp8,
         kv_block_tokens=block_tokens,
         hidden_bytes_per_token=lay.hidden_size * e,
+        page_tokens=config.kv_page_tokens if page_slots else 0,
+        page_bytes=page_bytes if page_slots else 0,
+        page_slots=page_slots,
     )
     host_cap = config.host_memory_bytes()
     pinned = plan.pinned_host_bytes

@@ -1,0 +1,146 @@
+"""Paged K/V (RevivaConfig(kv_page_tokens=...), Note [Paged layers] in src/kv_store.cpp): layers
+not resident from the start keep their K/V in pages, written page by page and attended page by
+page with the merge of Note [Block-merged attention]; the staging room is pages, not layers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_generate import FAMILIES, tiny_model
+
+import reviva
+from reviva import RevivaConfig, RevivaManager
+from reviva.planner import device_state, make_plan, smallest_budget
+
+
+def paged_budget(
+    model: torch.nn.Module, config: RevivaConfig, batch: int, prompt: int, new: int, resident: int
+) -> int:
+    """The smallest budget whose plan keeps `resident` layers whole on the device in prefill and
+    stages the rest in pages."""
+    manager = RevivaManager(model, config)
+    state = device_state(manager.layout, manager.arena)
+    return smallest_budget(
+        manager.layout,
+        config,
+        state,
+        batch,
+        prompt,
+        new,
+        lambda p: len(p.resident_layers) >= resident,
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    ("page", "resident", "chunk", "residual"),
+    [
+        (7, 0, 16, "device"),  # pages shorter than a chunk: a chunk's keys span several pages
+        (32, 1, 48, "device"),
+        (64, 2, 150, "host"),  # one chunk, the hidden states on the host
+        (1000, 0, 40, "auto"),  # one page per layer (longer than the capacity)
+    ],
+)
+def test_greedy_tokens_identical_with_paged_layers(
+    family: str, page: int, resident: int, chunk: int, residual: str
+) -> None:
+    """Every family, pages of 7 tokens to longer than the call, some or no layers resident:
+    plain HF's greedy tokens and first logits, twice in a row, with the layers that are not
+    resident kept in pages; the stats say how many and give their pinned memory back."""
+    model = tiny_model(family)
+    ids = torch.randint(1, 211, (2, 150), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=24, do_sample=False, output_logits=True)
+    ref = model.generate(ids, return_dict_in_generate=True, **kwargs)
+    config = RevivaConfig(chunk_tokens=chunk, kv_page_tokens=page, prefill_residual=residual)
+    budget = paged_budget(model, config, 2, 150, 24, resident)
+    manager = RevivaManager(model, dataclasses.replace(config, vram_budget=budget))
+    layers = manager.layout.num_layers
+    for _ in range(2):
+        out = manager.generate(ids, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, ref.sequences), (out.sequences != ref.sequences).sum()
+        torch.testing.assert_close(out.logits[0], ref.logits[0], atol=1e-4, rtol=1e-4)
+        st = manager.get_memory_stats()
+        assert st["resident_layers_in_prefill"] == resident, st
+        assert st["paged_layers"] == layers - resident and st["kv_page_tokens"] == page, st
+        assert st["page_slots"] >= 1 and st["slots"] == 0, st
+        assert reviva.pinned_memory_stats()["bytes_in_use"] == 0
+
+
+def test_paging_keeps_more_layers_resident_on_the_same_budget() -> None:
+    """The point of pages: at the budget where whole-layer staging keeps 2 layers resident
+    beside its slots, pages of a tenth of a layer keep more. (The planner alone, on a device of
+    4 KiB granules: the host backend's arena maps 2 MiB at a time, more than a tiny model's
+    layer.)"""
+    model = tiny_model("llama")
+    whole = RevivaConfig(chunk_tokens=64, prefill_attention="chunked", prefetch_layers=1)
+    manager = RevivaManager(model, whole)
+    state = dataclasses.replace(device_state(manager.layout, manager.arena), granularity=4096)
+    budget = smallest_budget(
+        manager.layout, whole, state, 1, 4000, 16, lambda p: len(p.resident_layers) >= 2
+    )
+    plans = {
+        page: make_plan(
+            manager.layout,
+            dataclasses.replace(whole, vram_budget=budget, kv_page_tokens=page),
+            state,
+            1,
+            4000,
+            16,
+        )
+        for page in (0, 400)
+    }
+    assert len(plans[0].resident_layers) == 2 and plans[0].slots >= 2, plans[0]
+    assert len(plans[400].resident_layers) > 2 and plans[400].slots == 0, plans[400]
+    staged = plans[400].page_slots * plans[400].page_bytes
+    assert staged < plans[0].slots * plans[0].layer_kv_bytes / 4, plans[400]
+
+
+def test_paged_fp8_kv_stays_close() -> None:
+    """fp8 rows in pages: dequantized page by page; the logits stay within fp8's bound of plain
+    HF's while the tokens agree (the same bound as whole fp8 layers, test_kv_fp8)."""
+    model = tiny_model("llama", seed=4)
+    ids = torch.randint(1, 211, (1, 120), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(ids, **kw)
+    config = RevivaConfig(chunk_tokens=32, kv_page_tokens=24, kv_dtype="fp8")
+    budget = paged_budget(model, config, 1, 120, 8, 1)
+    manager = RevivaManager(model, dataclasses.replace(config, vram_budget=budget))
+    out = manager.generate(ids, **kw)
+    st = manager.get_memory_stats()
+    assert st["kv_dtype"] == "fp8" and st["paged_layers"] > 0, st
+    err = (out.logits[0] - ref.logits[0]).norm() / ref.logits[0].norm()
+    assert err < 0.05, float(err)
+
+
+def test_paged_kv_refusals_are_named() -> None:
+    model = tiny_model("llama")
+    for bad in (-1, True, 1.5, "64"):
+        with pytest.raises(ValueError, match="kv_page_tokens must be an int >= 0"):
+            RevivaConfig(kv_page_tokens=bad)
+    config = RevivaConfig(chunk_tokens=16, kv_page_tokens=8)
+    budget = paged_budget(model, config, 2, 40, 4, 0)
+    manager = RevivaManager(model, dataclasses.replace(config, vram_budget=budget))
+    ids = torch.randint(1, 211, (2, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with pytest.raises(ValueError, match="padded batch with RevivaConfig\\(kv_page_tokens=8\\)"):
+        manager.generate(ids, attention_mask=mask, max_new_tokens=4)
+
+
+def test_promoted_paged_layers_keep_their_pages() -> None:
+    """A prefill whose working set is large (one 1000-token chunk) leaves room after it: the
+    paged layers are promoted (their pages kept on the device) and decode gives plain HF's
+    tokens, reading them page by page without moving them."""
+    model = tiny_model("llama", seed=11)
+    ids = torch.randint(1, 211, (1, 1000), generator=torch.Generator().manual_seed(12))
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    config = RevivaConfig(chunk_tokens=1000, kv_page_tokens=100)
+    budget = paged_budget(model, config, 1, 1000, 24, 1)
+    manager = RevivaManager(model, dataclasses.replace(config, vram_budget=budget))
+    out = manager.generate(ids, max_new_tokens=24, do_sample=False)
+    st = manager.get_memory_stats()
+    assert torch.equal(out, ref)
+    assert st["resident_layers_in_prefill"] == 1 and st["paged_layers"] == 4, st
+    assert st["promoted_layers"] == 4 and st["resident_layers"] == 5, st
