@@ -186,6 +186,11 @@ def split_list(s: str | None) -> list[str]:
     return [x.strip() for x in (s or "").split(",") if x.strip()]
 
 
+# reviva_paged's page: 8192 tokens (32 MiB of the 8B shape's K/V per layer, an eighth of a 64k
+# layer): large enough that a step's page acquires and merges cost the host little.
+PAGE_TOKENS = 8192
+
+
 def contender_spec(name: str, card: str | None) -> dict[str, Any]:
     """What a contender name runs; ValueError naming it when unknown or meaningless here."""
     if name in ("hf", "hf_offload"):
@@ -203,6 +208,13 @@ def contender_spec(name: str, card: str | None) -> dict[str, Any]:
         if card is None:
             raise ValueError("contender 'reviva_fp8' runs on the card: use it in --contenders")
         return {"kind": "reviva", "vram_budget": card, "kv_dtype": "fp8"}
+    if name == "reviva_paged" or name.startswith("reviva_paged="):  # Note [Paged layers]
+        if card is None:
+            raise ValueError(f"contender {name!r} runs on the card: use it in --contenders")
+        page = name.split("=", 1)[1] if "=" in name else str(PAGE_TOKENS)
+        if not page.isdigit() or int(page) <= 0:
+            raise ValueError(f"contender {name!r}: the page must be a number of tokens > 0")
+        return {"kind": "reviva", "vram_budget": card, "kv_page_tokens": int(page)}
     if name.startswith("reviva="):
         from reviva import parse_bytes
 
@@ -210,8 +222,8 @@ def contender_spec(name: str, card: str | None) -> dict[str, Any]:
         parse_bytes(budget)  # ValueError naming it
         return {"kind": "reviva", "vram_budget": budget}
     raise ValueError(
-        f"unknown contender {name!r}: use hf, hf_offload, reviva, reviva_fp8, reviva_default or "
-        "reviva=<bytes>"
+        f"unknown contender {name!r}: use hf, hf_offload, reviva, reviva_fp8, reviva_paged, "
+        "reviva_paged=<tokens>, reviva_default or reviva=<bytes>"
     )
 
 
@@ -359,10 +371,13 @@ def card_worker(args: argparse.Namespace) -> int:
             import reviva
 
             kv = spec.get("kv_dtype", "auto")
+            page = spec.get("kv_page_tokens", 0)
             cfg = (
-                reviva.RevivaConfig(vram_budget=spec["vram_budget"], kv_dtype=kv)
+                reviva.RevivaConfig(
+                    vram_budget=spec["vram_budget"], kv_dtype=kv, kv_page_tokens=page
+                )
                 if spec["vram_budget"]
-                else reviva.RevivaConfig(kv_dtype=kv)
+                else reviva.RevivaConfig(kv_dtype=kv, kv_page_tokens=page)
             )
             info["reviva_config"] = repr(cfg)
             t = time.perf_counter()
