@@ -169,6 +169,7 @@ class REVIVA_API KVStore {
   void check_page_acquired(int layer, std::size_t page, const char* what) const;
   void check_whole(int layer, const char* what) const;
   std::size_t page_bytes(std::size_t page) const;
+  std::size_t write_page(int layer) const;
   void set_budget();
   void declare_cycle();
   void check_open(const char* what) const;
@@ -184,8 +185,8 @@ class REVIVA_API KVStore {
   std::vector<void*> acquired_;  // the address of an acquired layer, null otherwise
   int slots_ = 0;
   // Paged layers: each layer's pages (empty for a layer resident from the start), the address of
-  // each acquired page, the pages of each layer in the declared cycle, and the bytes of pages
-  // kept on the device (promoted layers).
+  // each acquired page, the page taking each layer's next token when the cycle was declared, and
+  // the bytes of pages kept on the device (promoted layers).
   std::vector<std::vector<BlockId>> pages_;
   std::vector<std::vector<void*>> page_acquired_;
   std::vector<std::size_t> cycle_pages_;

@@ -271,10 +271,15 @@ class LlamaLayerPath:
         numbers as HF); else Reviva's bottom-right causal call on the cache's layout."""
         q, k, v = self._qkv(layer, h, s, e, cos, sin)
         last = first + e - s
+        if cache.paged(i):  # the earlier pages and k, v themselves; then k, v into the last page
+            out = attend_cache(cache, i, q, first, last, layer.self_attn.scaling, mask, k, v)
+            cache.write(i, first, k, v)
+            self._finish(layer, h, s, e, out.transpose(1, 2))
+            return
         cache.write(i, first, k, v)
-        if cache.fp8 or cache.paged(i):  # by blocks or pages; never HF's call over whole K/V
+        if cache.fp8:  # by blocks (Note [fp8 K/V rows]); never HF's call over whole K/V
             scale = layer.self_attn.scaling
-            out = attend_cache(cache, i, q, first, last, scale, mask, k, v)
+            out = attend_cache(cache, i, q, first, last, scale, mask)
             self._finish(layer, h, s, e, out.transpose(1, 2))
             return
         k_all, v_all = cache.view(i, last)
@@ -321,8 +326,8 @@ def attend_cache(
     cache (bottom-right causal), [B, H, n, D]. fp8 K/V: block by block, each dequantized only
     while it is attended, merged by log-sum-exp (Note [fp8 K/V rows], Note [Block-merged
     attention]). A paged layer (Note [Paged layers] in src/kv_store.cpp): its pages up to
-    `first`, then the queries' own keys and values k and v ([B, kv_heads, n, D], as written to
-    the cache; fp8: before quantization), merged the same way."""
+    `first`, then the queries' own keys and values k and v ([B, kv_heads, n, D], written to the
+    cache after this call; fp8: before quantization), merged the same way."""
     if cache.paged(i):
         if mask is not None:
             raise ValueError("RevivaManager: paged K/V with a padding mask is not supported")
@@ -532,9 +537,13 @@ class DecodeGraphs:
             st["sin"].copy_(sin)
             self._cos = cos
         front.replay()
-        cache.write(i, past, k, v)
         attn = self.path.layout.layers[i].self_attn
-        out = attend_cache(cache, i, q, past, past + 1, attn.scaling, None, k, v)
+        if cache.paged(i):  # attention first: the last page read stays for the write
+            out = attend_cache(cache, i, q, past, past + 1, attn.scaling, None, k, v)
+            cache.write(i, past, k, v)
+        else:
+            cache.write(i, past, k, v)
+            out = attend_cache(cache, i, q, past, past + 1, attn.scaling, None)
         st["att"].copy_(out.transpose(1, 2))
         back.replay()
         self.replays += 1
