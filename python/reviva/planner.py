@@ -356,27 +356,12 @@ def _make_plan(
     page_slots = 0
     if avail >= n * layer_kv:
         resident, slots = n, 0
-    elif paged:  # staging room of pages: the one in use and the window's
-        slots = 0
-        page_slots = prefetch + 1
-        while page_slots > 1 and avail < page_slots * page_bytes:
-            page_slots -= 1
-        if avail < page_slots * page_bytes:
-            raise RevivaOutOfMemoryError(
-                f"RevivaManager: the budget of {_fmt(budget)} cannot hold what is already on the "
-                f"device ({_fmt(baseline)}: weights and buffers) plus the working set of a "
-                f"{prompt_tokens}-token prompt ({_fmt(working)} at {chunk}-token chunks) plus one "
-                f"page of K/V ({_fmt(page_bytes)} for {config.kv_page_tokens} tokens, batch "
-                f"{batch}): {_fmt(baseline + working + page_bytes)} needed. Raise vram_budget, "
-                "lower kv_page_tokens or chunk_tokens, or shorten the prompt."
-            )
-        resident = min(n, (avail - page_slots * page_bytes) // layer_kv)
-        prefetch = min(prefetch, page_slots - 1)
-    else:
-        slots = prefetch + 1
-        while slots > 1 and avail < slots * layer_kv:
-            slots -= 1  # a narrower window before failing: still correct, less overlap
-        if avail < slots * layer_kv:
+    else:  # staging room: the one in use and the window's, whole layers or pages
+        unit = page_bytes if paged else layer_kv
+        staged = prefetch + 1
+        while staged > 1 and avail < staged * unit:
+            staged -= 1  # a narrower window before failing: still correct, less overlap
+        if avail < staged * unit:
             capped = (
                 f" (vram_budget {_fmt(requested)} capped to the {_fmt(state.limit)} the device "
                 f"can give: {_fmt(state.available)} free beside {_fmt(baseline)} held)"
@@ -384,16 +369,23 @@ def _make_plan(
                 else ""
             )
             where = ", its hidden states on the host" if host_residual else ""
+            what = (
+                f"one page of K/V ({_fmt(unit)} for {config.kv_page_tokens} tokens"
+                if paged
+                else f"one layer's K/V ({_fmt(unit)} for {capacity} tokens"
+            )
             raise RevivaOutOfMemoryError(
                 f"RevivaManager: the budget of {_fmt(budget)}{capped} cannot hold what is "
                 f"already on the device ({_fmt(baseline)}: weights and buffers) plus the working "
                 f"set of a {prompt_tokens}-token prompt ({_fmt(working)} at {chunk}-token "
-                f"chunks{where}) plus one layer's K/V ({_fmt(layer_kv)} for {capacity} tokens, "
-                f"batch {batch}): {_fmt(baseline + working + layer_kv)} needed. Raise vram_budget, "
-                "lower chunk_tokens, or shorten the prompt."
+                f"chunks{where}) plus {what}, batch {batch}): "
+                f"{_fmt(baseline + working + unit)} needed. Raise vram_budget, "
+                + ("lower kv_page_tokens or chunk_tokens" if paged else "lower chunk_tokens")
+                + ", or shorten the prompt."
             )
-        resident = min(n, (avail - slots * layer_kv) // layer_kv)
-        prefetch = min(prefetch, slots - 1)
+        slots, page_slots = (0, staged) if paged else (staged, 0)
+        resident = min(n, (avail - staged * unit) // layer_kv)
+        prefetch = min(prefetch, staged - 1)
     plan = Plan(
         budget=budget,
         requested_budget=requested,

@@ -6,6 +6,7 @@ left padding, seeded sampling, and restore after `with manager:`."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
-from reviva.planner import device_state, smallest_budget
+from reviva.planner import Plan, device_state, smallest_budget
 
 TINY = dict(
     hidden_size=64,
@@ -70,17 +71,28 @@ def budget_for(
     layers and staging slots together), from the planner's own bisection; `config_fields`: more
     RevivaConfig fields (e.g. kv_dtype)."""
     config = RevivaConfig(chunk_tokens=chunk, prefill_attention=attention, **config_fields)
-    manager = RevivaManager(model, config)
-    state = device_state(manager.layout, manager.arena)
-    return smallest_budget(
-        manager.layout,
+    return budget_keeping(
+        model,
         config,
-        state,
         batch,
         prompt,
         new,
         lambda p: len(p.resident_layers) + p.slots >= min(layers, p.num_layers),
     )
+
+
+def budget_keeping(
+    model: torch.nn.Module,
+    config: RevivaConfig,
+    batch: int,
+    prompt: int,
+    new: int,
+    keeps: Callable[[Plan], bool],
+) -> int:
+    """The smallest budget whose plan of this call under `config` satisfies `keeps`."""
+    manager = RevivaManager(model, config)
+    state = device_state(manager.layout, manager.arena)
+    return smallest_budget(manager.layout, config, state, batch, prompt, new, keeps)
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]

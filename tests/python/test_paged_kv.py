@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_generate import FAMILIES, tiny_model
+from test_generate import FAMILIES, budget_keeping, tiny_model
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
@@ -18,18 +18,10 @@ from reviva.planner import device_state, make_plan, smallest_budget
 def paged_budget(
     model: torch.nn.Module, config: RevivaConfig, batch: int, prompt: int, new: int, resident: int
 ) -> int:
-    """The smallest budget whose plan keeps `resident` layers whole on the device in prefill and
-    stages the rest in pages."""
-    manager = RevivaManager(model, config)
-    state = device_state(manager.layout, manager.arena)
-    return smallest_budget(
-        manager.layout,
-        config,
-        state,
-        batch,
-        prompt,
-        new,
-        lambda p: len(p.resident_layers) >= resident,
+    """The smallest budget whose plan keeps `resident` layers whole on the device in prefill (the
+    rest staged in pages, with kv_page_tokens > 0)."""
+    return budget_keeping(
+        model, config, batch, prompt, new, lambda p: len(p.resident_layers) >= resident
     )
 
 
