@@ -69,7 +69,7 @@ class LlamaLayerPath:
         try:
             # All of the prompt's K/V is written in this call: map it at once, not by chunks.
             cache.reserve(i, h.shape[1])
-            if whole or not plan.whole_attention:
+            if whole or not plan.whole_attention or cache.paged(i):  # (pages: by chunks)
                 self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, interface)
             else:
                 self._prefill_whole_attention(cache, plan, i, layer, h, cos, sin, mask, interface)

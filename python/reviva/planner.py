@@ -147,7 +147,8 @@ class Plan:
     capacity: int  # prompt + new tokens
     chunk_tokens: int
     # Attention over the whole prompt in one call (queries and output held whole) while the
-    # projections and the MLP go by chunks; else attention by query chunks too.
+    # projections and the MLP go by chunks; else attention by query chunks too. (Paged layers
+    # attend by query chunks, page by page, either way.)
     whole_attention: bool
     kv_token_bytes: int  # K and V of one token of one layer
     layer_kv_bytes: int  # K and V of one layer at full capacity, in arena granules
@@ -331,14 +332,15 @@ def _make_plan(
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     n = lay.num_layers
     window = min(config.prefetch_layers, n)
-    if host_residual or fp8 or paged:  # a chunk's queries at a time (K/V by blocks or pages)
+    if host_residual or fp8:  # a chunk's queries at a time (fp8: K/V by blocks, never whole)
         whole_attention = False
     elif chunk >= prompt_tokens or config.prefill_attention == "whole":
         whole_attention = True
     elif config.prefill_attention == "chunked":
         whole_attention = False
     else:
-        fits = base + q_and_out + margin + (window + 1) * layer_kv
+        # (paged layers attend by chunks, page by page; whole layers may still attend whole)
+        fits = base + q_and_out + margin + (window + 1) * (page_bytes if paged else layer_kv)
         whole_attention = fits <= budget - baseline
     if whole_attention and chunk < prompt_tokens:
         prefill = base + q_and_out  # whole queries and output, and the scores

@@ -60,6 +60,20 @@ def test_greedy_tokens_identical_with_paged_layers(
         assert reviva.pinned_memory_stats()["bytes_in_use"] == 0
 
 
+def test_whole_layers_attend_whole_beside_paged_ones() -> None:
+    """prefill_attention="whole": the layers resident from the start attend over the whole
+    prompt in one call while the paged ones attend by chunks, page by page: plain HF's tokens."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 211, (1, 300), generator=torch.Generator().manual_seed(6))
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False)
+    config = RevivaConfig(chunk_tokens=64, kv_page_tokens=50, prefill_attention="whole")
+    budget = paged_budget(model, config, 1, 300, 12, 2)
+    manager = RevivaManager(model, dataclasses.replace(config, vram_budget=budget))
+    plan = manager.plan(1, 300, 12)
+    assert plan.whole_attention and plan.page_slots > 0 and len(plan.resident_layers) == 2, plan
+    assert torch.equal(manager.generate(ids, max_new_tokens=12, do_sample=False), ref)
+
+
 def test_paging_keeps_more_layers_resident_on_the_same_budget() -> None:
     """The point of pages: at the budget where whole-layer staging keeps 2 layers resident
     beside its slots, pages of a tenth of a layer keep more. (The planner alone, on a device of
