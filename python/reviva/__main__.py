@@ -3,7 +3,8 @@
     python -m reviva demo [--device cuda|cpu] [--prompt N]
     python -m reviva transfers [--device cuda|cpu] [--mib N]
     python -m reviva plan [--model llama3-8b|qwen2.5-32b|CONFIG] [--context 512k] [--card 24GB]
-                          [--kv-dtype auto|fp8] [--host-memory 128GiB] [--json]
+                          [--kv-dtype auto|fp8] [--kv-page-tokens N] [--host-memory 128GiB]
+                          [--json]
 
 `demo` runs a long prompt through a random-init Llama-shaped model, with and without Reviva
 (which streams half the layers' K/V from pinned host memory), and prints peak VRAM, prefill
@@ -167,6 +168,7 @@ def _plan(args: argparse.Namespace) -> int:
         vram_budget=args.vram_budget or args.card,
         prefill_residual=args.prefill_residual,
         kv_dtype=args.kv_dtype,
+        kv_page_tokens=args.kv_page_tokens,
     )
     host = None
     if args.host_memory:  # the host's memory for pinning: what the planner may count on
@@ -222,6 +224,12 @@ def _plan(args: argparse.Namespace) -> int:
         f"  device: weights {weights / gb:.2f} GB, working set {plan.working_set / gb:.2f} GB, "
         f"K/V {plan.layer_kv_bytes / gb:.2f} GB a layer: {resident} resident + {plan.slots} "
         f"slots in prefill, {resident + promoted} resident + {decode_slots} slots in decode"
+        + (
+            f"; streamed layers in pages of {plan.page_tokens} tokens, {plan.page_slots} page "
+            f"slots of {plan.page_bytes / gb:.3f} GB"
+            if plan.page_slots
+            else ""
+        )
     )
     print(
         f"  prefill: chunks of {plan.chunk_tokens} tokens, attention "
@@ -283,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     pl.add_argument(
         "--kv-dtype", default="auto", choices=("auto", "fp8"), help="RevivaConfig.kv_dtype"
+    )
+    pl.add_argument(
+        "--kv-page-tokens",
+        type=lambda t: 0 if t.strip() == "0" else _parse_tokens(t),
+        default=0,
+        help="RevivaConfig.kv_page_tokens (0: whole layers staged in slots)",
     )
     pl.add_argument(
         "--host-memory",
