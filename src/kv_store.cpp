@@ -146,8 +146,9 @@ std::size_t KVStore::page_bytes(std::size_t page) const {
 // The budget: a layer's bytes for each whole resident layer (its most) and for each slot, the
 // kept pages' bytes, and a page's bytes for each page slot (Note [Paged layers]).
 void KVStore::set_budget() {
-  std::size_t whole = 0;
-  for (std::size_t i = 0; i < resident_.size(); ++i) whole += resident_[i] && pages_[i].empty();
+  // (a whole layer being promoted counts before it is marked resident: promote() raises the
+  // budget first, to make its room)
+  const auto whole = static_cast<std::size_t>(counts_.resident_layers - promoted_pages_);
   const std::size_t page = options_.page_tokens > 0 ? page_bytes(0) : 0;
   const std::size_t bytes = (whole + static_cast<std::size_t>(slots_)) * layer_bytes() +
                             kept_page_bytes_ + static_cast<std::size_t>(page_slots_) * page;
@@ -227,7 +228,8 @@ bool KVStore::promote(int layer) {
       return false;
     }
     resident_[i] = true;
-    ++counts_.resident_layers;
+    ++counts_.resident_layers;  // (its bytes are the kept pages', not a whole layer's)
+    ++promoted_pages_;
     --counts_.streamed_layers;
     ++counts_.promotions;
     return true;

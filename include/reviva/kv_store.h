@@ -191,6 +191,7 @@ class REVIVA_API KVStore {
   std::vector<std::vector<void*>> page_acquired_;
   std::vector<std::size_t> cycle_pages_;
   std::size_t kept_page_bytes_ = 0;
+  int promoted_pages_ = 0;  // paged layers promoted (resident, counted by their kept pages)
   int page_slots_ = 0;
   KVStoreStats counts_;   // what the store counts itself (the rest comes from the manager)
   bool started_ = false;  // a layer was acquired: residency is fixed (promotion aside)

@@ -182,6 +182,26 @@ TEST_P(KVStoreTest, PromotedLayersKeepTheirContentsAndStopMoving) {
             3u * kTokenBytes * static_cast<std::size_t>(scaled(8)));
 }
 
+TEST_P(KVStoreTest, APromotionGetsRoomOfItsOwnNotTheSlots) {
+  // One slot streams three layers; a promotion raises the budget by the layer it keeps, so the
+  // slot's room stays for the layers still streamed (a budget raised one layer short once let
+  // the promotion take the slot's room: the next streamed layer found none).
+  // Layers nearly full, so that the budget's bytes are what the layers hold.
+  Rig rig(backend_, 4, 24, 0, 1, {});
+  rig.step(20, 1, false);
+  rig.step(1, 2);
+  EXPECT_TRUE(rig.store->promote(0));
+  for (int s = 0; s < 2; ++s) rig.step(1, 10 + s);  // layers 1-3 still stream through the slot
+  rig.step(0, 99);
+  EXPECT_TRUE(rig.store->promote(2));
+  rig.step(1, 20);
+  rig.step(0, 98);
+  const KVStoreStats st = rig.store->stats();
+  EXPECT_EQ(st.resident_layers, 2);
+  EXPECT_EQ(st.promotions, 2u);
+  EXPECT_EQ(st.promotion_failures, 0u);
+}
+
 TEST_P(KVStoreTest, DroppedSlotsGiveTheirMemoryBackAndDecodeGoesOn) {
   Rig rig(backend_, 6, 64, 2, 3, {0});
   rig.step(30, 1, false);
