@@ -65,7 +65,7 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceA
     pages_.push_back(std::move(pages));
     page_acquired_.emplace_back(per_layer, nullptr);
   }
-  cycle_pages_.assign(blocks_.size(), 1);
+  cycle_write_page_.assign(blocks_.size(), 1);
   resident_.assign(blocks_.size(), false);
   acquired_.assign(blocks_.size(), nullptr);
   counts_.streamed_layers = options_.num_layers;
@@ -168,7 +168,7 @@ void KVStore::declare_cycle() {
       continue;
     }
     const std::size_t write = write_page(static_cast<int>(i));
-    cycle_pages_[i] = write;
+    cycle_write_page_[i] = write;
     for (std::size_t j = 0; j < pages(static_cast<int>(i)); ++j) order.push_back({pages_[i][j]});
     if (write < pages_[i].size()) order.push_back({pages_[i][write]});
   }
@@ -409,13 +409,9 @@ void* KVStore::acquire_page(int layer, std::size_t page, const Stream& compute) 
     if (state == BlockState::Device || state == BlockState::ToDevice) {
       ++counts_.slot_hits;
     } else {  // room beside what compute holds: the slots' and the page slots' (in bytes)
-      std::size_t held = page_bytes(page);
-      for (std::size_t l = 0; l < pages_.size(); ++l) {
+      std::size_t held = page_bytes(page) + staged_pages_bytes_;
+      for (std::size_t l = 0; l < acquired_.size(); ++l)
         if (acquired_[l] != nullptr && !resident_[l]) held += layer_bytes();
-        for (std::size_t j = 0; j < page_acquired_[l].size(); ++j)
-          if (page_acquired_[l][j] != nullptr && !manager_->kept(pages_[l][j]))
-            held += page_bytes(j);
-      }
       const std::size_t room = static_cast<std::size_t>(slots_) * layer_bytes() +
                                static_cast<std::size_t>(page_slots_) * page_bytes(0);
       REVIVA_CHECK_ARG(held <= room, "KVStore::acquire_page: page ", page, " of layer ", layer,
@@ -426,6 +422,7 @@ void* KVStore::acquire_page(int layer, std::size_t page, const Stream& compute) 
   }
   const std::vector<void*> ptrs = scheduler_->acquire_group({&id, 1}, compute, Access::ReadWrite);
   page_acquired_[i][page] = ptrs.front();
+  if (!manager_->kept(id)) staged_pages_bytes_ += page_bytes(page);
   return ptrs.front();
 }
 
@@ -462,7 +459,7 @@ void KVStore::wrote_page(int layer, std::size_t page, std::size_t first, std::si
                    " tokens are): call reserve_page() before compute writes them");
   counts_.bytes_to_host += manager_->wrote(id, first * tb, count * tb, compute);
   // The decode cycle follows the page that takes the next token.
-  if (write_page(layer) != cycle_pages_[i]) declare_cycle();
+  if (write_page(layer) != cycle_write_page_[i]) declare_cycle();
 }
 
 void KVStore::release_page(int layer, std::size_t page, const Stream& compute) {
@@ -470,6 +467,7 @@ void KVStore::release_page(int layer, std::size_t page, const Stream& compute) {
   const auto i = static_cast<std::size_t>(layer);
   page_acquired_[i][page] = nullptr;
   const BlockId id = pages_[i][page];
+  if (!manager_->kept(id)) staged_pages_bytes_ -= page_bytes(page);  // (no promotion while held)
   scheduler_->release_group({&id, 1}, compute);
 }
 

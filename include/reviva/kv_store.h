@@ -189,8 +189,9 @@ class REVIVA_API KVStore {
   // the bytes of pages kept on the device (promoted layers).
   std::vector<std::vector<BlockId>> pages_;
   std::vector<std::vector<void*>> page_acquired_;
-  std::vector<std::size_t> cycle_pages_;
+  std::vector<std::size_t> cycle_write_page_;
   std::size_t kept_page_bytes_ = 0;
+  std::size_t staged_pages_bytes_ = 0;  // bytes of the pages compute holds that are not kept
   int promoted_pages_ = 0;  // paged layers promoted (resident, counted by their kept pages)
   int page_slots_ = 0;
   KVStoreStats counts_;   // what the store counts itself (the rest comes from the manager)

@@ -271,23 +271,13 @@ class LlamaLayerPath:
         numbers as HF); else Reviva's bottom-right causal call on the cache's layout."""
         q, k, v = self._qkv(layer, h, s, e, cos, sin)
         last = first + e - s
-        if cache.paged(i):  # the earlier pages and k, v themselves; then k, v into the last page
-            out = attend_cache(cache, i, q, first, last, layer.self_attn.scaling, mask, k, v)
+        if interface is not None and not (cache.paged(i) or cache.fp8):
             cache.write(i, first, k, v)
-            self._finish(layer, h, s, e, out.transpose(1, 2))
-            return
-        cache.write(i, first, k, v)
-        if cache.fp8:  # by blocks (Note [fp8 K/V rows]); never HF's call over whole K/V
-            scale = layer.self_attn.scaling
-            out = attend_cache(cache, i, q, first, last, scale, mask)
-            self._finish(layer, h, s, e, out.transpose(1, 2))
-            return
-        k_all, v_all = cache.view(i, last)
-        if interface is not None:
+            k_all, v_all = cache.view(i, last)
             out = self._attend_hf(layer.self_attn, q, k_all, v_all, mask, interface)
-        else:
-            out = chunk_attention(q, k_all, v_all, mask, first, last, layer.self_attn.scaling)
-            out = out.transpose(1, 2)
+        else:  # (fp8 and paged layers: by blocks or pages, never HF's call over whole K/V)
+            scale = layer.self_attn.scaling
+            out = write_and_attend(cache, i, q, k, v, first, last, scale, mask).transpose(1, 2)
         self._finish(layer, h, s, e, out)
 
     def _prefill_whole_attention(self, cache, plan, i, layer, h, cos, sin, mask, interface) -> None:  # noqa: ANN001
@@ -309,6 +299,29 @@ class LlamaLayerPath:
         for s in range(0, tokens, chunk):
             e = min(tokens, s + chunk)
             self._finish(layer, h, s, e, out[:, s:e])
+
+
+def write_and_attend(
+    cache: RevivaCache,
+    i: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    first: int,
+    last: int,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Writes the K/V k, v of tokens [first, last) into layer i of the cache and returns their
+    queries' attention (attend_cache). A paged layer attends first, to its pages and k, v
+    themselves, then writes: the last page read stays on the device for the write (Note [Paged
+    layers] in src/kv_store.cpp)."""
+    if cache.paged(i):
+        out = attend_cache(cache, i, q, first, last, scale, mask, k, v)
+        cache.write(i, first, k, v)
+        return out
+    cache.write(i, first, k, v)
+    return attend_cache(cache, i, q, first, last, scale, mask)
 
 
 def attend_cache(
@@ -538,12 +551,7 @@ class DecodeGraphs:
             self._cos = cos
         front.replay()
         attn = self.path.layout.layers[i].self_attn
-        if cache.paged(i):  # attention first: the last page read stays for the write
-            out = attend_cache(cache, i, q, past, past + 1, attn.scaling, None, k, v)
-            cache.write(i, past, k, v)
-        else:
-            cache.write(i, past, k, v)
-            out = attend_cache(cache, i, q, past, past + 1, attn.scaling, None)
+        out = write_and_attend(cache, i, q, k, v, past, past + 1, attn.scaling, None)
         st["att"].copy_(out.transpose(1, 2))
         back.replay()
         self.replays += 1
