@@ -171,6 +171,7 @@ def test_gpu_paged_kv_within_bf16_rounding_of_whole_layers() -> None:
         manager = RevivaManager(model, dataclasses.replace(config, vram_budget=budget))
         outs[page] = manager.generate(ids, **kw)
         stats[page] = manager.get_memory_stats()
-        assert stats[page]["streamed_layers"] > 0, stats[page]
+        # Streamed in prefill (at the end of the call they may all be promoted).
+        assert stats[page]["resident_layers_in_prefill"] < 4, stats[page]
     assert stats[1000]["paged_layers"] > 0 and stats[1000]["decode_graphs"] == "on", stats[1000]
     assert assert_close_to_exact(outs[1000], outs[0], 8192, tol=0.01) >= 1
