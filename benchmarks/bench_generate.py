@@ -147,6 +147,9 @@ DRY_DEFAULTS = {"contexts": "256,512", "card": "16MB"}
 # LONG_PREFILL_LIMIT times, no offload penalty on top).
 CHECK_CONTEXTS = {65536: "full", 131072: "roofline", 262144: "roofline", 524288: "long"}
 LONG_PREFILL_LIMIT = 4.4
+# Issue 13's card24_256k: prefill no slower than this (seconds, every call) and the card's peak
+# within the card.
+MAX_PREFILL_S = {262144: 60.0}
 FP8_DECODE_GAIN = 1.8
 LONG_PREFILL_REFERENCE = 262144
 DRY_CHECK_CONTEXTS = {256: "full", 512: "roofline"}
@@ -215,6 +218,10 @@ def contender_spec(name: str, card: str | None) -> dict[str, Any]:
         if not page.isdigit() or int(page) <= 0:
             raise ValueError(f"contender {name!r}: the page must be a number of tokens > 0")
         return {"kind": "reviva", "vram_budget": card, "kv_page_tokens": int(page)}
+    if name == "reviva_flash":  # Note [Prefill attention kernel]: flash instead of cuDNN
+        if card is None:
+            raise ValueError("contender 'reviva_flash' runs on the card: use it in --contenders")
+        return {"kind": "reviva", "vram_budget": card, "attention_kernel": "flash"}
     if name.startswith("reviva="):
         from reviva import parse_bytes
 
@@ -222,8 +229,8 @@ def contender_spec(name: str, card: str | None) -> dict[str, Any]:
         parse_bytes(budget)  # ValueError naming it
         return {"kind": "reviva", "vram_budget": budget}
     raise ValueError(
-        f"unknown contender {name!r}: use hf, hf_offload, reviva, reviva_fp8, reviva_paged, "
-        "reviva_paged=<tokens>, reviva_default or reviva=<bytes>"
+        f"unknown contender {name!r}: use hf, hf_offload, reviva, reviva_fp8, reviva_flash, "
+        "reviva_paged, reviva_paged=<tokens>, reviva_default or reviva=<bytes>"
     )
 
 
@@ -370,15 +377,14 @@ def card_worker(args: argparse.Namespace) -> int:
         if spec["kind"] == "reviva":
             import reviva
 
-            kv = spec.get("kv_dtype", "auto")
-            page = spec.get("kv_page_tokens", 0)
-            cfg = (
-                reviva.RevivaConfig(
-                    vram_budget=spec["vram_budget"], kv_dtype=kv, kv_page_tokens=page
-                )
-                if spec["vram_budget"]
-                else reviva.RevivaConfig(kv_dtype=kv, kv_page_tokens=page)
-            )
+            knobs = {
+                "kv_dtype": spec.get("kv_dtype", "auto"),
+                "kv_page_tokens": spec.get("kv_page_tokens", 0),
+                "attention_kernel": spec.get("attention_kernel", "auto"),
+            }
+            if spec["vram_budget"]:
+                knobs["vram_budget"] = spec["vram_budget"]
+            cfg = reviva.RevivaConfig(**knobs)
             info["reviva_config"] = repr(cfg)
             t = time.perf_counter()
             manager = reviva.RevivaManager(model, cfg)
@@ -963,6 +969,18 @@ def analyse_card(rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[s
                 "streamed_layers": (r.get("reviva") or {}).get("streamed_layers"),
             }
             ok = c["completed"] and c["roofline_ok"]
+            if ctx in MAX_PREFILL_S:
+                pre, peak = r.get("prefill_s"), r.get("card_peak_used_gb")
+                from reviva import parse_bytes
+
+                card_gb = parse_bytes(settings["card"]) / 1e9
+                c.update(
+                    max_prefill_s=MAX_PREFILL_S[ctx],
+                    prefill_time_ok=bool(pre and pre <= MAX_PREFILL_S[ctx]),
+                    card_gb=card_gb,
+                    peak_within_card=peak is not None and peak <= card_gb,
+                )
+                ok = ok and c["prefill_time_ok"] and c["peak_within_card"]
             if kind == "full":
                 ref = hf.get(r["call"])
                 ref_s = ref.get("prefill_s") if ref and ref.get("completed") else None
@@ -1013,6 +1031,8 @@ def analyse_card(rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[s
                 f"{calls_expected} calls complete; decode <= {th['max_roofline_ratio']}x "
                 "the roofline in each"
             )
+        if ctx in MAX_PREFILL_S:
+            criteria += f"; prefill <= {MAX_PREFILL_S[ctx]} s and the card's peak within the card"
         checks[name] = {
             "kind": kind,
             "context": ctx,
@@ -1062,7 +1082,96 @@ def analyse_card(rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[s
             "calls": per_call,
             "pass": not missing and bool(per_call) and all(c["ok"] for c in per_call),
         }
+    plan = plan_check(rows, settings)
+    if plan is not None:
+        checks["plan_1M_fp8"] = plan
     return {"rooflines": rooflines, "checks": checks}
+
+
+# Issue 13's plan_1M_fp8: `python -m reviva plan` says 1M tokens with fp8 K/V fit a 24 GB card
+# and a 128 GiB host and predicts the times; its predictions at these contexts within
+# PLAN_TOLERANCE of what the card runs measured.
+PLAN_CONTEXTS = (262144, 524288)
+PLAN_TOLERANCE = 0.15
+
+
+def _plan_json(*argv: str) -> dict[str, Any]:
+    import contextlib
+    import io
+
+    from reviva.__main__ import main as reviva_main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        reviva_main(["plan", "--model", "llama3-8b", "--json", *argv])
+    return json.loads(buf.getvalue())
+
+
+def plan_check(rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any] | None:
+    """plan_1M_fp8 from the 24 GB card's Reviva rows at 256k and 512k of the 8B shape (None when
+    this run has none: another run, merged with --analyse, brings them)."""
+    if settings.get("card") != "24GB" or settings.get("num_layers") != SHAPE["num_hidden_layers"]:
+        return None
+    runs = [
+        r
+        for r in rows
+        if r["mode"] == "card"
+        and r["contender"] in ("reviva", "reviva_fp8", "reviva_flash")
+        and r["context"] in PLAN_CONTEXTS
+        and r.get("completed")
+    ]
+    if not runs:
+        return None
+    host = ("--host-memory", "128GiB", "--new-tokens", "16")
+    million = _plan_json("--context", "1M", "--kv-dtype", "fp8", *host)
+    compared = []
+    for r in runs:
+        st = r.get("reviva") or {}
+        kernel = st.get("attention_kernel") or "flash"  # rows before the choice: flash
+        kv = "fp8" if r["contender"] == "reviva_fp8" else "auto"
+        new = str(r.get("new_tokens") or 16)
+        argv = ["--context", str(r["context"]), "--kv-dtype", kv, "--new-tokens", new]
+        pred = _plan_json(*argv, "--attention-kernel", kernel)
+        f = pred.get("forecast") or {}
+        x: dict[str, Any] = {
+            "contender": r["contender"],
+            "context": r["context"],
+            "call": r["call"],
+            "attention_kernel": kernel,
+            "measured_prefill_s": r.get("prefill_s"),
+            "predicted_prefill_s": f.get("prefill_s"),
+            "measured_decode_tok_s": r.get("decode_tok_s"),
+            "predicted_decode_tok_s": f.get("decode_call_tok_s"),
+        }
+        for what in ("prefill_s", "decode_tok_s"):
+            m, p = x[f"measured_{what}"], x[f"predicted_{what}"]
+            err = p / m - 1 if m and p else None
+            x[f"{what}_error"] = err
+            x[f"{what}_ok"] = err is not None and abs(err) <= PLAN_TOLERANCE
+        x["ok"] = x["prefill_s_ok"] and x["decode_tok_s_ok"]
+        compared.append(x)
+    bf16 = {x["context"] for x in compared if x["contender"] != "reviva_fp8"}
+    missing = [
+        f"no completed bf16 card run at {c} tokens to compare with"
+        for c in PLAN_CONTEXTS
+        if c not in bf16
+    ]
+    fits = bool(million.get("fits")) and (million.get("host_bytes") or 0) <= 128 * 2**30
+    return {
+        "kind": "plan",
+        "criteria": "plan: 1M tokens, fp8 K/V, fit a 24 GB card and a 128 GiB host with times "
+        f"predicted; its prefill and decode predictions within {PLAN_TOLERANCE:.0%} of every "
+        f"measured card run at {', '.join(ctx_label(c) for c in PLAN_CONTEXTS)}",
+        "missing": missing,
+        "plan_1m_fp8": {
+            "fits": million.get("fits"),
+            "host_bytes": million.get("host_bytes"),
+            "forecast": million.get("forecast"),
+            "error": million.get("error"),
+        },
+        "compared": compared,
+        "pass": not missing and fits and all(x["ok"] for x in compared),
+    }
 
 
 def merge_card(args: argparse.Namespace, parts: list[dict[str, Any]]) -> int:

@@ -200,7 +200,7 @@ def _plan(args: argparse.Namespace) -> int:
         else:
             print(f"reviva plan: {shape}\n  {call} on a {args.card} card: does not fit\n  {e}")
         return 1
-    f = forecast(layout, plan, weights)
+    f = forecast(layout, plan, weights, args.attention_kernel)
     if args.json:
         out = {
             "model": shape,
@@ -211,6 +211,7 @@ def _plan(args: argparse.Namespace) -> int:
             "host_bytes": plan.pinned_host_bytes,
             "promotable_layers": plan.promotable_layers(),
             "forecast": f.to_dict(),
+            "attention_kernel": args.attention_kernel,
         }
         print(json.dumps(out, indent=1))
         return 0
@@ -251,7 +252,8 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print(
         f"  estimate ({f.calibration}): prefill {f.prefill_s:.1f} s (linear "
-        f"{f.prefill_linear_s:.1f}, attention {f.prefill_attention_s:.1f}, residual copies "
+        f"{f.prefill_linear_s:.1f}, attention {f.prefill_attention_s:.1f} "
+        f"({args.attention_kernel}), residual copies "
         f"{f.prefill_residual_copies_s:.1f}); decode {f.decode_tok_s:.2f} tok/s "
         f"({f.decode_bound}-bound: compute "
         f"{f.decode_compute_s * 1e3:.1f} ms, transfer {f.decode_transfer_s * 1e3:.1f} ms a token),"
@@ -302,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         "--host-memory",
         default=None,
         help="the host memory the plan may pin (e.g. 128GiB); default: not checked",
+    )
+    pl.add_argument(
+        "--attention-kernel",
+        choices=("cudnn", "flash"),
+        default="cudnn",
+        help="prefill's chunked attention kernel for the estimate (default cudnn: what "
+        "RevivaConfig(attention_kernel='auto') takes on an H200)",
     )
     pl.add_argument("--json", action="store_true", help="the plan and estimate as JSON")
     args = parser.parse_args(argv)

@@ -23,9 +23,24 @@ it (its L_b is -inf).
 
 Per block, one fused call where there is one: on CUDA in half precision with head_dim <= 256,
 aten's flash attention, which returns L_b, aligns causal masks at the bottom right and reads
-grouped K/V heads in place (as `chunk_attention` in llama_layer.py). Elsewhere (the CPU, fp32)
-a reference path: scores in fp32 for the rows of a query slice at a time, grouped heads read in
-place by folding the query heads of a group into rows.
+grouped K/V heads in place (as `chunk_attention` in llama_layer.py); or cuDNN's attention
+(Note [Prefill attention kernel]). Elsewhere (the CPU, fp32) a reference path: scores in fp32
+for the rows of a query slice at a time, grouped heads read in place by folding the query heads
+of a group into rows.
+
+Note [Prefill attention kernel]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Chunked prefill at long contexts is attention-bound (at 256k of the 8B shape, 32 layers of
+~1.7 s of attention out of a ~62 s prefill). On the H200 (torch 2.11, diag_prefill_attention.py,
+prefill-attention-2026-12-02-50eb01c.json) one layer's chunked attention at 256k takes 1.70 s
+through aten's flash attention (FA2, 332 TFLOP/s) and 0.96 s through cuDNN's (586 TFLOP/s),
+grouped K/V heads read in place from the cache's token-major layout either way. cuDNN's causal
+mask is not aligned at the bottom right when queries and keys differ in length, so a chunk's
+attention is two calls merged by log-sum-exp: the earlier keys without a mask, and the chunk's
+own keys, a square causal block. RevivaConfig(attention_kernel=...) chooses: "auto" takes cuDNN
+where torch's cuDNN attention is enabled on a CUDA device of compute capability 9.0 or later
+(where it was measured), else flash; "flash" and "cudnn" force one ("cudnn" raises where it is
+not available). Query chunks shorter than CUDNN_MIN_QUERIES (decode, short tails) keep flash.
 """
 
 from __future__ import annotations
@@ -39,18 +54,54 @@ import torch
 _REFERENCE_ROWS = 1024
 
 
+# Query rows below which cuDNN is not used (decode's one token, a short last chunk): its gain
+# was measured on prefill chunks of thousands of queries.
+CUDNN_MIN_QUERIES = 128
+KERNELS = ("auto", "flash", "cudnn")
+
+
+def cudnn_available(device: torch.device) -> bool:
+    """Whether torch's cuDNN attention can run on `device` (CUDA, cuDNN present and enabled)."""
+    return (
+        device.type == "cuda"
+        and torch.backends.cudnn.is_available()
+        and torch.backends.cuda.cudnn_sdp_enabled()
+    )
+
+
+def resolve_kernel(choice: str, device: torch.device) -> str:
+    """RevivaConfig.attention_kernel for `device`: "flash" or "cudnn" (Note [Prefill attention
+    kernel]). "reference" off CUDA, where neither runs."""
+    if choice not in KERNELS:
+        raise ValueError(f"attention_kernel must be one of {KERNELS}, got {choice!r}")
+    if device.type != "cuda":
+        return "reference"
+    if choice == "cudnn" and not cudnn_available(device):
+        raise ValueError(
+            "attention_kernel='cudnn': torch's cuDNN attention is not available on "
+            f"{device} (cudnn present: {torch.backends.cudnn.is_available()}, cuDNN SDPA "
+            f"enabled: {torch.backends.cuda.cudnn_sdp_enabled()})"
+        )
+    if choice == "auto":
+        major = torch.cuda.get_device_capability(device)[0]
+        return "cudnn" if cudnn_available(device) and major >= 9 else "flash"
+    return choice
+
+
 def block_attention(
     q: torch.Tensor,
     blocks: Iterable[tuple[torch.Tensor, torch.Tensor, int]],
     query_start: int,
     scale: float,
+    kernel: str = "flash",
 ) -> torch.Tensor:
     """Attention of queries q ([batch, heads, n, head_dim], tokens [query_start, query_start +
     n)) to the keys and values of `blocks`: (k, v, key_start) with k and v [batch, kv_heads,
     tokens, head_dim] (any strides: views of a cache), covering keys [key_start, key_start +
     tokens). Causal (Note [Block-merged attention]): a block either ends at or before
     query_start + 1 - ... (wholly seen: it ends at or before query_start + 1) or ends exactly at
-    query_start + n (bottom-right causal). Returns [batch, heads, n, head_dim] in q's dtype."""
+    query_start + n (bottom-right causal). `kernel`: "flash" or "cudnn" on CUDA (Note [Prefill
+    attention kernel]). Returns [batch, heads, n, head_dim] in q's dtype."""
     if q.dim() != 4:
         raise ValueError(
             f"block_attention: q must be [batch, heads, tokens, head_dim], got {tuple(q.shape)}"
@@ -65,8 +116,8 @@ def block_attention(
         if tokens == 0:
             continue
         causal = key_start + tokens > query_start + 1
-        o_b, l_b = attention_with_lse(q, k, v, causal, scale)
-        out, lse = merge(out, lse, o_b, l_b)
+        for o_b, l_b in _block_parts(q, k, v, causal, scale, kernel):
+            out, lse = merge(out, lse, o_b, l_b)
     if out is None:
         raise ValueError("block_attention: no keys (every query must see at least one block)")
     return out.to(q.dtype)
@@ -99,11 +150,58 @@ def _check_block(
         )
 
 
+def _block_parts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str
+) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, lse) pairs whose merge is one block's attention: one call, or with cuDNN and a
+    bottom-right causal block longer than the queries, its earlier keys (no mask) and the
+    square causal rest (Note [Prefill attention kernel])."""
+    n, tokens = q.shape[2], k.shape[2]
+    if not (kernel == "cudnn" and use_cudnn(q)) or tokens < n:
+        yield attention_with_lse(q, k, v, causal, scale, kernel)
+        return
+    if causal and tokens > n:
+        head = tokens - n
+        yield attention_with_lse(q, k[:, :, :head], v[:, :, :head], False, scale, kernel)
+        yield attention_with_lse(q, k[:, :, head:], v[:, :, head:], True, scale, kernel)
+        return
+    yield attention_with_lse(q, k, v, causal, scale, kernel)
+
+
+def use_cudnn(q: torch.Tensor) -> bool:
+    """Whether a query chunk q takes cuDNN when the kernel chosen is "cudnn": CUDA, half
+    precision, head_dim a multiple of 8 up to 128, at least CUDNN_MIN_QUERIES queries."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 128
+        and q.shape[-1] % 8 == 0
+        and q.shape[2] >= CUDNN_MIN_QUERIES
+    )
+
+
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    kernel: str = "flash",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: (output [batch, heads, n, head_dim], lse [batch, heads, n] fp32). With
-    `causal`, aligned at the bottom right (query j sees keys up to tokens - n + j)."""
+    `causal`, aligned at the bottom right (query j sees keys up to tokens - n + j); with
+    kernel "cudnn" (used when use_cudnn(q)) a causal block must be square."""
+    if kernel == "cudnn" and use_cudnn(q):
+        if causal and k.shape[2] != q.shape[2]:
+            raise ValueError(
+                f"attention_with_lse: cuDNN's causal mask needs as many keys as queries, got "
+                f"{k.shape[2]} keys for {q.shape[2]} queries (split the block: _block_parts)"
+            )
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
+        lse = res[1]
+        return res[0], lse.squeeze(-1) if lse.dim() == 4 else lse
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale

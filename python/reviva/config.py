@@ -49,6 +49,10 @@ class RevivaConfig:
                     Note [Paged layers] in src/kv_store.cpp), so the staging room is a few pages
                     instead of whole layers and more layers stay resident. Opt-in: tested on the
                     CPU, not yet measured on a GPU.
+    attention_kernel: prefill's chunked attention on CUDA: "flash" (aten's flash attention),
+                    "cudnn" (cuDNN's, 1.8x faster at 256k on an H200), or "auto" (cuDNN on
+                    compute capability 9.0+ where torch has it enabled, else flash). Note
+                    [Prefill attention kernel] in block_attention.py.
     prefill_residual: where the prompt's hidden states live through prefill: "device", "host"
                     (pinned host memory, streamed through each layer by chunks: nothing of the
                     prompt's size on the device but K/V), or "auto" (the device unless the plan
@@ -68,6 +72,7 @@ class RevivaConfig:
     kv_dtype: str = "auto"
     kv_block_tokens: int | None = None
     kv_page_tokens: int = 0
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         t = self.vram_threshold
@@ -103,6 +108,11 @@ class RevivaConfig:
             raise ValueError(f"pin_memory must be True or False, got {self.pin_memory!r}")
         if self.host_memory is not None and parse_bytes(self.host_memory) <= 0:
             raise ValueError(f"host_memory must be > 0 bytes, got {self.host_memory!r}")
+        if self.attention_kernel not in ("auto", "flash", "cudnn"):
+            raise ValueError(
+                "attention_kernel must be 'auto', 'flash' or 'cudnn', got "
+                f"{self.attention_kernel!r}"
+            )
         if self.prefill_attention not in ("auto", "whole", "chunked"):
             raise ValueError(
                 "prefill_attention must be 'auto', 'whole' or 'chunked', got "

@@ -13,14 +13,16 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
 - decode, transfer: the streamed layers' K/V over PCIe at 55 GB/s (pinned H2D, measured by
   bench_transfer), a step taking the slower of the two (the copies overlap the compute).
 - prefill: linear layers (2 x parameters x tokens FLOPs) at 546 TFLOP/s, causal attention
-  (2 x layers x tokens^2 x heads x head_dim) at 530 TFLOP/s in one call over the prompt and 325
-  TFLOP/s by query chunks (fitted to 64k 3.80 s, 128k 11.84 s no card, 256k 62.0 s by chunks on
-  the card). With the residual on the host, each layer's input and output cross PCIe once more,
-  on copy streams of their own under the layer's compute (since 617485d): what the copies add
-  is each layer's first chunk read in and last chunk written back, unless the copies of a layer
-  take longer than its compute (in and out at once, PCIe being full duplex). The 128k A/B of
-  residual-streams-2026-12-02-617485d.json saved 0.84 s of the 1.25 s this model counts for
-  copies on the compute stream.
+  (2 x layers x tokens^2 x heads x head_dim) at 530 TFLOP/s in one call over the prompt; by
+  query chunks at 325 TFLOP/s through flash attention (fitted to 64k 3.80 s, 128k 11.84 s no
+  card, 256k 62.0 s by chunks on the card) and CUDNN_CHUNKED_ATTENTION_FLOPS through cuDNN's
+  (Note [Prefill attention kernel] in block_attention.py; one layer at 256k: 586 TFLOP/s in
+  diag_prefill_attention.py). With the residual on the host, each layer's input and output
+  cross PCIe once more, on copy streams of their own under the layer's compute (since 617485d):
+  what the copies add is each layer's first chunk read in and last chunk written back, unless
+  the copies of a layer take longer than its compute (in and out at once, PCIe being full
+  duplex). The 128k A/B of residual-streams-2026-12-02-617485d.json saved 0.84 s of the 1.25 s
+  this model counts for copies on the compute stream.
 
 Other GPUs differ; the figures say what they were calibrated on. An estimate, not a
 measurement: `benchmarks/bench_generate.py` measures.
@@ -41,6 +43,7 @@ KV_READ_BPS = 3.9e12
 LINEAR_FLOPS = 546e12
 WHOLE_ATTENTION_FLOPS = 530e12
 CHUNKED_ATTENTION_FLOPS = 325e12
+CUDNN_CHUNKED_ATTENTION_FLOPS = 570e12
 # What a process holds on the card beside torch's tensors and Reviva's arena: the CUDA context
 # (24 - 23.35 GB free after it, card mode) and what a call leaves (cuBLAS workspaces, the decode
 # graphs' pool): the planner saw 23.28 GB to plan with in call 1 and 23.18 GB in later calls of
@@ -71,8 +74,13 @@ class Forecast:
         return asdict(self)
 
 
-def forecast(layout: DecoderLayout, plan: Plan, weight_bytes: int) -> Forecast:
-    """Times of a call planned as `plan` on `layout` (see the module docstring)."""
+def forecast(
+    layout: DecoderLayout, plan: Plan, weight_bytes: int, attention_kernel: str = "cudnn"
+) -> Forecast:
+    """Times of a call planned as `plan` on `layout` (see the module docstring), prefill's
+    chunked attention through `attention_kernel` ("cudnn" or "flash")."""
+    if attention_kernel not in ("cudnn", "flash"):
+        raise ValueError(f"attention_kernel must be 'cudnn' or 'flash', got {attention_kernel!r}")
     e = layout.dtype.itemsize
     params = weight_bytes / e
     # The embedding is a lookup and the head runs on one position: not prefill FLOPs.
@@ -87,9 +95,13 @@ def forecast(layout: DecoderLayout, plan: Plan, weight_bytes: int) -> Forecast:
         * layout.num_heads
         * layout.head_dim
     )
-    attention = attn_flops / (
-        WHOLE_ATTENTION_FLOPS if plan.whole_attention else CHUNKED_ATTENTION_FLOPS
-    )
+    if plan.whole_attention:
+        rate = WHOLE_ATTENTION_FLOPS
+    elif attention_kernel == "cudnn":
+        rate = CUDNN_CHUNKED_ATTENTION_FLOPS
+    else:
+        rate = CHUNKED_ATTENTION_FLOPS
+    attention = attn_flops / rate
     compute_prefill = linear + attention
     residual = 0.0
     if plan.residual_host_bytes:

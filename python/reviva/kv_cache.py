@@ -105,8 +105,12 @@ class RevivaCache(Cache):
         block_tokens: int = 0,
         runtime: Runtime | None = None,
         page_tokens: int = 0,
+        attention_kernel: str = "flash",
     ) -> None:
         super().__init__(layers=[RevivaCacheLayer(self, i) for i in range(num_layers)])
+        # Prefill's attention calls on CUDA: "flash" or "cudnn" (Note [Prefill attention kernel]
+        # in block_attention.py).
+        self.attention_kernel = attention_kernel
         self.runtime = runtime  # the core's, for its kernels (fp8 rows' dequantization)
         self.capacity = capacity
         self.batch = batch

@@ -23,7 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from reviva import kv_fp8
 from reviva.adapters import DecoderLayout
-from reviva.block_attention import block_attention, split_blocks
+from reviva.block_attention import block_attention, split_blocks, use_cudnn
 from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan
 
@@ -356,10 +356,11 @@ def attend_cache(
                 )
                 for kb, vb, start in earlier
             )
-        return block_attention(q, itertools.chain(earlier, [(k, v, first)]), first, scale)
+        blocks = itertools.chain(earlier, [(k, v, first)])
+        return block_attention(q, blocks, first, scale, cache.attention_kernel)
     if not cache.fp8:
         k_all, v_all = cache.view(i, last)
-        return chunk_attention(q, k_all, v_all, mask, first, last, scale)
+        return chunk_attention(q, k_all, v_all, mask, first, last, scale, cache.attention_kernel)
     if mask is not None:
         raise ValueError("RevivaManager: fp8 K/V with a padding mask is not supported")
     k_rows, v_rows = cache.rows(i, last)
@@ -372,7 +373,7 @@ def attend_cache(
         )
         for kb, vb, start in split
     )
-    return block_attention(q, blocks, first, scale)
+    return block_attention(q, blocks, first, scale, cache.attention_kernel)
 
 
 def chunk_attention(
@@ -383,13 +384,18 @@ def chunk_attention(
     start: int,
     end: int,
     scale: float,
+    kernel: str = "flash",
 ) -> torch.Tensor:
     """Attention of the queries of tokens [start, end) to the keys of tokens [0, end):
-    causal aligned at the bottom right (query j sees keys <= start + j). [B, H, n, D] out."""
+    causal aligned at the bottom right (query j sees keys <= start + j). [B, H, n, D] out.
+    kernel "cudnn": the earlier keys and the chunk's own in two calls merged by log-sum-exp
+    (Note [Prefill attention kernel] in block_attention.py)."""
     if mask is not None:  # HF's 4D mask (padding): its rows of this chunk
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, :, start:end, :end], scale=scale, enable_gqa=True
         )
+    if kernel == "cudnn" and use_cudnn(q):
+        return block_attention(q, [(k[:, :, :end], v[:, :, :end], 0)], start, scale, kernel)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
         # Flash attention's causal mask is bottom-right aligned when queries and keys differ in
         # length, and it reads grouped K/V heads without expanding them.

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from reviva.adapters import DecoderLayout, inspect_model
+from reviva.block_attention import resolve_kernel
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
 from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
@@ -86,6 +87,8 @@ class RevivaManager:
         self.engine = self.resources.engine
         self.arena = self.resources.arena
         self.layers = LlamaLayerPath(self.layout)
+        # Note [Prefill attention kernel] (block_attention.py): "flash", "cudnn" or "reference".
+        self.attention_kernel = resolve_kernel(config.attention_kernel, device)
         self._saved_forwards: dict[int, tuple[nn.Module, Any]] = {}
         self._entered = 0
         self._owner: int | None = None  # the thread inside `with manager:`
@@ -634,6 +637,7 @@ class RevivaManager:
                 block_tokens=plan.kv_block_tokens,
                 runtime=self.runtime,
                 page_tokens=plan.page_tokens,
+                attention_kernel=self.attention_kernel,
             )
             if plan.page_slots:
                 cache.store.set_page_slots(plan.page_slots)
@@ -830,6 +834,7 @@ class RevivaManager:
             "decode_graph_eager_steps": self._graphs.eager_steps if self._graphs else 0,
             "decode_graph_uncaptured": dict(self._graphs.uncaptured) if self._graphs else {},
             "decode_graphs": self._graphs_state(),
+            "attention_kernel": self.attention_kernel,
             "prefill_s": prefill_s,
             # where prefill's time went: before the first layer (planning, pinning what is
             # pinned first, embeddings), the first layer (a process's first call loads its

@@ -129,3 +129,38 @@ def test_gpu_block_merged_flash_within_bf16_rounding() -> None:
         got = block_attention(q, split_blocks(k, v, query_start, n, 1000), query_start, dim**-0.5)
         err = (got.float() - ref.float()).abs().max().item()
         assert err <= 2**-7 * ref.float().abs().max().item(), (query_start, n, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpu_cudnn_chunk_attention_against_fp32(batch: int) -> None:
+    """Note [Prefill attention kernel]: cuDNN's attention (grouped heads read in place from the
+    cache's token-major views; a chunk's earlier keys and its own square causal block merged by
+    lse) and flash's, both against an fp32 reference, for chunks at the start, in the middle,
+    shorter than CUDNN_MIN_QUERIES (flash then), and blocks of fp8's kind (a last block longer
+    than the queries): cuDNN's error within 2x flash's and within bf16 rounding."""
+    from reviva.block_attention import CUDNN_MIN_QUERIES, resolve_kernel
+    from reviva.llama_layer import chunk_attention
+
+    dev = torch.device("cuda")
+    if resolve_kernel("auto", dev) != "cudnn":
+        pytest.skip("cuDNN attention not chosen on this device (needs compute capability 9.0+)")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    tokens, dim, scale = 6000, 128, 128**-0.5
+    k = torch.randn(batch, tokens, 8, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(batch, tokens, 8, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # token-major, as the cache's views
+    for start, n in ((0, 1024), (2000, 1500), (4000, 2000), (5900, CUDNN_MIN_QUERIES - 28)):
+        q = torch.randn(batch, 32, n, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+        end = start + n
+        ref = one_call(q.float().cpu(), k.float().cpu(), v.float().cpu(), start, scale)
+        errs = {}
+        for kernel in ("flash", "cudnn"):
+            got = chunk_attention(q, k[:, :, :end], v[:, :, :end], None, start, end, scale, kernel)
+            errs[kernel] = (got.float().cpu() - ref).abs().max().item()
+            blocks = split_blocks(k, v, start, n, 1700)  # the last block longer than the queries
+            got_b = block_attention(q, blocks, start, scale, kernel)
+            errs[kernel + "_blocks"] = (got_b.float().cpu() - ref).abs().max().item()
+        bound = 2**-7 * ref.abs().max().item()
+        assert all(e <= bound for e in errs.values()), (start, n, errs, bound)
+        assert errs["cudnn"] <= 2 * errs["flash"] + 1e-3, (start, n, errs)

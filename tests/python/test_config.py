@@ -58,3 +58,19 @@ def test_prefill_attention_is_validated() -> None:
     assert RevivaConfig(prefill_attention="chunked").prefill_attention == "chunked"
     with pytest.raises(ValueError, match="prefill_attention must be .* got 'fast'"):
         RevivaConfig(prefill_attention="fast")
+
+
+def test_attention_kernel_is_checked_and_resolved() -> None:
+    """RevivaConfig(attention_kernel=...): a bad value is refused by name; off CUDA every choice
+    resolves to the reference path (the choice is of CUDA kernels)."""
+    import torch
+
+    from reviva.block_attention import resolve_kernel
+
+    with pytest.raises(ValueError, match="attention_kernel must be 'auto', 'flash' or 'cudnn'"):
+        RevivaConfig(attention_kernel="fa3")
+    for choice in ("auto", "flash", "cudnn"):
+        assert RevivaConfig(attention_kernel=choice).attention_kernel == choice
+        assert resolve_kernel(choice, torch.device("cpu")) == "reference"
+    with pytest.raises(ValueError, match="got 'x'"):
+        resolve_kernel("x", torch.device("cpu"))
