@@ -159,7 +159,13 @@ PREFILL_LIMIT_FIRST = 1.15  # call 1 (cold) against plain HF's call 1, no card
 PREFILL_LIMIT_WARM = 1.05  # calls 2.. against plain HF's call of the same number
 
 # Rough H200 figures for the printed wall-time estimates (README/DESIGN anchors).
-EST_PREFILL_S = {16384: 0.63, 65536: 3.73, 131072: 12.0, 262144: 60.2, 524288: 240.0}
+EST_PREFILL_S = {
+    16384: 0.63,
+    65536: 3.73,
+    131072: 12.0,
+    262144: 40.0,
+    524288: 145.0,
+}  # cuDNN prefill
 EST_REVIVA_CARD_TOK_S = {65536: 22.4, 131072: 4.57, 262144: 1.77, 524288: 0.8}
 EST_START_S = 12.0  # interpreter, torch, CUDA context, ballast
 EST_BUILD_S = 20.0  # the 8B-shaped model, random init on the device
