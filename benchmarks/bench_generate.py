@@ -224,10 +224,10 @@ def contender_spec(name: str, card: str | None) -> dict[str, Any]:
         if not page.isdigit() or int(page) <= 0:
             raise ValueError(f"contender {name!r}: the page must be a number of tokens > 0")
         return {"kind": "reviva", "vram_budget": card, "kv_page_tokens": int(page)}
-    if name == "reviva_flash":  # Note [Prefill attention kernel]: flash instead of cuDNN
+    if name in ("reviva_flash", "reviva_cudnn"):  # Note [Prefill attention kernel], forced
         if card is None:
-            raise ValueError("contender 'reviva_flash' runs on the card: use it in --contenders")
-        return {"kind": "reviva", "vram_budget": card, "attention_kernel": "flash"}
+            raise ValueError(f"contender {name!r} runs on the card: use it in --contenders")
+        return {"kind": "reviva", "vram_budget": card, "attention_kernel": name[len("reviva_") :]}
     if name.startswith("reviva="):
         from reviva import parse_bytes
 
@@ -236,7 +236,7 @@ def contender_spec(name: str, card: str | None) -> dict[str, Any]:
         return {"kind": "reviva", "vram_budget": budget}
     raise ValueError(
         f"unknown contender {name!r}: use hf, hf_offload, reviva, reviva_fp8, reviva_flash, "
-        "reviva_paged, reviva_paged=<tokens>, reviva_default or reviva=<bytes>"
+        "reviva_cudnn, reviva_paged, reviva_paged=<tokens>, reviva_default or reviva=<bytes>"
     )
 
 
@@ -1139,13 +1139,16 @@ def plan_check(rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str
         argv = ["--context", str(r["context"]), "--kv-dtype", kv, "--new-tokens", new]
         pred = _plan_json(*argv, "--attention-kernel", kernel)
         f = pred.get("forecast") or {}
+        predicted = f.get("prefill_s")
+        if predicted is not None and r["call"] == 1:  # a process's first call: cuDNN's plans
+            predicted += f.get("prefill_first_call_extra_s") or 0.0
         x: dict[str, Any] = {
             "contender": r["contender"],
             "context": r["context"],
             "call": r["call"],
             "attention_kernel": kernel,
             "measured_prefill_s": r.get("prefill_s"),
-            "predicted_prefill_s": f.get("prefill_s"),
+            "predicted_prefill_s": predicted,
             "measured_decode_tok_s": r.get("decode_tok_s"),
             "predicted_decode_tok_s": f.get("decode_call_tok_s"),
         }

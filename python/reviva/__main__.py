@@ -211,7 +211,6 @@ def _plan(args: argparse.Namespace) -> int:
             "host_bytes": plan.pinned_host_bytes,
             "promotable_layers": plan.promotable_layers(),
             "forecast": f.to_dict(),
-            "attention_kernel": args.attention_kernel,
         }
         print(json.dumps(out, indent=1))
         return 0
@@ -253,8 +252,15 @@ def _plan(args: argparse.Namespace) -> int:
     print(
         f"  estimate ({f.calibration}): prefill {f.prefill_s:.1f} s (linear "
         f"{f.prefill_linear_s:.1f}, attention {f.prefill_attention_s:.1f} "
-        f"({args.attention_kernel}), residual copies "
-        f"{f.prefill_residual_copies_s:.1f}); decode {f.decode_tok_s:.2f} tok/s "
+        f"({f.attention_kernel}), residual copies "
+        f"{f.prefill_residual_copies_s:.1f}"
+        + (
+            f"; +{f.prefill_first_call_extra_s:.1f} s in a process's first call at this length: "
+            "cuDNN's plans"
+            if f.prefill_first_call_extra_s
+            else ""
+        )
+        + f"); decode {f.decode_tok_s:.2f} tok/s "
         f"({f.decode_bound}-bound: compute "
         f"{f.decode_compute_s * 1e3:.1f} ms, transfer {f.decode_transfer_s * 1e3:.1f} ms a token),"
         f" first step +{f.first_step_extra_s * 1e3:.0f} ms (promotions): "
@@ -307,10 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     pl.add_argument(
         "--attention-kernel",
-        choices=("cudnn", "flash"),
-        default="cudnn",
-        help="prefill's chunked attention kernel for the estimate (default cudnn: what "
-        "RevivaConfig(attention_kernel='auto') takes on an H200)",
+        choices=("auto", "cudnn", "flash"),
+        default="auto",
+        help="prefill's chunked attention kernel for the estimate (default auto: what "
+        "RevivaConfig(attention_kernel='auto') takes on an H200, cuDNN from 128k tokens)",
     )
     pl.add_argument("--json", action="store_true", help="the plan and estimate as JSON")
     args = parser.parse_args(argv)

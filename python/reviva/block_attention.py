@@ -37,10 +37,20 @@ through aten's flash attention (FA2, 332 TFLOP/s) and 0.96 s through cuDNN's (58
 grouped K/V heads read in place from the cache's token-major layout either way. cuDNN's causal
 mask is not aligned at the bottom right when queries and keys differ in length, so a chunk's
 attention is two calls merged by log-sum-exp: the earlier keys without a mask, and the chunk's
-own keys, a square causal block. RevivaConfig(attention_kernel=...) chooses: "auto" takes cuDNN
-where torch's cuDNN attention is enabled on a CUDA device of compute capability 9.0 or later
-(where it was measured), else flash; "flash" and "cudnn" force one ("cudnn" raises where it is
-not available). Query chunks shorter than CUDNN_MIN_QUERIES (decode, short tails) keep flash.
+own keys, a square causal block. On the card (8646e57, generate-card24-2026-12-02-8646e57.json)
+256k prefill took 45.1 s instead of 62.6 and 512k 145.1 s instead of 234.7.
+
+cuDNN builds an execution plan for each new (queries, keys) shape, the first time a process
+meets it: a chunked prefill meets one per chunk (the earlier keys grow by a chunk each time) and
+the later layers and calls reuse them. In that run the first layer took 5.4 s (256k) and 5.7 s
+(512k) more than the others; in diag_prefill_attention.py the first pass over 256k in 3584-token
+chunks took 2.7 s more than the next. So "auto" takes cuDNN only for prompts of at least
+CUDNN_MIN_PROMPT tokens, where attention dominates the prefill and the gain outweighs the plans.
+
+RevivaConfig(attention_kernel=...) chooses: "auto" takes cuDNN where torch's cuDNN attention is
+enabled on a CUDA device of compute capability 9.0 or later (where it was measured) and the
+prompt is long enough, else flash; "flash" and "cudnn" force one ("cudnn" raises where it is not
+available). Query chunks shorter than CUDNN_MIN_QUERIES (decode, short tails) keep flash.
 """
 
 from __future__ import annotations
@@ -57,6 +67,8 @@ _REFERENCE_ROWS = 1024
 # Query rows below which cuDNN is not used (decode's one token, a short last chunk): its gain
 # was measured on prefill chunks of thousands of queries.
 CUDNN_MIN_QUERIES = 128
+# Prompts below which "auto" keeps flash (the plans' one-time cost against the gain).
+CUDNN_MIN_PROMPT = 131072
 KERNELS = ("auto", "flash", "cudnn")
 
 
@@ -71,7 +83,7 @@ def cudnn_available(device: torch.device) -> bool:
 
 def resolve_kernel(choice: str, device: torch.device) -> str:
     """RevivaConfig.attention_kernel for `device`: "flash" or "cudnn" (Note [Prefill attention
-    kernel]). "reference" off CUDA, where neither runs."""
+    kernel]; call_kernel then decides per call). "reference" off CUDA, where neither runs."""
     if choice not in KERNELS:
         raise ValueError(f"attention_kernel must be one of {KERNELS}, got {choice!r}")
     if device.type != "cuda":
@@ -86,6 +98,14 @@ def resolve_kernel(choice: str, device: torch.device) -> str:
         major = torch.cuda.get_device_capability(device)[0]
         return "cudnn" if cudnn_available(device) and major >= 9 else "flash"
     return choice
+
+
+def call_kernel(device_kernel: str, choice: str, prompt_tokens: int) -> str:
+    """The kernel of one call: `device_kernel` (resolve_kernel's answer for the device), except
+    that "auto" keeps flash for prompts shorter than CUDNN_MIN_PROMPT."""
+    if choice == "auto" and device_kernel == "cudnn" and prompt_tokens < CUDNN_MIN_PROMPT:
+        return "flash"
+    return device_kernel
 
 
 def block_attention(

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from reviva.adapters import DecoderLayout
+from reviva.block_attention import call_kernel
 from reviva.planner import Plan
 
 CALIBRATION = "H200 (PCIe Gen5 x16), Llama-3-8B shape, bf16, torch 2.11; benchmarks/results/"
@@ -44,6 +45,7 @@ LINEAR_FLOPS = 546e12
 WHOLE_ATTENTION_FLOPS = 530e12
 CHUNKED_ATTENTION_FLOPS = 325e12
 CUDNN_CHUNKED_ATTENTION_FLOPS = 570e12
+CUDNN_PLAN_S = 0.036  # a new shape's plan, first call of a process (see Forecast)
 # What a process holds on the card beside torch's tensors and Reviva's arena: the CUDA context
 # (24 - 23.35 GB free after it, card mode) and what a call leaves (cuBLAS workspaces, the decode
 # graphs' pool): the planner saw 23.28 GB to plan with in call 1 and 23.18 GB in later calls of
@@ -68,6 +70,10 @@ class Forecast:
     # The call's decode as bench_generate times it: the steps after the first token, the first
     # of them bringing the promoted layers in.
     decode_call_tok_s: float
+    attention_kernel: str = "flash"  # prefill's chunked attention ("cudnn" or "flash")
+    # A process's first call at a prompt length, with cuDNN: its plan for each new shape (Note
+    # [Prefill attention kernel]), on top of prefill_s.
+    prefill_first_call_extra_s: float = 0.0
     calibration: str = CALIBRATION
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,12 +81,17 @@ class Forecast:
 
 
 def forecast(
-    layout: DecoderLayout, plan: Plan, weight_bytes: int, attention_kernel: str = "cudnn"
+    layout: DecoderLayout, plan: Plan, weight_bytes: int, attention_kernel: str = "auto"
 ) -> Forecast:
     """Times of a call planned as `plan` on `layout` (see the module docstring), prefill's
-    chunked attention through `attention_kernel` ("cudnn" or "flash")."""
-    if attention_kernel not in ("cudnn", "flash"):
-        raise ValueError(f"attention_kernel must be 'cudnn' or 'flash', got {attention_kernel!r}")
+    chunked attention through `attention_kernel`: "cudnn", "flash", or "auto" (what
+    RevivaConfig(attention_kernel="auto") takes on the H200: block_attention.call_kernel)."""
+    if attention_kernel not in ("auto", "cudnn", "flash"):
+        raise ValueError(
+            f"attention_kernel must be 'auto', 'cudnn' or 'flash', got {attention_kernel!r}"
+        )
+    if attention_kernel == "auto":  # the H200 takes cuDNN: call_kernel decides by the prompt
+        attention_kernel = call_kernel("cudnn", "auto", plan.prompt_tokens)
     e = layout.dtype.itemsize
     params = weight_bytes / e
     # The embedding is a lookup and the head runs on one position: not prefill FLOPs.
@@ -102,6 +113,9 @@ def forecast(
     else:
         rate = CHUNKED_ATTENTION_FLOPS
     attention = attn_flops / rate
+    # cuDNN's plans: a chunk's earlier keys and its own block, one shape each.
+    chunks = -(-plan.prompt_tokens // max(plan.chunk_tokens, 1))
+    plans = 2 * chunks if rate == CUDNN_CHUNKED_ATTENTION_FLOPS else 0
     compute_prefill = linear + attention
     residual = 0.0
     if plan.residual_host_bytes:
@@ -136,4 +150,6 @@ def forecast(
         decode_bound="transfer" if transfer > compute else "compute",
         first_step_extra_s=first_extra,
         decode_call_tok_s=steps / (steps * step + first_extra) if steps and step > 0 else 0.0,
+        attention_kernel=attention_kernel,
+        prefill_first_call_extra_s=plans * CUDNN_PLAN_S,
     )

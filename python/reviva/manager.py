@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from reviva.adapters import DecoderLayout, inspect_model
-from reviva.block_attention import resolve_kernel
+from reviva.block_attention import call_kernel, resolve_kernel
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
 from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
@@ -87,8 +87,10 @@ class RevivaManager:
         self.engine = self.resources.engine
         self.arena = self.resources.arena
         self.layers = LlamaLayerPath(self.layout)
-        # Note [Prefill attention kernel] (block_attention.py): "flash", "cudnn" or "reference".
-        self.attention_kernel = resolve_kernel(config.attention_kernel, device)
+        # Note [Prefill attention kernel] (block_attention.py): "flash", "cudnn" or "reference"
+        # for the device; each call's (call_kernel) in _call_kernel.
+        self._device_kernel = resolve_kernel(config.attention_kernel, device)
+        self._call_kernel = self._device_kernel
         self._saved_forwards: dict[int, tuple[nn.Module, Any]] = {}
         self._entered = 0
         self._owner: int | None = None  # the thread inside `with manager:`
@@ -617,6 +619,9 @@ class RevivaManager:
         self._phase["padded"] = padded
         self._phase["pin_s"] = self._pin_host_copies(plan)
         self._copy_hidden = bool(gen.output_hidden_states)
+        self._call_kernel = call_kernel(
+            self._device_kernel, self.config.attention_kernel, plan.prompt_tokens
+        )
         if self._graphs is not None:
             self._graphs.begin_call(self.layout.layers)
         try:
@@ -637,7 +642,7 @@ class RevivaManager:
                 block_tokens=plan.kv_block_tokens,
                 runtime=self.runtime,
                 page_tokens=plan.page_tokens,
-                attention_kernel=self.attention_kernel,
+                attention_kernel=self._call_kernel,
             )
             if plan.page_slots:
                 cache.store.set_page_slots(plan.page_slots)
@@ -834,7 +839,7 @@ class RevivaManager:
             "decode_graph_eager_steps": self._graphs.eager_steps if self._graphs else 0,
             "decode_graph_uncaptured": dict(self._graphs.uncaptured) if self._graphs else {},
             "decode_graphs": self._graphs_state(),
-            "attention_kernel": self.attention_kernel,
+            "attention_kernel": self._call_kernel,
             "prefill_s": prefill_s,
             # where prefill's time went: before the first layer (planning, pinning what is
             # pinned first, embeddings), the first layer (a process's first call loads its

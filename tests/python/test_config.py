@@ -74,3 +74,16 @@ def test_attention_kernel_is_checked_and_resolved() -> None:
         assert resolve_kernel(choice, torch.device("cpu")) == "reference"
     with pytest.raises(ValueError, match="got 'x'"):
         resolve_kernel("x", torch.device("cpu"))
+
+
+def test_auto_takes_cudnn_only_for_long_prompts() -> None:
+    """Note [Prefill attention kernel]: where the device takes cuDNN, "auto" keeps flash below
+    CUDNN_MIN_PROMPT tokens (cuDNN's plans per shape cost more than they save there); a forced
+    kernel stays; off CUDA the reference path whatever the prompt."""
+    from reviva.block_attention import CUDNN_MIN_PROMPT, call_kernel
+
+    assert call_kernel("cudnn", "auto", CUDNN_MIN_PROMPT - 1) == "flash"
+    assert call_kernel("cudnn", "auto", CUDNN_MIN_PROMPT) == "cudnn"
+    assert call_kernel("cudnn", "cudnn", 100) == "cudnn"
+    assert call_kernel("flash", "auto", 10**6) == "flash"
+    assert call_kernel("reference", "auto", 10**6) == "reference"
