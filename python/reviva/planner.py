@@ -306,7 +306,10 @@ def _make_plan(
     # while a chunk's queries need a bottom-right causal mask (measured ~30% slower on the
     # H200). It is chosen when it fits beside a full set of staging slots: layers it keeps
     # off the device during prefill are promoted back after it.
-    q_and_out = 2 * batch * prompt_tokens * lay.num_heads * lay.head_dim * e
+    # Three tensors of the queries' size: the queries, the attention's output, and the copy of
+    # it that HF's sdpa_attention_forward returns (attn_output.transpose(1, 2).contiguous()):
+    # counting two, a paged plan at 64k on a 24 GB card ran out of memory in that copy (50eb01c).
+    q_and_out = 3 * batch * prompt_tokens * lay.num_heads * lay.head_dim * e
     q_and_out += score * prompt_tokens * prompt_tokens
     # ... and a contiguous copy of the layer's keys and values (LlamaLayerPath._attend_hf).
     kv_copy = 2 * batch * prompt_tokens * lay.num_kv_heads * lay.head_dim * e

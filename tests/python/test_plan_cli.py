@@ -19,11 +19,13 @@ def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
 
 # (context, prefill attention kernel, call, measured prefill s, measured decode tok/s on the 24 GB
 # card; files under benchmarks/results/: generate-card24-2026-12-01-13a52f1.json (call 2),
-# generate-128k-card24-2026-12-01-612b104.json, generate-256k-card24-merged-2026-12-01-13a52f1
-# (flash, call 2), generate-card24-2026-12-02-8646e57.json (cuDNN, call 1: its plans included)
+# generate-256k-card24-merged-2026-12-01-13a52f1
+# (flash, call 2), generate-card24-2026-12-02-8646e57.json (cuDNN, call 1: its plans included).
+# 128k is not here: it was measured with whole-prompt attention (11.98 s, 4.46 tok/s at 612b104),
+# which the planner no longer takes there since it counts HF's copy of the attention output; its
+# chunked cuDNN plan has not been measured.
 MEASURED = [
     ("64k", "auto", 2, 3.87, 21.79),
-    ("128k", "flash", 2, 11.98, 4.46),
     ("256k", "flash", 2, 61.99, 1.80),
     ("256k", "auto", 1, 45.11, 1.78),
 ]
