@@ -142,6 +142,13 @@ class REVIVA_API KVStore {
                   const Stream& compute);
   void release_page(int layer, std::size_t page, const Stream& compute);
   std::shared_ptr<ArenaBuffer> page_buffer(int layer, std::size_t page) const;
+  // A paged layer's prefill by chunks of `chunk` tokens over tokens [first, end): declares the
+  // order of its page accesses (per chunk: the pages before the chunk, which its attention
+  // reads, then the pages it writes), so that the scheduler brings the next chunk's pages in
+  // while compute works on the current ones, instead of fetching each when it is reached. Until
+  // end_prefill_order(), which declares the decode cycle again.
+  void declare_prefill_order(int layer, std::size_t first, std::size_t end, std::size_t chunk);
+  void end_prefill_order();
 
   std::size_t length(int layer) const;
   bool resident(int layer) const;
@@ -192,7 +199,8 @@ class REVIVA_API KVStore {
   std::vector<std::size_t> cycle_write_page_;
   std::size_t kept_page_bytes_ = 0;
   std::size_t staged_pages_bytes_ = 0;  // bytes of the pages compute holds that are not kept
-  int promoted_pages_ = 0;  // paged layers promoted (resident, counted by their kept pages)
+  int promoted_pages_ = 0;        // paged layers promoted (resident, counted by their kept pages)
+  int prefill_order_layer_ = -1;  // the paged layer whose prefill order is declared, or -1
   int page_slots_ = 0;
   KVStoreStats counts_;   // what the store counts itself (the rest comes from the manager)
   bool started_ = false;  // a layer was acquired: residency is fixed (promotion aside)

@@ -315,6 +315,13 @@ void bind_kv_store(py::module_& m) {
           "pages", [](PyKVStore& s, int layer) { return s.store().pages(layer); }, py::arg("layer"))
       .def_property_readonly("page_tokens", [](PyKVStore& s) { return s.store().page_tokens(); })
       .def("acquire_page", &PyKVStore::acquire_page, py::arg("layer"), py::arg("page"))
+      .def(
+          "declare_prefill_order",
+          [](PyKVStore& s, int layer, std::size_t first, std::size_t end, std::size_t chunk) {
+            s.store().declare_prefill_order(layer, first, end, chunk);
+          },
+          py::arg("layer"), py::arg("first"), py::arg("end"), py::arg("chunk"))
+      .def("end_prefill_order", [](PyKVStore& s) { s.store().end_prefill_order(); })
       .def("page_kv", &PyKVStore::page_kv, py::arg("layer"), py::arg("page"), py::arg("tokens"))
       .def(
           "release_page",

@@ -20,6 +20,7 @@ layers reach it through a weak reference, so that nothing keeps a cache alive in
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator
 
@@ -184,6 +185,20 @@ class RevivaCache(Cache):
         pages as they are written)."""
         if not self.paged(layer_idx):
             self.store.reserve(layer_idx, tokens)
+
+    @contextlib.contextmanager
+    def prefill_order(self, layer_idx: int, tokens: int, chunk: int) -> Iterator[None]:
+        """Around a layer's prefill by chunks of `chunk` over `tokens` tokens: a paged layer's
+        page reads and writes in that order declared to the store, so its pages come in ahead
+        of use (Note [Paged prefill order] in src/kv_store.cpp); nothing for a whole layer."""
+        if not self.paged(layer_idx) or tokens == 0:
+            yield
+            return
+        self.store.declare_prefill_order(layer_idx, 0, tokens, chunk)
+        try:
+            yield
+        finally:
+            self.store.end_prefill_order()
 
     def page_blocks(
         self, layer_idx: int, end: int

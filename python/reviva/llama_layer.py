@@ -70,7 +70,8 @@ class LlamaLayerPath:
             # All of the prompt's K/V is written in this call: map it at once, not by chunks.
             cache.reserve(i, h.shape[1])
             if whole or not plan.whole_attention or cache.paged(i):  # (pages: by chunks)
-                self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, interface)
+                with cache.prefill_order(i, h.shape[1], plan.chunk_tokens):
+                    self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, interface)
             else:
                 self._prefill_whole_attention(cache, plan, i, layer, h, cos, sin, mask, interface)
         finally:
@@ -94,22 +95,28 @@ class LlamaLayerPath:
         if torch.is_grad_enabled():
             raise RuntimeError("RevivaManager prefill runs under torch.no_grad() (generate does)")
         tokens, chunk = residual.shape[0], plan.chunk_tokens
-        device = self.layout.device
         cache.acquire(i)
         try:
             cache.reserve(i, tokens)
-            if device.type == "cuda":
-                self._prefill_chunks_streamed(cache, i, layer, residual, positions, rotary, chunk)
-                return
-            for s in range(0, tokens, chunk):
-                e = min(tokens, s + chunk)
-                # (the host backend: the device is the host, so a copy of the chunk)
-                h = residual[s:e].transpose(0, 1).clone(memory_format=torch.contiguous_format)
-                cos, sin = rotary(h, positions[:, s:e])
-                self._rows(cache, i, layer, h, 0, e - s, s, cos, sin, None, None)
-                residual[s:e].copy_(h.transpose(0, 1))
+            with cache.prefill_order(i, tokens, chunk):
+                self._prefill_from_host_chunks(cache, i, layer, residual, positions, rotary, chunk)
         finally:
             cache.release(i)
+
+    def _prefill_from_host_chunks(
+        self, cache, i, layer, residual, positions, rotary, chunk
+    ) -> None:  # noqa: ANN001
+        if self.layout.device.type == "cuda":
+            self._prefill_chunks_streamed(cache, i, layer, residual, positions, rotary, chunk)
+            return
+        tokens = residual.shape[0]
+        for s in range(0, tokens, chunk):
+            e = min(tokens, s + chunk)
+            # (the host backend: the device is the host, so a copy of the chunk)
+            h = residual[s:e].transpose(0, 1).clone(memory_format=torch.contiguous_format)
+            cos, sin = rotary(h, positions[:, s:e])
+            self._rows(cache, i, layer, h, 0, e - s, s, cos, sin, None, None)
+            residual[s:e].copy_(h.transpose(0, 1))
 
     def _prefill_chunks_streamed(
         self,
