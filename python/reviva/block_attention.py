@@ -130,6 +130,12 @@ def block_attention(
     end = query_start + n
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    # A few queries (decode): every block's output kept and merged once at the end, a handful of
+    # kernels instead of a dozen per block; a prefill chunk's outputs are too large to keep, and
+    # merge as they come.
+    parts: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+        [] if n <= MERGE_AT_END_QUERIES else None
+    )
     for k, v, key_start in blocks:
         _check_block(q, k, v, key_start, query_start, end)
         tokens = k.shape[2]
@@ -137,10 +143,31 @@ def block_attention(
             continue
         causal = key_start + tokens > query_start + 1
         for o_b, l_b in _block_parts(q, k, v, causal, scale, kernel):
-            out, lse = merge(out, lse, o_b, l_b)
+            if parts is not None:
+                parts.append((o_b, l_b))
+            else:
+                out, lse = merge(out, lse, o_b, l_b)
+    if parts:
+        out = merge_all(parts)
     if out is None:
         raise ValueError("block_attention: no keys (every query must see at least one block)")
     return out.to(q.dtype)
+
+
+# Queries up to which block_attention keeps every block's output and merges them at once.
+MERGE_AT_END_QUERIES = 64
+
+
+def merge_all(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The merge of every block's (output, lse) at once: L = logsumexp_b(L_b), O = sum_b
+    exp(L_b - L) O_b in fp32 (Note [Block-merged attention]); rows that saw no key of a block
+    take nothing from it, rows that saw none at all are 0."""
+    lse = torch.stack([l_b for _, l_b in parts]).float()  # [blocks, batch, heads, n]
+    outs = torch.stack([o_b for o_b, _ in parts]).float()  # [blocks, batch, heads, n, dim]
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1)
+    outs = torch.where(torch.isfinite(lse).unsqueeze(-1), outs, 0.0)
+    return (outs * weights).sum(dim=0)
 
 
 def _check_block(

@@ -164,3 +164,27 @@ def test_gpu_cudnn_chunk_attention_against_fp32(batch: int) -> None:
         bound = 2**-7 * ref.abs().max().item()
         assert all(e <= bound for e in errs.values()), (start, n, errs, bound)
         assert errs["cudnn"] <= 2 * errs["flash"] + 1e-3, (start, n, errs)
+
+
+def test_merging_at_the_end_equals_merging_as_they_come() -> None:
+    """block_attention keeps a few queries' block outputs and merges them at once (merge_all):
+    the same as the running merge within fp32 rounding, rows that saw no key of a block taking
+    nothing from it (their output there may be anything), a row that saw no key at all 0."""
+    from reviva.block_attention import merge_all
+
+    g = torch.Generator().manual_seed(3)
+    parts = []
+    for b in range(5):
+        o = torch.randn(2, 4, 3, 8, generator=g)
+        lse = torch.randn(2, 4, 3, generator=g) * 3
+        if b in (1, 3):  # row 2 saw no key of these blocks
+            lse[:, :, 2] = float("-inf")
+            o[:, :, 2] = float("nan")
+        parts.append((o.to(torch.bfloat16), lse))
+    out = lse_run = None
+    for o_b, l_b in parts:
+        out, lse_run = merge(out, lse_run, o_b, l_b)
+    assert out is not None
+    torch.testing.assert_close(merge_all(parts), out, rtol=1e-5, atol=1e-6)
+    nothing = [(torch.full((1, 1, 1, 2), float("nan")), torch.full((1, 1, 1), float("-inf")))]
+    assert torch.equal(merge_all(nothing), torch.zeros(1, 1, 1, 2))
