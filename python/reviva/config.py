@@ -47,8 +47,10 @@ class RevivaConfig:
                     > 0: layers not resident from the start keep their K/V in pages of this
                     many tokens, read and written page by page (attention merged across pages,
                     Note [Paged layers] in src/kv_store.cpp), so the staging room is a few pages
-                    instead of whole layers and more layers stay resident. Opt-in: tested on the
-                    CPU, not yet measured on a GPU.
+                    instead of whole layers and more layers stay resident. Opt-in: on an H200
+                    at 64k it was slower than whole layers (prefill 5.2 s against 3.85, decode
+                    14.6 tok/s against 21.7; README), before prefill's page reads were
+                    prefetched.
     attention_kernel: prefill's chunked attention on CUDA: "flash" (aten's flash attention),
                     "cudnn" (cuDNN's, 1.8x faster at 256k on an H200), or "auto" (cuDNN on
                     compute capability 9.0+ where torch has it enabled, else flash). Note
