@@ -923,6 +923,9 @@ def analyse_card(rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[s
         rooflines.append(x)
         roof_of[(r["mode"], r["contender"], r["context"], r["call"])] = x
 
+    from reviva import parse_bytes
+
+    card_bytes = parse_bytes(settings["card"])
     checks: dict[str, Any] = {}
     for ctx, kind in sorted(settings["check_contexts"].items(), key=lambda kv: int(kv[0])):
         ctx = int(ctx)
@@ -977,9 +980,7 @@ def analyse_card(rows: list[dict[str, Any]], settings: dict[str, Any]) -> dict[s
             ok = c["completed"] and c["roofline_ok"]
             if ctx in MAX_PREFILL_S:
                 pre, peak = r.get("prefill_s"), r.get("card_peak_used_gb")
-                from reviva import parse_bytes
-
-                card_gb = parse_bytes(settings["card"]) / 1e9
+                card_gb = card_bytes / 1e9
                 c.update(
                     max_prefill_s=MAX_PREFILL_S[ctx],
                     prefill_time_ok=bool(pre and pre <= MAX_PREFILL_S[ctx]),

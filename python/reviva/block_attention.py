@@ -59,6 +59,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from reviva.config import ATTENTION_KERNELS
+
 # Query rows per slice of the reference path: scores of [batch, kv_heads, group * rows, block]
 # fp32 values at a time.
 _REFERENCE_ROWS = 1024
@@ -69,7 +71,6 @@ _REFERENCE_ROWS = 1024
 CUDNN_MIN_QUERIES = 128
 # Prompts below which "auto" keeps flash (the plans' one-time cost against the gain).
 CUDNN_MIN_PROMPT = 131072
-KERNELS = ("auto", "flash", "cudnn")
 
 
 def cudnn_available(device: torch.device) -> bool:
@@ -84,8 +85,8 @@ def cudnn_available(device: torch.device) -> bool:
 def resolve_kernel(choice: str, device: torch.device) -> str:
     """RevivaConfig.attention_kernel for `device`: "flash" or "cudnn" (Note [Prefill attention
     kernel]; call_kernel then decides per call). "reference" off CUDA, where neither runs."""
-    if choice not in KERNELS:
-        raise ValueError(f"attention_kernel must be one of {KERNELS}, got {choice!r}")
+    if choice not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {choice!r}")
     if device.type != "cuda":
         return "reference"
     if choice == "cudnn" and not cudnn_available(device):
@@ -204,14 +205,14 @@ def _block_parts(
     bottom-right causal block longer than the queries, its earlier keys (no mask) and the
     square causal rest (Note [Prefill attention kernel])."""
     n, tokens = q.shape[2], k.shape[2]
-    if not (kernel == "cudnn" and use_cudnn(q)) or tokens < n:
-        yield attention_with_lse(q, k, v, causal, scale, kernel)
-        return
-    if causal and tokens > n:
+    if kernel == "cudnn" and use_cudnn(q) and causal and tokens > n:
         head = tokens - n
         yield attention_with_lse(q, k[:, :, :head], v[:, :, :head], False, scale, kernel)
         yield attention_with_lse(q, k[:, :, head:], v[:, :, head:], True, scale, kernel)
         return
+    # (a causal block shorter than the queries: flash's bottom-right mask, cuDNN has none)
+    if causal and tokens < n:
+        kernel = "flash"
     yield attention_with_lse(q, k, v, causal, scale, kernel)
 
 

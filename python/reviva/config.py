@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from reviva.sizes import parse_bytes
 
+# RevivaConfig.attention_kernel's values (Note [Prefill attention kernel] in block_attention.py).
+ATTENTION_KERNELS = ("auto", "flash", "cudnn")
+
 _OFFLOAD_DEVICES = ("cpu", "disk")
 _MIN_BARE_BUDGET = 1 << 20  # a smaller bare number is a unit forgotten
 _MAX_PREFETCH = 256
@@ -110,7 +113,7 @@ class RevivaConfig:
             raise ValueError(f"pin_memory must be True or False, got {self.pin_memory!r}")
         if self.host_memory is not None and parse_bytes(self.host_memory) <= 0:
             raise ValueError(f"host_memory must be > 0 bytes, got {self.host_memory!r}")
-        if self.attention_kernel not in ("auto", "flash", "cudnn"):
+        if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(
                 "attention_kernel must be 'auto', 'flash' or 'cudnn', got "
                 f"{self.attention_kernel!r}"

@@ -74,19 +74,8 @@ struct PagedRig {
 
   // Compute reads each page of the layer (after acquire_page: its fetch must have landed).
   void check_contents(int layer) {
-    const auto& e = expected[static_cast<std::size_t>(layer)];
-    const std::size_t length = store->length(layer);
-    ASSERT_EQ(e.size(), length * kTokenBytes);
-    for (std::size_t j = 0; j < store->pages(layer); ++j) {
-      void* buffer = store->acquire_page(layer, j, *compute);
-      const std::size_t n = std::min(page(), length - j * page()) * kTokenBytes;
-      ASSERT_EQ(download(*staging, *compute, buffer, n),
-                std::vector<std::uint8_t>(
-                    e.begin() + static_cast<std::ptrdiff_t>(j * page() * kTokenBytes),
-                    e.begin() + static_cast<std::ptrdiff_t>(j * page() * kTokenBytes + n)))
-          << "layer " << layer << " page " << j << " length " << length;
-      store->release_page(layer, j, *compute);
-    }
+    ASSERT_EQ(expected[static_cast<std::size_t>(layer)].size(), store->length(layer) * kTokenBytes);
+    read_pages(layer, store->length(layer));
   }
 
   // Compute reads the pages holding tokens [0, end) of `layer` (a prefill chunk's attention to
