@@ -748,6 +748,17 @@ BlockId OffloadManager::adopt(void* device_ptr, std::size_t bytes,
   return id;
 }
 
+BlockId OffloadManager::register_host_block(PinnedBlock host, std::string name) {
+  REVIVA_CHECK_ARG(static_cast<bool>(host), "register_host_block: the host block is empty");
+  const BlockId id = register_block(host.size(), std::move(name));
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  Impl::Block& b = impl_->find(id);
+  b.host = std::move(host);
+  b.host_valid = true;
+  b.state = BlockState::Host;
+  return id;
+}
+
 BlockId OffloadManager::register_append_block(std::size_t capacity, std::string name) {
   const BlockId id = register_block(capacity, std::move(name));
   std::lock_guard<std::mutex> lock(impl_->mutex);

@@ -67,6 +67,12 @@ class REVIVA_API OffloadManager {
   // free. Throws OutOfMemory if the budget cannot make room for it.
   BlockId adopt(void* device_ptr, std::size_t bytes, std::function<void(StreamHandle)> release,
                 const Stream& producer, std::string name = {});
+  // A block whose contents are the pinned host block `host` (all host.size() bytes, > 0), in
+  // state Host: its first acquire fetches them, and an acquire with Access::ReadOnly keeps the
+  // host copy valid, so the block leaves the device without a copy (weights streamed from
+  // pinned host memory). The caller may write the host block's contents only before the block
+  // is first acquired.
+  BlockId register_host_block(PinnedBlock host, std::string name = {});
   // Frees the block's memory (stream-ordered) and forgets it. It must not be acquired.
   void unregister(BlockId id);
 

@@ -8,6 +8,7 @@
 #include <reviva/error.h>
 #include <reviva/eviction_policy.h>
 #include <reviva/kv_store.h>
+#include <reviva/weight_store.h>
 #include <reviva/metrics.h>
 #include <reviva/offload_manager.h>
 #include <reviva/pinned_host_pool.h>

@@ -18,6 +18,7 @@ namespace reviva::python {
 
 void bind_manager(py::module_& m);   // manager.cpp
 void bind_kv_store(py::module_& m);  // kv_store.cpp
+void bind_weight_store(py::module_& m);  // weight_store.cpp
 
 namespace {
 
@@ -519,4 +520,5 @@ PYBIND11_MODULE(_C, m) {
 
   bind_manager(m);
   bind_kv_store(m);
+  bind_weight_store(m);
 }

@@ -62,6 +62,16 @@ class RevivaConfig:
                     (pinned host memory, streamed through each layer by chunks: nothing of the
                     prompt's size on the device but K/V), or "auto" (the device unless the plan
                     does not fit there).
+    device:         where compute runs: None (the model's device), or "cuda", "cuda:N", "cpu".
+                    A model on the CPU (or with its decoder layers on the meta device) computing
+                    on "cuda" keeps its decoder layers' weights in pinned host memory; the rest
+                    of the model (embeddings, final norm, head) moves to the device.
+    stream_weights: "auto" (the decoder layers' weights live in pinned host memory and stream
+                    to the device when they are not on the compute device, or when the model's
+                    weights on the device are more than the budget), True (always) or False
+                    (never). Each call's plan keeps as many layers' weights resident as saves
+                    the most bytes per token beside the K/V (Note [Streamed weights] in
+                    reviva/weights.py).
     """
 
     vram_threshold: float = 0.8
@@ -78,6 +88,8 @@ class RevivaConfig:
     kv_block_tokens: int | None = None
     kv_page_tokens: int = 0
     attention_kernel: str = "auto"
+    device: str | None = None
+    stream_weights: str | bool = "auto"
 
     def __post_init__(self) -> None:
         t = self.vram_threshold
@@ -138,6 +150,20 @@ class RevivaConfig:
             raise ValueError(f"kv_page_tokens must be an int >= 0 (0: whole layers), got {g!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.device is not None:
+            if not isinstance(self.device, str) or self.device.split(":")[0] not in (
+                "cuda",
+                "cpu",
+            ):
+                raise ValueError(
+                    f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+                )
+        if self.stream_weights not in ("auto", True, False) or (
+            isinstance(self.stream_weights, int) and not isinstance(self.stream_weights, bool)
+        ):
+            raise ValueError(
+                f"stream_weights must be 'auto', True or False, got {self.stream_weights!r}"
+            )
         c = self.chunk_tokens
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c <= 0):
             raise ValueError(f"chunk_tokens must be an int > 0 or None, got {c!r}")

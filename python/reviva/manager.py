@@ -18,11 +18,13 @@ at that moment; the call gives its device memory back before it returns, whateve
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from reviva.kv_cache import RevivaCache
 from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
 from reviva.planner import Plan, budget_for, device_state, host_state, make_plan, spread
 from reviva.resources import device_resources
+from reviva.weights import StreamedWeights
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,15 @@ _PIN_AFTER_LAYER = 2
 class RevivaManager:
     """Wraps a HF causal LM (Llama layout) to generate under a device memory budget."""
 
-    def __init__(self, model: nn.Module, config: RevivaConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: RevivaConfig | None = None,
+        fill_layer: Callable[[int, nn.Module], None] | None = None,
+    ) -> None:
+        """fill_layer(i, layer): for a model whose decoder layers are on the meta device (built
+        without memory), writes layer i's parameter values once they have their place in pinned
+        host memory (RevivaConfig.stream_weights; reviva.weights)."""
         if config is None:
             config = RevivaConfig()
         if not isinstance(config, RevivaConfig):
@@ -77,15 +88,21 @@ class RevivaManager:
             )
         self.config = config
         self.model = model
-        self.layout: DecoderLayout = inspect_model(model)
-        device = self.layout.device
+        layout = inspect_model(model)
+        device = torch.device(config.device) if config.device is not None else layout.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"RevivaManager: model on unsupported device {device}")
+        self.layout: DecoderLayout = dataclasses.replace(layout, device=device)
         self.resources = device_resources(device)
         self.runtime = self.resources.runtime
         self.pool = self.resources.pool
         self.engine = self.resources.engine
         self.arena = self.resources.arena
+        # Note [Streamed weights] (reviva/weights.py): the decoder layers' weights in pinned host
+        # memory, streamed to the device by each call's plan; None: they stay where they are.
+        self.weights: StreamedWeights | None = self._take_weights(config, fill_layer)
         self.layers = LlamaLayerPath(self.layout)
         # Note [Prefill attention kernel] (block_attention.py): "flash", "cudnn" or "reference"
         # for the device; each call's (call_kernel) in _call_kernel.
@@ -122,6 +139,74 @@ class RevivaManager:
         # Note [Decode graphs] (llama_layer.py): the own decode path's compute as CUDA graphs.
         use_graphs = self._own_decode and config.cuda_graphs
         self._graphs = DecodeGraphs(self.layers) if use_graphs else None
+
+    def _take_weights(
+        self, config: RevivaConfig, fill_layer: Callable[[int, nn.Module], None] | None
+    ) -> StreamedWeights | None:
+        """Moves the decoder layers' weights into pinned host memory when config.stream_weights
+        asks for it (or, "auto", when they are not on the compute device or the model's weights
+        on it exceed the budget), and the rest of the model to the compute device."""
+        lay = self.layout
+        device = lay.device
+        layer_params = [p for layer in lay.layers for p in layer.parameters()]
+        elsewhere = [p for p in layer_params if p.device != device]
+        mode = config.stream_weights
+        if mode == "auto":
+            stream = bool(elsewhere)
+            if not stream and device.type == "cuda":
+                total = torch.cuda.get_device_properties(device).total_memory
+                held = sum(p.numel() * p.element_size() for p in lay.model.parameters())
+                stream = held > config.budget_bytes(total)
+        else:
+            stream = bool(mode)
+        if not stream:
+            if elsewhere:
+                raise ValueError(
+                    f"RevivaManager: the decoder layers' weights are on {elsewhere[0].device} and "
+                    f"compute runs on {device}, with RevivaConfig(stream_weights=False): move the "
+                    "model to the device, or let its weights stream (stream_weights='auto')"
+                )
+            if fill_layer is not None:
+                raise ValueError(
+                    "RevivaManager: fill_layer is for decoder layers on the meta device, whose "
+                    "weights stream; this model's do not"
+                )
+            return None
+        ids = {id(p) for p in layer_params}
+        model = lay.model
+        for name, p in model.named_parameters():
+            if id(p) in ids or p.device == device:
+                continue
+            if p.is_meta:
+                raise ValueError(
+                    f"RevivaManager: parameter {name} is on the meta device; only the decoder "
+                    "layers' parameters are filled (fill_layer): load the rest before wrapping"
+                )
+            p.data = p.data.to(device)
+        for module in model.modules():
+            if any(module is layer for layer in lay.layers):
+                continue
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != device and not buf.is_meta:
+                    module._buffers[key] = buf.to(device)
+        t = time.perf_counter()
+        weights = StreamedWeights(lay.layers, self.engine, self.arena, device, fill_layer)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the layers' device memory, if they were there
+        log.info(
+            "reviva: %d decoder layers' weights (%.1f GB) in pinned host memory in %.1f s",
+            weights.num_layers,
+            weights.total_bytes / 1e9,
+            time.perf_counter() - t,
+        )
+        return weights
+
+    def _streamed_param_bytes(self) -> int:
+        if self.weights is None:
+            return 0
+        return sum(
+            p.numel() * p.element_size() for layer in self.layout.layers for p in layer.parameters()
+        )
 
     # --- enabling and restoring ------------------------------------------------------------------
 
@@ -193,6 +278,16 @@ class RevivaManager:
         original = layer.forward
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            weights = self.weights
+            if weights is None:
+                return run(hidden_states, *args, **kwargs)
+            weights.acquire(i)  # (Note [Streamed weights]: its parameters on the device)
+            try:
+                return run(hidden_states, *args, **kwargs)
+            finally:
+                weights.release(i)
+
+        def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             cache = kwargs.get("past_key_values")
             if cache is not self._cache or cache is None:
                 return original(hidden_states, *args, **kwargs)
@@ -472,10 +567,20 @@ class RevivaManager:
     def plan(self, batch: int, prompt_tokens: int, new_tokens: int, padded: bool = False) -> Plan:
         """How a generate call of this shape would use the budget now (reviva.planner); raises
         RevivaOutOfMemoryError naming the numbers when even one layer's K/V cannot fit."""
-        state = device_state(self.layout, self.arena)
+        state = device_state(self.layout, self.arena, self._streamed_param_bytes())
         host = host_state(self.pool)
+        w = self.weights
         return make_plan(
-            self.layout, self.config, state, batch, prompt_tokens, new_tokens, padded, host=host
+            self.layout,
+            self.config,
+            state,
+            batch,
+            prompt_tokens,
+            new_tokens,
+            padded,
+            host=host,
+            weight_layers=w.num_layers if w is not None else 0,
+            weight_layer_bytes=max(w.layer_bytes) if w is not None else 0,
         )
 
     def budget_for(
@@ -488,7 +593,7 @@ class RevivaManager:
     ) -> int:
         """The smallest vram_budget (bytes) that keeps `resident_layers` layers' K/V resident
         in prefill for a call of this shape (the planner's inverse)."""
-        state = device_state(self.layout, self.arena)
+        state = device_state(self.layout, self.arena, self._streamed_param_bytes())
         return budget_for(
             self.layout,
             self.config,
@@ -622,9 +727,21 @@ class RevivaManager:
         self._call_kernel = call_kernel(
             self._device_kernel, self.config.attention_kernel, plan.prompt_tokens
         )
-        if self._graphs is not None:
-            self._graphs.begin_call(self.layout.layers)
+        weights_before = None
         try:
+            if self.weights is not None:
+                self.weights.set_residency(
+                    list(plan.weight_resident_layers),
+                    plan.weight_slots,
+                    plan.weight_prefetch_layers,
+                )
+                weights_before = self.weights.stats()
+            self._phase["weights_before"] = weights_before
+            if self._graphs is not None:
+                self._graphs.begin_call(self.layout.layers)
+                for i in range(plan.weight_layers):
+                    if i not in plan.weight_resident_layers:  # (their addresses change per use)
+                        self._graphs.uncaptured[i] = "its weights stream from pinned host memory"
             cache = RevivaCache(
                 self.engine,
                 self.arena,
@@ -666,6 +783,8 @@ class RevivaManager:
                 if self._residual is not None and cuda:  # its copies end before it goes back
                     torch.cuda.synchronize(self.layout.device)
                 self._residual, self._placeholder, self._positions = None, None, None
+                if self.weights is not None:
+                    self.weights.trim()  # streamed layers' device memory back; resident stay
             self.arena.reclaim(True)
         return out
 
@@ -850,11 +969,34 @@ class RevivaManager:
             "prefill_after_layers_ms": self._phase_ms("layers_end", "prefill_end"),
             "decode_s": decode_s,
             "decode_tok_s": steps / decode_s if steps and decode_s > 0 else None,
+            **self._weight_stats(plan),
             "fills": st["fills"],
             "prefetched_fills": st["prefetched_fills"],
             "slot_hits": st["slot_hits"],
             "host_mb": st["host_bytes"] / _MiB,
             "pinned_reserved_mb": self.pool.stats()["bytes_reserved"] / _MiB,
+        }
+
+    def _weight_stats(self, plan: Plan) -> dict[str, Any]:
+        """Note [Streamed weights]: what the call's weights did (zeros when they do not stream)."""
+        w = self.weights
+        before = self._phase.get("weights_before")
+        if w is None or before is None:
+            return {"weights_streamed": False, "weight_resident_layers": self.layout.num_layers}
+        now = w.stats()
+        return {
+            "weights_streamed": True,
+            "weight_resident_layers": now["resident_layers"],
+            "weight_streamed_layers": now["streamed_layers"],
+            "weight_slots": now["slots"],
+            "weight_prefetch_layers": now["prefetch_layers"],
+            "weight_host_mb": now["host_bytes"] / _MiB,
+            "weight_resident_mb": now["resident_bytes"] / _MiB,
+            "weight_bytes_to_device": now["bytes_to_device"] - before["bytes_to_device"],
+            "weight_bytes_to_host": now["bytes_to_host"] - before["bytes_to_host"],
+            "weight_fills": now["fills"] - before["fills"],
+            "weight_prefetched_fills": now["prefetched_fills"] - before["prefetched_fills"],
+            "weight_stall_ms": now["compute_stall_ms"] - before["compute_stall_ms"],
         }
 
     def _graphs_state(self) -> str:

@@ -62,6 +62,13 @@ class MemoryModel:
     chunk_max_bytes: int = 4096 * _MiB
     chunk_multiple: int = 256
     kv_block_bytes: int = 128 * _MiB  # fp8 K/V: a block's dequantized K and V with temporaries
+    # Streamed weights (Note [Streamed weights] in reviva/weights.py): a layer's weights on the
+    # device at a time beyond the resident ones: the one compute uses and the next being copied.
+    # A decode step's compute per layer is far shorter than its copy (the copy stream is the
+    # bottleneck, and the next copy is queued when the layer before it is released); in prefill
+    # a layer's compute over a long prompt is longer than its copy. A third slot would cost a
+    # layer's weights that could stay resident (one layer's bytes more per token).
+    weight_slots: int = 2
 
 
 MODEL = MemoryModel()
@@ -82,9 +89,10 @@ class DeviceState:
         return self.baseline + self.available
 
 
-def device_state(layout: DecoderLayout, arena: object) -> DeviceState:
+def device_state(layout: DecoderLayout, arena: object, streamed_bytes: int = 0) -> DeviceState:
     """Reads the device now. On CUDA: torch's allocated and reserved bytes, cudaMemGetInfo and
-    the arena; on the CPU (host backend) the simulated device and the model's bytes."""
+    the arena; on the CPU (host backend) the simulated device and the model's bytes, less the
+    `streamed_bytes` of parameters that live in a WeightStore (its host copies, or the arena)."""
     st = arena.stats()
     granularity = int(st["granularity"])
     ours = int(st["mapped_bytes"]) + int(st["retiring_bytes"])
@@ -95,6 +103,7 @@ def device_state(layout: DecoderLayout, arena: object) -> DeviceState:
         return DeviceState(total, allocated, free + cached + ours, granularity)
     model = layout.model
     held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    held -= streamed_bytes
     total = 16 << 30  # the host backend's simulated device
     return DeviceState(total, held, max(total - held, 0), granularity)
 
@@ -172,6 +181,23 @@ class Plan:
     page_tokens: int = 0
     page_bytes: int = 0
     page_slots: int = 0
+    # Note [Streamed weights] (reviva/weights.py): the decoder layers' weights live in pinned host
+    # memory (weight_layers of them; 0: on the device, not planned); these stay on the device,
+    # and the rest stream through weight_slots layers' room, weight_prefetch_layers ahead.
+    weight_layers: int = 0
+    weight_layer_bytes: int = 0  # the largest layer's weights, in arena granules
+    weight_resident_layers: tuple[int, ...] = ()
+    weight_slots: int = 0
+    weight_prefetch_layers: int = 0
+
+    @property
+    def streamed_weight_layers(self) -> int:
+        return self.weight_layers - len(self.weight_resident_layers)
+
+    @property
+    def weight_device_bytes(self) -> int:
+        """Device bytes of the weights that the call holds: resident layers and slots."""
+        return (len(self.weight_resident_layers) + self.weight_slots) * self.weight_layer_bytes
 
     @property
     def residual_host_bytes(self) -> int:
@@ -198,7 +224,7 @@ class Plan:
         """Streamed layers that fit once prefill's working set is gone and the slots beyond
         `decode_slots` are given up."""
         held = (len(self.resident_layers) + self.decode_slots) * self.layer_kv_bytes
-        held += self.page_slots * self.page_bytes
+        held += self.page_slots * self.page_bytes + self.weight_device_bytes
         room = self.budget - self.baseline - self.decode_working_set - held
         return min(max(room, 0) // self.layer_kv_bytes, self.streamed_layers)
 
@@ -223,17 +249,33 @@ def make_plan(
     padded: bool = False,
     model: MemoryModel = MODEL,
     host: HostState | None = None,
+    weight_layers: int = 0,
+    weight_layer_bytes: int = 0,
 ) -> Plan:
     """How a generate call of this shape uses the budget; raises RevivaOutOfMemoryError naming
     the numbers when the weights, the minimum working set and one layer's K/V do not fit, or
     (given `host`) when the pinned host memory it needs is more than the host can give.
+
+    With weight_layers > 0 the decoder layers' weights (weight_layer_bytes each at most) live in
+    pinned host memory (Note [Streamed weights] in reviva/weights.py), and the plan splits the
+    room left beside the working set between resident weights, resident K/V and the staging
+    room of each, keeping resident the mix that moves the fewest bytes per decode step: a byte
+    of either kept on the device is a byte a step does not copy, so the mix that holds the most
+    bytes resident (the streaming rooms taken off) wins, and of mixes that hold as much, the one
+    with more weights (they stay across calls, and their layers' decode steps run as graphs).
 
     The prompt's hidden states stay on the device (the measured path) unless they do not fit
     there: then, with config.prefill_residual "auto" (or always, with "host"), they live in
     pinned host memory through prefill (Note [Residual stream on the host] in llama_layer.py),
     which takes them and the whole prompt's rotary tables out of the working set."""
     _check_shape(batch, prompt_tokens, new_tokens)
-    args = (layout, config, state, batch, prompt_tokens, new_tokens, padded, model, host)
+    if weight_layers and weight_layers != layout.num_layers:
+        raise ValueError(
+            f"plan: weight_layers must be 0 or the model's {layout.num_layers} layers, got "
+            f"{weight_layers!r}"
+        )
+    weights = (weight_layers, _round_up(weight_layer_bytes, state.granularity))
+    args = (layout, config, state, batch, prompt_tokens, new_tokens, padded, model, host, weights)
     mode = config.prefill_residual
     if mode == "host":
         return _make_plan(*args, host_residual=True)
@@ -255,6 +297,7 @@ def _make_plan(
     padded: bool,
     model: MemoryModel,
     host: HostState | None,
+    weights: tuple[int, int],
     host_residual: bool,
 ) -> Plan:
     lay = layout
@@ -335,6 +378,9 @@ def _make_plan(
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     n = lay.num_layers
     window = min(config.prefetch_layers, n)
+    weight_layers, weight_bytes = weights
+    # the least room streamed weights need beside the K/V: their slots (or all of them resident)
+    weight_least = min(weight_layers, model.weight_slots) * weight_bytes
     if host_residual or fp8:  # a chunk's queries at a time (fp8: K/V by blocks, never whole)
         whole_attention = False
     elif chunk >= prompt_tokens or config.prefill_attention == "whole":
@@ -344,6 +390,7 @@ def _make_plan(
     else:
         # (paged layers attend by chunks, page by page; whole layers may still attend whole)
         fits = base + q_and_out + margin + (window + 1) * (page_bytes if paged else layer_kv)
+        fits += weight_least
         whole_attention = fits <= budget - baseline
     if whole_attention and chunk < prompt_tokens:
         prefill = base + q_and_out  # whole queries and output, and the scores
@@ -357,40 +404,42 @@ def _make_plan(
     decode_margin = model.margin_fixed + int(budget * model.decode_margin_fraction)
     working = max(prefill + margin, decode + decode_margin)
     avail = budget - baseline - working
-    prefetch = window
-    page_slots = 0
-    if avail >= n * layer_kv:
-        resident, slots = n, 0
-    else:  # staging room: the one in use and the window's, whole layers or pages
-        unit = page_bytes if paged else layer_kv
-        staged = prefetch + 1
-        while staged > 1 and avail < staged * unit:
-            staged -= 1  # a narrower window before failing: still correct, less overlap
-        if avail < staged * unit:
-            capped = (
-                f" (vram_budget {_fmt(requested)} capped to the {_fmt(state.limit)} the device "
-                f"can give: {_fmt(state.available)} free beside {_fmt(baseline)} held)"
-                if budget < requested
-                else ""
-            )
-            where = ", its hidden states on the host" if host_residual else ""
-            what = (
-                f"one page of K/V ({_fmt(unit)} for {config.kv_page_tokens} tokens"
-                if paged
-                else f"one layer's K/V ({_fmt(unit)} for {capacity} tokens"
-            )
-            raise RevivaOutOfMemoryError(
-                f"RevivaManager: the budget of {_fmt(budget)}{capped} cannot hold what is "
-                f"already on the device ({_fmt(baseline)}: weights and buffers) plus the working "
-                f"set of a {prompt_tokens}-token prompt ({_fmt(working)} at {chunk}-token "
-                f"chunks{where}) plus {what}, batch {batch}): "
-                f"{_fmt(baseline + working + unit)} needed. Raise vram_budget, "
-                + ("lower kv_page_tokens or chunk_tokens" if paged else "lower chunk_tokens")
-                + ", or shorten the prompt."
-            )
+    unit = page_bytes if paged else layer_kv
+    mix = _residency(
+        avail, n, layer_kv, unit, window, weight_layers, weight_bytes, model.weight_slots
+    )
+    if mix is None:
+        capped = (
+            f" (vram_budget {_fmt(requested)} capped to the {_fmt(state.limit)} the device "
+            f"can give: {_fmt(state.available)} free beside {_fmt(baseline)} held)"
+            if budget < requested
+            else ""
+        )
+        where = ", its hidden states on the host" if host_residual else ""
+        what = (
+            f"one page of K/V ({_fmt(unit)} for {config.kv_page_tokens} tokens"
+            if paged
+            else f"one layer's K/V ({_fmt(unit)} for {capacity} tokens"
+        )
+        streamed = (
+            f" plus one layer's weights streamed ({_fmt(weight_bytes)})" if weight_layers else ""
+        )
+        raise RevivaOutOfMemoryError(
+            f"RevivaManager: the budget of {_fmt(budget)}{capped} cannot hold what is "
+            f"already on the device ({_fmt(baseline)}: weights and buffers) plus the working "
+            f"set of a {prompt_tokens}-token prompt ({_fmt(working)} at {chunk}-token "
+            f"chunks{where}) plus {what}, batch {batch}){streamed}: "
+            f"{_fmt(baseline + working + unit + (weight_bytes if weight_layers else 0))} needed. "
+            "Raise vram_budget, "
+            + ("lower kv_page_tokens or chunk_tokens" if paged else "lower chunk_tokens")
+            + ", or shorten the prompt."
+        )
+    resident, staged, weight_resident, weight_slots = mix
+    if resident >= n:
+        slots, page_slots, prefetch = 0, 0, window
+    else:
         slots, page_slots = (0, staged) if paged else (staged, 0)
-        resident = min(n, (avail - staged * unit) // layer_kv)
-        prefetch = min(prefetch, staged - 1)
+        prefetch = min(window, staged - 1)
     plan = Plan(
         budget=budget,
         requested_budget=requested,
@@ -418,6 +467,11 @@ def _make_plan(
         page_tokens=config.kv_page_tokens if page_slots else 0,
         page_bytes=page_bytes if page_slots else 0,
         page_slots=page_slots,
+        weight_layers=weight_layers,
+        weight_layer_bytes=weight_bytes if weight_layers else 0,
+        weight_resident_layers=spread(weight_resident, weight_layers) if weight_layers else (),
+        weight_slots=weight_slots,
+        weight_prefetch_layers=max(weight_slots - 1, 0),
     )
     host_cap = config.host_memory_bytes()
     pinned = plan.pinned_host_bytes
@@ -515,6 +569,47 @@ def smallest_budget(
         else:
             low = mid
     return high
+
+
+def _residency(
+    avail: int,
+    n: int,
+    layer_kv: int,
+    unit: int,
+    window: int,
+    weight_layers: int,
+    weight_bytes: int,
+    weight_slots: int,
+) -> tuple[int, int, int, int] | None:
+    """How `avail` bytes are shared: (resident K/V layers, K/V staging units, resident weight
+    layers, weight slots), or None when not even the least of each fits. K/V streams through
+    up to window + 1 units (pages, or whole layers) of staging room, narrowed before failing;
+    streamed weights through weight_slots layers' room (at least one). Of the mixes, the one
+    with the most bytes resident, then the most weights (make_plan's docstring says why)."""
+    best: tuple[int, tuple[int, int, int, int]] | None = None
+    for w in range(weight_layers, -1, -1):
+        room = avail - w * weight_bytes
+        wslots = 0
+        if w < weight_layers:
+            wslots = weight_slots
+            while wslots > 1 and room - wslots * weight_bytes < unit:
+                wslots -= 1
+            room -= wslots * weight_bytes
+        if room < 0:
+            continue
+        if room >= n * layer_kv:
+            kv = (n, 0)
+        else:
+            staged = window + 1
+            while staged > 1 and room < staged * unit:
+                staged -= 1  # a narrower window before failing: still correct, less overlap
+            if room < staged * unit:
+                continue
+            kv = (min(n, (room - staged * unit) // layer_kv), staged)
+        held = w * weight_bytes + kv[0] * layer_kv
+        if best is None or held > best[0]:
+            best = (held, (kv[0], kv[1], w, wslots))
+    return None if best is None else best[1]
 
 
 def spread(count: int, total: int) -> tuple[int, ...]:

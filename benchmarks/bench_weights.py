@@ -1,0 +1,481 @@
+"""Models larger than the card: weights streamed from pinned host memory (issue 14), in card mode.
+
+Each scenario runs in a fresh worker process (DESIGN.md, "Measuring as a user runs it": a
+ballast of device total - card, torch's default allocator settings):
+
+- `reviva_32b`: the Qwen2.5-32B shape (hidden 5120, 64 layers, MLP 27648, 40/8 heads, vocab
+  152064, bf16: 65.5 GB) on a 24 GB card, built on the meta device and filled layer by layer
+  into pinned host memory (random values made on the GPU). A 32k prompt with 32 new tokens
+  (check `card24_32b`), then batch 8 x 4k and batch 1 x 4k (check `batch8_32b`).
+- `resident_32b`: the same shape with every weight on the device (no card: it fits the H200),
+  32k prompt: the prefill that card24_32b's is held to.
+- `accelerate_32b`: HF accelerate's offload of the same shape (`infer_auto_device_map` +
+  `dispatch_model`, max_memory card - 2 GiB), a short prompt: its decode rate (weight-bound: the
+  prompt's length barely changes it).
+- `reviva_8b`, `accelerate_8b`: the Llama-3-8B shape on an 8 GB card, 32k prompt (check
+  `card8_8b`).
+
+The roofline of a decode step is the bytes it must copy (the streamed layers' weights, and the
+K/V of layers streamed in decode) over 55 GB/s (pinned H2D on the H200, DESIGN.md).
+
+    python benchmarks/bench_weights.py --out DIR                  # every scenario
+    python benchmarks/bench_weights.py --scenarios reviva_8b,accelerate_8b --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from card import CallTimer, CardSampler, child_environment, gb, prepare_device, say  # noqa: E402
+from common import environment, print_table, write_json  # noqa: E402
+
+PCIE_H2D_BPS = 55e9  # DESIGN.md, "Performance model"
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "32b": dict(
+        family="qwen2",
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+    ),
+    "8b": dict(
+        family="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+}
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "reviva_32b": dict(shape="32b", card_gb=24, kind="reviva"),
+    "resident_32b": dict(shape="32b", card_gb=None, kind="resident"),
+    "accelerate_32b": dict(shape="32b", card_gb=24, kind="accelerate"),
+    "reviva_8b": dict(shape="8b", card_gb=8, kind="reviva"),
+    "accelerate_8b": dict(shape="8b", card_gb=8, kind="accelerate"),
+}
+
+
+def config_of(shape: str, max_positions: int) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    fields = dict(SHAPES[shape])
+    family = fields.pop("family")
+    common = dict(max_position_embeddings=max_positions, pad_token_id=0, eos_token_id=None)
+    if family == "qwen2":
+        return Qwen2Config(**fields, **common, use_sliding_window=False, tie_word_embeddings=False)
+    return LlamaConfig(**fields, **common)
+
+
+def meta_model(cfg: Any) -> Any:
+    """The model on the meta device, with everything outside the decoder layers on the GPU
+    (random, as a checkpoint loader would have loaded it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    inner = model.model
+    for module in (inner.embed_tokens, inner.norm, model.lm_head):
+        module.to_empty(device="cuda")
+    with torch.no_grad():
+        inner.embed_tokens.weight.normal_(0, 0.02)
+        model.lm_head.weight.normal_(0, 0.02)
+        inner.norm.weight.fill_(1.0)
+    inner.rotary_emb = type(inner.rotary_emb)(config=cfg, device="cuda")
+    return model
+
+
+def fill_random(i: int, layer: Any) -> None:
+    """fill_layer for RevivaManager: random values made on the GPU, copied into the pinned host
+    copy (norms at 1, as a trained model's are near)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(1000 + i)
+    for name, p in layer.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        v = torch.empty(p.shape, dtype=torch.float32, device="cuda").normal_(0, 0.02, generator=g)
+        p.copy_(v.to(p.dtype))
+
+
+def device_model(cfg: Any) -> Any:
+    """The whole model on the GPU, random (the no-card reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg, device="cuda")
+    return model
+
+
+def cpu_model(cfg: Any) -> Any:
+    """The whole model on the CPU (pageable), random values made on the GPU piece by piece."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.empty(p.shape, dtype=p.dtype, device="cuda").normal_(0, 0.02))
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    return model
+
+
+def timed_generate(
+    gen: Any, ids: Any, new: int, probe: Any, sync: Any, **kwargs: Any
+) -> dict[str, Any]:
+    timer = CallTimer(sync)
+    sampler = CardSampler(probe)
+    t = time.perf_counter()
+    with sampler:
+        out = gen(ids, max_new_tokens=new, do_sample=False, streamer=timer, **kwargs)
+    wall = time.perf_counter() - t
+    batch = ids.shape[0]
+    row = {
+        "batch": batch,
+        "prompt_tokens": ids.shape[1],
+        "new_tokens": int(out.shape[1] - ids.shape[1]),
+        "wall_s": wall,
+        "prefill_s": timer.prefill_s,
+        "decode_tok_s": timer.decode_tok_s,
+        "decode_batch_tok_s": timer.decode_tok_s * batch if timer.decode_tok_s else None,
+        "min_free_bytes": sampler.min_free,
+    }
+    return row
+
+
+def run_reviva(spec: dict[str, Any], args: argparse.Namespace, probe: Any, card: int) -> dict:
+    import torch
+
+    from reviva import RevivaConfig, RevivaManager
+
+    cfg = config_of(spec["shape"], args.prompt + args.new_tokens + 64)
+    t = time.perf_counter()
+    model = meta_model(cfg)
+    budget = f"{spec['card_gb']}GB" if spec["card_gb"] else None
+    config = RevivaConfig(vram_budget=budget, device="cuda")
+    manager = RevivaManager(model, config, fill_layer=fill_random)
+    load_s = time.perf_counter() - t
+    say(f"# loaded in {load_s:.1f} s: {manager.weights.total_bytes / 1e9:.1f} GB pinned")
+    sync = torch.cuda.synchronize
+    rows = []
+    calls = [(1, args.prompt, args.new_tokens)] * args.calls
+    if spec["shape"] == "32b" and args.batch8:
+        calls += [(8, 4096, args.new_tokens), (1, 4096, max(args.new_tokens // 4, 4))]
+    for batch, prompt, new in calls:
+        ids = torch.randint(1, cfg.vocab_size, (batch, prompt), device="cuda")
+        try:
+            row = timed_generate(manager.generate, ids, new, probe, sync)
+            st = manager.get_memory_stats()
+            row["stats"] = st
+            row["card_peak_bytes"] = card - row["min_free_bytes"]
+            row.update(roofline(manager, st, cfg, batch, prompt))
+        except Exception as e:  # noqa: BLE001 (recorded)
+            row = {"batch": batch, "prompt_tokens": prompt, "error": f"{type(e).__name__}: {e}"}
+            row["traceback"] = traceback.format_exc()[-3000:]
+        rows.append(row)
+        say(f"RESULT_ROW {json.dumps(summary(row))}")
+    return {"load_s": load_s, "weights_gb": manager.weights.total_bytes / 1e9, "calls": rows}
+
+
+def roofline(manager: Any, st: dict[str, Any], cfg: Any, batch: int, prompt: int) -> dict:
+    """A decode step's bytes to copy: the streamed layers' weights and the K/V of the layers
+    streamed in decode (at the prompt's length), and the rate 55 GB/s gives them."""
+    w = manager.weights
+    streamed_w = sum(w.layer_bytes[i] for i in range(w.num_layers) if not w.resident(i))
+    kv_token = (
+        2 * batch * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    )
+    streamed_kv = st["streamed_layers"] * prompt * kv_token
+    step = streamed_w + streamed_kv
+    rate = PCIE_H2D_BPS / step if step else None
+    return {
+        "step_bytes": step,
+        "step_weight_bytes": streamed_w,
+        "step_kv_bytes": streamed_kv,
+        "roofline_tok_s": rate,
+        "of_roofline": (st["decode_tok_s"] / rate) if rate and st.get("decode_tok_s") else None,
+    }
+
+
+def run_resident(spec: dict[str, Any], args: argparse.Namespace, probe: Any, card: int) -> dict:
+    import torch
+
+    from reviva import RevivaConfig, RevivaManager
+
+    cfg = config_of(spec["shape"], args.prompt + args.new_tokens + 64)
+    model = device_model(cfg)
+    manager = RevivaManager(model, RevivaConfig())
+    assert manager.weights is None
+    rows = []
+    for _ in range(2):  # the first call of a process pays its kernels' set-up
+        ids = torch.randint(1, cfg.vocab_size, (1, args.prompt), device="cuda")
+        row = timed_generate(manager.generate, ids, 2, probe, torch.cuda.synchronize)
+        row["stats"] = manager.get_memory_stats()
+        rows.append(row)
+        say(f"RESULT_ROW {json.dumps(summary(row))}")
+    return {"calls": rows}
+
+
+def run_accelerate(spec: dict[str, Any], args: argparse.Namespace, probe: Any, card: int) -> dict:
+    import torch
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    cfg = config_of(spec["shape"], 8192)
+    t = time.perf_counter()
+    model = cpu_model(cfg)
+    build_s = time.perf_counter() - t
+    # 80% of the card for the modules accelerate places there: the rest holds the CUDA
+    # context, the K/V and the activations (a 24 GB card is 22.4 GiB)
+    max_memory = {0: f"{int(card * 0.8) >> 20}MiB", "cpu": "400GiB"}
+    layer_class = type(model.model.layers[0]).__name__
+    device_map = infer_auto_device_map(
+        model, max_memory=max_memory, no_split_module_classes=[layer_class]
+    )
+    on_gpu = sum(1 for v in device_map.values() if v == 0)
+    model = dispatch_model(model, device_map=device_map)
+    rows = []
+    for _ in range(args.accelerate_calls):
+        ids = torch.randint(1, cfg.vocab_size, (1, args.accelerate_prompt), device="cuda")
+        try:
+            row = timed_generate(
+                model.generate, ids, args.accelerate_new_tokens, probe, torch.cuda.synchronize
+            )
+            row["card_peak_bytes"] = card - row["min_free_bytes"]
+        except Exception as e:  # noqa: BLE001 (recorded)
+            row = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        rows.append(row)
+        say(f"RESULT_ROW {json.dumps(summary(row))}")
+    return {
+        "build_s": build_s,
+        "max_memory": max_memory,
+        "modules_on_gpu": on_gpu,
+        "modules": len(device_map),
+        "calls": rows,
+    }
+
+
+def summary(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k not in ("stats", "traceback")}
+
+
+def worker(args: argparse.Namespace) -> int:
+    spec = SCENARIOS[args.worker]
+    card = spec["card_gb"] * 10**9 if spec["card_gb"] else None
+    info, ballast, probe, card_bytes = prepare_device(card, cuda=True)
+    if "error" in info:
+        print("WORKER " + json.dumps({"device": info, "error": info["error"]}, default=str))
+        return 1
+    run = {"reviva": run_reviva, "resident": run_resident, "accelerate": run_accelerate}
+    try:
+        result = run[spec["kind"]](spec, args, probe, card_bytes)
+    except Exception as e:  # noqa: BLE001 (recorded)
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    result["device"] = info
+    result["environment"] = environment()
+    print("WORKER " + json.dumps(result, default=str), flush=True)
+    if ballast is not None:
+        ballast.free()
+    return 0
+
+
+def first_ok(result: dict[str, Any] | None, batch: int = 1, prompt: int | None = None) -> dict:
+    for row in (result or {}).get("calls", []):
+        if "error" in row or row.get("batch") != batch:
+            continue
+        if prompt is not None and row.get("prompt_tokens") != prompt:
+            continue
+        return row
+    return {}
+
+
+def analyse(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    checks: dict[str, Any] = {}
+    acc32 = first_ok(results.get("accelerate_32b"))
+    rv32 = first_ok(results.get("reviva_32b"), 1, args.prompt)
+    res32 = (results.get("resident_32b") or {}).get("calls", [])
+    if rv32:
+        acc_rate = acc32.get("decode_tok_s")
+        resident_prefill = min((r["prefill_s"] for r in res32 if r.get("prefill_s")), default=None)
+        ok = (
+            rv32.get("decode_tok_s") is not None
+            and rv32["decode_tok_s"] >= 1.05
+            and rv32["stats"]["decode_tok_s"] is not None
+            and (rv32.get("of_roofline") or 0) >= 1 / 1.15
+            and acc_rate is not None
+            and rv32["decode_tok_s"] >= 6 * acc_rate
+            and resident_prefill is not None
+            and rv32["prefill_s"] <= 1.2 * resident_prefill
+            and rv32["card_peak_bytes"] <= 24e9
+        )
+        checks["card24_32b"] = {
+            "pass": bool(ok),
+            "decode_tok_s": rv32.get("decode_tok_s"),
+            "roofline_tok_s": rv32.get("roofline_tok_s"),
+            "of_roofline": rv32.get("of_roofline"),
+            "accelerate_decode_tok_s": acc_rate,
+            "x_accelerate": rv32["decode_tok_s"] / acc_rate if acc_rate else None,
+            "prefill_s": rv32.get("prefill_s"),
+            "resident_prefill_s": resident_prefill,
+            "prefill_x_resident": rv32["prefill_s"] / resident_prefill
+            if resident_prefill
+            else None,
+            "card_peak_gb": gb(rv32.get("card_peak_bytes")),
+            "limits": "decode >= 1.05 tok/s, >= 1/1.15 of the roofline, >= 6x accelerate; "
+            "prefill <= 1.2x every weight resident; peak <= 24 GB",
+        }
+    b8 = first_ok(results.get("reviva_32b"), 8, 4096)
+    b1 = first_ok(results.get("reviva_32b"), 1, 4096)
+    if b8 and b1:
+        ratio = b8["decode_batch_tok_s"] / b1["decode_tok_s"]
+        checks["batch8_32b"] = {
+            "pass": ratio >= 6 and b8["card_peak_bytes"] <= 24e9,
+            "batch8_tok_s": b8["decode_batch_tok_s"],
+            "batch1_tok_s": b1["decode_tok_s"],
+            "ratio": ratio,
+            "card_peak_gb": gb(b8["card_peak_bytes"]),
+            "limit": "batch 8 tokens/s >= 6x batch 1's (4k prompts)",
+        }
+    rv8 = first_ok(results.get("reviva_8b"), 1, args.prompt)
+    acc8 = first_ok(results.get("accelerate_8b"))
+    if rv8:
+        acc_rate = acc8.get("decode_tok_s")
+        ok = (
+            rv8.get("decode_tok_s") is not None
+            and rv8["decode_tok_s"] >= 5
+            and acc_rate is not None
+            and rv8["decode_tok_s"] >= 6 * acc_rate
+            and rv8["card_peak_bytes"] <= 8e9
+        )
+        checks["card8_8b"] = {
+            "pass": bool(ok),
+            "decode_tok_s": rv8.get("decode_tok_s"),
+            "roofline_tok_s": rv8.get("roofline_tok_s"),
+            "of_roofline": rv8.get("of_roofline"),
+            "step_weight_gb": gb(rv8.get("step_weight_bytes")),
+            "step_kv_gb": gb(rv8.get("step_kv_bytes")),
+            "accelerate_decode_tok_s": acc_rate,
+            "x_accelerate": rv8["decode_tok_s"] / acc_rate if acc_rate else None,
+            "prefill_s": rv8.get("prefill_s"),
+            "card_peak_gb": gb(rv8.get("card_peak_bytes")),
+            "limits": "decode >= 5 tok/s and >= 6x accelerate; peak <= 8 GB",
+        }
+    return checks
+
+
+def driver(args: argparse.Namespace) -> int:
+    env, removed = child_environment()
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    for s in scenarios:
+        if s not in SCENARIOS:
+            raise SystemExit(f"unknown scenario {s!r}; known: {', '.join(SCENARIOS)}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env_here = environment(cuda=False)
+    results: dict[str, Any] = {}
+    status: dict[str, Any] = {}
+    deadline = time.perf_counter() + args.max_wall_s
+    passthrough = [
+        f"--prompt={args.prompt}",
+        f"--new-tokens={args.new_tokens}",
+        f"--calls={args.calls}",
+        f"--accelerate-prompt={args.accelerate_prompt}",
+        f"--accelerate-new-tokens={args.accelerate_new_tokens}",
+        f"--accelerate-calls={args.accelerate_calls}",
+    ] + ([] if args.batch8 else ["--no-batch8"])
+    path = out_dir / f"weights-{env_here['date_utc'][:10]}-{env_here['git_sha'][:12]}.json"
+    for s in scenarios:
+        left = deadline - time.perf_counter()
+        if left < 30:
+            status[s] = "not run: --max-wall-s reached"
+            continue
+        cmd = [sys.executable, __file__, "--worker", s, *passthrough]
+        say(f"# {s}: {' '.join(cmd)}")
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left)
+            out = proc.stdout
+            status[s] = {"exit": proc.returncode, "wall_s": time.perf_counter() - t}
+            if proc.returncode != 0:
+                status[s]["stderr_tail"] = proc.stderr[-3000:]
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            status[s] = {"exit": "killed at --max-wall-s", "wall_s": time.perf_counter() - t}
+        for line in out.splitlines():
+            if line.startswith(("RESULT_ROW", "#")):
+                say(f"  {s}: {line}")
+            if line.startswith("WORKER "):
+                results[s] = json.loads(line[len("WORKER ") :])
+        checks = analyse(results, args)
+        write_json(
+            path,
+            {
+                "environment": env_here,
+                "settings": vars(args),
+                "allocator_settings_removed": removed,
+                "pcie_h2d_bps": PCIE_H2D_BPS,
+                "status": status,
+                "checks": checks,
+                "results": results,
+            },
+        )
+    checks = analyse(results, args)
+    rows = [
+        [k, v.get("pass"), json.dumps({x: y for x, y in v.items() if x != "pass"})[:150]]
+        for k, v in checks.items()
+    ]
+    print_table(["check", "pass", "figures"], rows)
+    say(f"# wrote {path}")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--prompt", type=int, default=32768)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--calls", type=int, default=1)
+    p.add_argument("--no-batch8", dest="batch8", action="store_false")
+    p.add_argument("--accelerate-prompt", type=int, default=512)
+    p.add_argument("--accelerate-new-tokens", type=int, default=4)
+    p.add_argument("--accelerate-calls", type=int, default=1)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--max-wall-s", type=float, default=540)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    return driver(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

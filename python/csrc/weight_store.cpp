@@ -1,0 +1,145 @@
+// reviva._C.WeightStore: the core WeightStore on torch tensors (include/reviva/weight_store.h).
+//
+// host(layer) is a uint8 CPU tensor over the layer's pinned host copy, and acquire(layer) a uint8
+// device tensor over its device copy; the caller lays its parameters out in them. Each tensor
+// keeps what it reads alive: a host tensor holds the store (its pinned copies go back only when
+// the store and every such tensor are gone), a device tensor holds the arena buffer (its memory
+// stays mapped while the tensor lives). Compute is torch's current stream on CUDA; on the host
+// runtime acquire() waits for the fill before returning, since torch computes on the CPU
+// synchronously.
+#include "runtime.h"
+
+#include <vector>
+
+namespace py = pybind11;
+
+namespace reviva::python {
+namespace {
+
+class PyWeightStore {
+ public:
+  PyWeightStore(py::object engine, std::shared_ptr<DeviceArena> arena,
+                std::vector<std::size_t> layer_bytes, std::size_t timeline_capacity)
+      : rt_(runtime_of(engine)) {
+    REVIVA_CHECK_ARG(arena != nullptr, "WeightStore: arena is None");
+    REVIVA_CHECK_ARG(arena->backend().kind() == rt_->backend()->kind(),
+                     "WeightStore: the arena belongs to another kind of device than the engine");
+    WeightStoreOptions o;
+    o.layer_bytes = std::move(layer_bytes);
+    o.timeline_capacity = timeline_capacity;
+    auto e = engine_of(engine);
+    py::gil_scoped_release release;  // (pins every layer's host copy)
+    store_ = std::make_shared<WeightStore>(std::move(e), std::move(arena), std::move(o));
+  }
+
+  ~PyWeightStore() {
+    py::gil_scoped_release release;
+    store_.reset();  // the last host tensor, if any outlives this object, closes the store
+  }
+
+  torch::Tensor host(int layer) {
+    void* data = store_->host_data(layer);
+    const auto n = static_cast<int64_t>(store_->layer_bytes(layer));
+    std::shared_ptr<WeightStore> keep = store_;
+    return torch::from_blob(
+        data, {n}, [keep](void*) mutable { keep.reset(); },
+        torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCPU).pinned_memory(true));
+  }
+
+  torch::Tensor acquire(int layer) {
+    auto compute = rt_->compute_stream();
+    void* data;
+    {
+      py::gil_scoped_release release;
+      data = store_->acquire(layer, *compute);
+      if (!rt_->is_cuda()) compute->synchronize();  // the fill landed before torch reads
+    }
+    std::shared_ptr<ArenaBuffer> buffer = store_->buffer(layer);
+    const auto n = static_cast<int64_t>(store_->layer_bytes(layer));
+    return torch::from_blob(
+        data, {n}, [buffer](void*) mutable { buffer.reset(); },
+        torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
+  }
+
+  void release(int layer) { store_->release(layer, *rt_->compute_stream()); }
+
+  void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers) {
+    auto compute = rt_->compute_stream();
+    py::gil_scoped_release release;
+    store_->set_residency(resident, slots, prefetch_layers, *compute);
+  }
+
+  py::dict stats() {
+    const WeightStoreStats st = store_->stats();
+    py::dict r;
+    r["resident_layers"] = st.resident_layers;
+    r["streamed_layers"] = st.streamed_layers;
+    r["slots"] = st.slots;
+    r["prefetch_layers"] = st.prefetch_layers;
+    r["fills"] = st.fills;
+    r["prefetched_fills"] = st.prefetched_fills;
+    r["slot_hits"] = st.slot_hits;
+    r["bytes_to_device"] = st.bytes_to_device;
+    r["bytes_to_host"] = st.bytes_to_host;
+    r["compute_stall_ms"] = st.compute_stall_ms;
+    r["copy_to_device_ms"] = st.copy_to_device_ms;
+    r["overlap_ratio"] = st.overlap_ratio;
+    r["host_bytes"] = st.host_bytes;
+    r["resident_bytes"] = st.resident_bytes;
+    r["device_bytes"] = st.device_bytes;
+    r["peak_device_bytes"] = st.peak_device_bytes;
+    return r;
+  }
+
+  WeightStore& store() { return *store_; }
+
+ private:
+  std::shared_ptr<Runtime> rt_;
+  std::shared_ptr<WeightStore> store_;
+};
+
+}  // namespace
+
+void bind_weight_store(py::module_& m) {
+  py::class_<PyWeightStore>(m, "WeightStore",
+                            "A decoder's weights in pinned host memory, layer by layer: resident "
+                            "layers held on the device, the others streamed ahead of use by a "
+                            "PrefetchScheduler (see include/reviva/weight_store.h)")
+      .def(py::init<py::object, std::shared_ptr<DeviceArena>, std::vector<std::size_t>,
+                    std::size_t>(),
+           py::arg("engine"), py::arg("arena"), py::arg("layer_bytes"),
+           py::arg("timeline_capacity") = 0)
+      .def("host", &PyWeightStore::host, py::arg("layer"),
+           "The layer's pinned host copy as a uint8 tensor, to fill before its first use")
+      .def("acquire", &PyWeightStore::acquire, py::arg("layer"),
+           "The layer's weights on the device (uint8) for compute on torch's current stream, "
+           "until release(layer)")
+      .def("release", &PyWeightStore::release, py::arg("layer"))
+      .def("set_residency", &PyWeightStore::set_residency, py::arg("resident"), py::arg("slots"),
+           py::arg("prefetch_layers"))
+      .def("resident", [](PyWeightStore& s, int layer) { return s.store().resident(layer); })
+      .def("acquired", [](PyWeightStore& s, int layer) { return s.store().acquired(layer); })
+      .def("layer_bytes", [](PyWeightStore& s, int layer) { return s.store().layer_bytes(layer); })
+      .def_property_readonly("num_layers", [](PyWeightStore& s) { return s.store().num_layers(); })
+      .def("trim",
+           [](PyWeightStore& s) {
+             py::gil_scoped_release release;
+             s.store().trim();
+           })
+      .def("synchronize",
+           [](PyWeightStore& s) {
+             py::gil_scoped_release release;
+             s.store().synchronize();
+           })
+      .def("stats", &PyWeightStore::stats)
+      .def("timeline", [](PyWeightStore& s) {
+        std::vector<TimelineEvent> events;
+        {
+          py::gil_scoped_release release;
+          events = s.store().timeline();
+        }
+        return timeline_list(events);
+      });
+}
+
+}  // namespace reviva::python

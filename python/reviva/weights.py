@@ -1,0 +1,227 @@
+"""StreamedWeights: a decoder's layer weights in pinned host memory, brought to the device per use.
+
+Each decoder layer's parameters are packed into one block (reviva._C.WeightStore: Note [Streamed
+weights] in src/weight_store.cpp), whose pinned host copy becomes the parameters' storage: after
+packing, `param.data` is a view of the host copy, and the memory they had (a CPU model's, or the
+device's) is given back, layer by layer, so that loading never holds two copies of the model. A
+layer whose parameters are on the meta device gets host views too, and `fill_layer(i, layer)`
+writes their values there (from a checkpoint, or random).
+
+Around a layer's use the manager calls `acquire(i)` and `release(i)`: the parameters then point
+at the layer's device copy, and back at the host copy after. Resident layers (set_residency, from
+each call's plan) point at their device copy from then on: no per-use work, and their addresses
+stay fixed, so the decode graphs of Note [Decode graphs] stay valid across calls; streamed
+layers run eagerly (their device address changes with each use).
+
+    weights = StreamedWeights(layout.layers, engine, arena, device)
+    weights.set_residency([0, 5, 10], slots=2, prefetch_layers=1)
+    weights.acquire(3); ...; weights.release(3)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from reviva._C import DeviceArena, TransferEngine, WeightStore
+
+log = logging.getLogger(__name__)
+
+# Parameters start at multiples of this in a layer's block (vectorized kernels' alignment).
+_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one parameter (module._parameters[name]) lives in its layer's block."""
+
+    module: nn.Module
+    name: str
+    offset: int
+    nbytes: int
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.module._parameters[self.name]
+
+
+def _trim_host_heap() -> None:
+    """Gives the C heap's free memory back to the system (glibc's malloc_trim): the CPU
+    tensors just freed may sit in the heap (malloc's mmap threshold grows with large frees), and
+    a model larger than half the host must not hold it twice. Nothing where there is no glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _round_up(n: int, unit: int) -> int:
+    return (n + unit - 1) // unit * unit
+
+
+def layer_weight_bytes(layer: nn.Module) -> int:
+    """Bytes of a decoder layer's packed weights (parameters aligned as StreamedWeights packs
+    them)."""
+    total = 0
+    for p in layer.parameters():
+        total = _round_up(total, _ALIGN) + p.numel() * p.element_size()
+    return total
+
+
+class StreamedWeights:
+    """The parameters of `layers` in a WeightStore; see the module docstring."""
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        engine: TransferEngine,
+        arena: DeviceArena,
+        device: torch.device,
+        fill_layer: Callable[[int, nn.Module], None] | None = None,
+        timeline_capacity: int = 0,
+    ) -> None:
+        self.device = device
+        seen: dict[int, int] = {}
+        self._slots: list[list[_Slot]] = []
+        for i, layer in enumerate(layers):
+            slots, offset = [], 0
+            for prefix, module in layer.named_modules():
+                for key, p in module._parameters.items():
+                    if p is None:
+                        continue
+                    name = f"{prefix}.{key}" if prefix else key
+                    if id(p) in seen:
+                        raise ValueError(
+                            f"StreamedWeights: parameter {name} of decoder layer {i} is shared "
+                            f"with layer {seen[id(p)]}; layers with shared weights cannot stream "
+                            "them"
+                        )
+                    seen[id(p)] = i
+                    offset = _round_up(offset, _ALIGN)
+                    nbytes = p.numel() * p.element_size()
+                    slots.append(_Slot(module, key, offset, nbytes))
+                    offset += nbytes
+            if not slots:
+                raise ValueError(f"StreamedWeights: decoder layer {i} has no parameters")
+            self._slots.append(slots)
+        sizes = [s[-1].offset + s[-1].nbytes for s in self._slots]
+        self.layer_bytes = sizes
+        self.store = WeightStore(engine, arena, sizes, timeline_capacity)
+        self._host_views: list[list[torch.Tensor]] = []
+        self._device_views: dict[int, torch.Tensor] = {}  # resident layers' device blocks
+        meta = []
+        with torch.no_grad():
+            for i, layer in enumerate(layers):
+                host = self.store.host(i)
+                views = []
+                was_meta = False
+                for slot in self._slots[i]:
+                    p = slot.param
+                    view = host[slot.offset : slot.offset + slot.nbytes].view(p.dtype).view(p.shape)
+                    if p.is_meta:  # (a meta tensor's data cannot be set: a new parameter)
+                        was_meta = True
+                        slot.module._parameters[slot.name] = nn.Parameter(
+                            view, requires_grad=p.requires_grad
+                        )
+                    else:
+                        view.copy_(p.data)  # (from the device: synchronous, before its memory goes)
+                        p.data = view  # the memory p held goes back once nothing refers to it
+                    views.append(view)
+                self._host_views.append(views)
+                if not was_meta:
+                    _trim_host_heap()  # (layer by layer: the peak is the model and one layer)
+                for module in layer.modules():  # buffers are small: they live on the device
+                    for key, buf in module._buffers.items():
+                        if buf is not None:
+                            if buf.is_meta:
+                                raise ValueError(
+                                    f"StreamedWeights: a buffer ({key}) of decoder layer {i} is on "
+                                    "the meta device; only parameters are filled by fill_layer"
+                                )
+                            module._buffers[key] = buf.to(device)
+                if was_meta:
+                    meta.append(i)
+                    if fill_layer is None:
+                        raise ValueError(
+                            f"StreamedWeights: decoder layer {i} has parameters on the meta "
+                            "device: pass fill_layer(index, layer) to write their values"
+                        )
+                    fill_layer(i, layer)
+        if meta:
+            log.info("reviva: %d decoder layers filled by fill_layer", len(meta))
+        self._acquired: dict[int, torch.Tensor] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._slots)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_bytes)
+
+    def resident(self, i: int) -> bool:
+        return i in self._device_views
+
+    def on_host(self, i: int) -> bool:
+        """Whether layer i's parameters are views of its pinned host copy now."""
+        return all(
+            slot.param.data_ptr() == host.data_ptr()
+            for slot, host in zip(self._slots[i], self._host_views[i], strict=True)
+        )
+
+    def _point(self, i: int, block: torch.Tensor | None) -> None:
+        """Layer i's parameters become views of `block` (its device copy), or of its host copy."""
+        for slot, host in zip(self._slots[i], self._host_views[i], strict=True):
+            p = slot.param
+            if block is None:
+                p.data = host
+            else:
+                p.data = block[slot.offset : slot.offset + slot.nbytes].view(p.dtype).view(p.shape)
+
+    def set_residency(self, resident: list[int], slots: int, prefetch_layers: int) -> None:
+        """Which layers' weights stay on the device from now on, and the streamed ones' room and
+        window (WeightStore.set_residency). Layers that stop being resident point at their host
+        copy again; new resident layers at their device copy (compute waits for its fill)."""
+        wanted = set(resident)
+        for i in list(self._device_views):
+            if i not in wanted:
+                self._point(i, None)
+                del self._device_views[i]
+        self.store.set_residency(sorted(wanted), slots, prefetch_layers)
+        for i in sorted(wanted):
+            if i in self._device_views:
+                continue
+            block = self.store.acquire(i)
+            self._device_views[i] = block
+            self._point(i, block)
+            self.store.release(i)  # (the store holds a resident layer on the device itself)
+
+    def acquire(self, i: int) -> None:
+        """Layer i's parameters are on the device for compute on the current stream, until
+        release(i)."""
+        block = self.store.acquire(i)
+        if i not in self._device_views:
+            self._acquired[i] = block
+            self._point(i, block)
+
+    def release(self, i: int) -> None:
+        if i in self._acquired:
+            self._point(i, None)
+            del self._acquired[i]  # (the device block's memory is reused after compute's use)
+        self.store.release(i)
+
+    def trim(self) -> None:
+        """Between calls: the streamed layers' device memory goes back (resident layers stay)."""
+        for i in list(self._acquired):
+            self.release(i)
+        self.store.trim()
+
+    def stats(self) -> dict[str, object]:
+        return self.store.stats()

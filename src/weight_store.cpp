@@ -1,0 +1,280 @@
+// WeightStore (see weight_store.h): weights streamed from pinned host memory, on an
+// OffloadManager of host-backed blocks and its PrefetchScheduler.
+//
+// Note [Streamed weights]
+// A layer's weights never change during inference, so their pinned host copy is their home and
+// the device holds copies: every acquire is Access::ReadOnly, which keeps the host copy valid, so
+// a streamed layer leaves the device without a D2H (its memory is reused once the streams that
+// read it pass: lifetime rule 2, the arena allocator's stream-ordered reuse) and comes back with
+// one H2D of its bytes, which compute waits for at acquire (rule 3). The host copy is read by
+// every fetch and released only when the store closes, after its copies (rule 4). Resident layers
+// are acquired once by the store itself (set_residency) and stay pinned in the manager, so no
+// eviction can take them; they take no place in the prefetch window, whose cycle lists the
+// streamed layers alone (a decode step needs each once, in order; so does a prefill, where each
+// layer's compute over a long prompt hides its copy). The budget is each resident layer's bytes
+// plus `slots` times the largest streamed layer: the one compute holds and those in flight.
+#include <reviva/error.h>
+#include <reviva/weight_store.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
+namespace reviva {
+
+WeightStore::WeightStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceArena> arena,
+                         WeightStoreOptions options)
+    : engine_(std::move(engine)), arena_(std::move(arena)), options_(std::move(options)) {
+  REVIVA_CHECK_ARG(engine_ != nullptr, "WeightStore: engine is null");
+  REVIVA_CHECK_ARG(arena_ != nullptr, "WeightStore: arena is null");
+  REVIVA_CHECK_ARG(!options_.layer_bytes.empty(), "WeightStore: no layers");
+  for (std::size_t i = 0; i < options_.layer_bytes.size(); ++i)
+    REVIVA_CHECK_ARG(options_.layer_bytes[i] > 0, "WeightStore: layer ", i, " has 0 bytes");
+  allocator_ = std::make_shared<ArenaDeviceAllocator>(arena_);
+  OffloadManagerOptions mo;
+  mo.budget_bytes = 1;  // set_residency() sets it
+  mo.timeline_capacity = options_.timeline_capacity;
+  manager_ = std::make_unique<OffloadManager>(engine_, allocator_, mo);
+  for (std::size_t i = 0; i < options_.layer_bytes.size(); ++i) {
+    PinnedBlock host = engine_->pool().allocate(options_.layer_bytes[i]);
+    host_.push_back(host.data());
+    blocks_.push_back(
+        manager_->register_host_block(std::move(host), "weights of layer " + std::to_string(i)));
+  }
+  resident_.assign(blocks_.size(), false);
+  acquired_.assign(blocks_.size(), nullptr);
+  resident_at_.assign(blocks_.size(), nullptr);
+  declare_cycle();
+}
+
+WeightStore::~WeightStore() {
+  try {
+    close();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "reviva: WeightStore destroyed with copies failing: %s\n", e.what());
+  }
+}
+
+void WeightStore::close() {
+  if (closed_) return;
+  closed_ = true;
+  scheduler_.reset();
+  // The resident layers' holds end; their memory goes back after every use recorded by the
+  // releases of compute's acquires (the manager keeps each stream's last use).
+  const Stream& h2d = engine_->stream(Direction::HostToDevice);
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    if (acquired_[i] != nullptr) manager_->release(blocks_[i], h2d);
+    if (resident_[i]) manager_->release(blocks_[i], h2d);
+  }
+  manager_.reset();  // waits for its copies; every block's memory and host copy go back
+  allocator_->trim();
+}
+
+void WeightStore::check_open(const char* what) const {
+  REVIVA_CHECK_ARG(!closed_, "WeightStore::", what,
+                   ": the store is closed (its memory was given back)");
+}
+
+BlockId WeightStore::block_at(int layer, const char* what) const {
+  check_open(what);
+  REVIVA_CHECK_ARG(layer >= 0 && layer < num_layers(), "WeightStore::", what, ": layer ", layer,
+                   " out of range [0, ", num_layers(), ")");
+  return blocks_[static_cast<std::size_t>(layer)];
+}
+
+void* WeightStore::host_data(int layer) const {
+  block_at(layer, "host_data");
+  return host_[static_cast<std::size_t>(layer)];
+}
+
+std::size_t WeightStore::layer_bytes(int layer) const {
+  block_at(layer, "layer_bytes");
+  return options_.layer_bytes[static_cast<std::size_t>(layer)];
+}
+
+bool WeightStore::resident(int layer) const {
+  block_at(layer, "resident");
+  return resident_[static_cast<std::size_t>(layer)];
+}
+
+bool WeightStore::acquired(int layer) const {
+  block_at(layer, "acquired");
+  return acquired_[static_cast<std::size_t>(layer)] != nullptr;
+}
+
+// Note [Streamed weights]: the resident layers' bytes and `slots` of the largest streamed layer.
+std::size_t WeightStore::budget_for(int slots) const {
+  std::size_t held = 0, largest = 0;
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    if (resident_[i])
+      held += options_.layer_bytes[i];
+    else
+      largest = std::max(largest, options_.layer_bytes[i]);
+  }
+  return std::max<std::size_t>(held + static_cast<std::size_t>(slots) * largest, 1);
+}
+
+void WeightStore::declare_cycle() {
+  PrefetchSchedulerOptions so;
+  so.prefetch_groups = prefetch_layers_;
+  so.eager_offload = true;  // a released streamed layer needed after the window goes at once
+  scheduler_ = std::make_unique<PrefetchScheduler>(*manager_, so);
+  std::vector<std::vector<BlockId>> order;
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (!resident_[i]) order.push_back({blocks_[i]});
+  if (!order.empty()) scheduler_->declare_order(std::move(order));
+}
+
+void WeightStore::set_residency(const std::vector<int>& resident, int slots, int prefetch_layers,
+                                const Stream& compute) {
+  check_open("set_residency");
+  for (std::size_t i = 0; i < acquired_.size(); ++i)
+    REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::set_residency: layer ", i,
+                     " is acquired");
+  std::vector<bool> wanted(blocks_.size(), false);
+  for (int layer : resident) {
+    block_at(layer, "set_residency");
+    REVIVA_CHECK_ARG(!wanted[static_cast<std::size_t>(layer)], "WeightStore::set_residency: layer ",
+                     layer, " is listed twice");
+    wanted[static_cast<std::size_t>(layer)] = true;
+  }
+  const bool streams = resident.size() < blocks_.size();
+  REVIVA_CHECK_ARG(slots >= 0, "WeightStore::set_residency: slots must be >= 0, got ", slots);
+  REVIVA_CHECK_ARG(!streams || slots >= 1,
+                   "WeightStore::set_residency: ", blocks_.size() - resident.size(),
+                   " layers stream, which needs a slot, got 0");
+  REVIVA_CHECK_ARG(prefetch_layers >= 0 && (prefetch_layers < slots || prefetch_layers == 0),
+                   "WeightStore::set_residency: prefetch_layers must be in [0, slots - 1] = [0, ",
+                   std::max(slots - 1, 0), "], got ", prefetch_layers);
+  // Layers no longer resident leave after compute's work so far (clean: no copy).
+  scheduler_.reset();  // (a new cycle below)
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    if (!resident_[i] || wanted[i]) continue;
+    manager_->release(blocks_[i], compute);
+    resident_[i] = false;
+    resident_at_[i] = nullptr;
+    manager_->offload(blocks_[i]);
+  }
+  // Streamed layers on the device (prefetched at the end of the last call) leave too: the new
+  // cycle starts from its first streamed layer.
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (!wanted[i]) manager_->offload(blocks_[i]);
+  std::vector<bool> before = resident_;
+  resident_ = wanted;  // the budget holds the resident layers and the slots ...
+  slots_ = streams ? slots : 0;
+  prefetch_layers_ = streams ? prefetch_layers : 0;
+  manager_->set_budget_bytes(budget_for(slots_));
+  try {
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {  // ... then the new ones come in
+      if (!wanted[i] || before[i]) continue;
+      resident_at_[i] = manager_->acquire(blocks_[i], compute, Access::ReadOnly);
+    }
+  } catch (...) {
+    // Every layer streamed, no slots: the caller plans again with less.
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
+      if (resident_at_[i] == nullptr) continue;
+      manager_->release(blocks_[i], compute);
+      manager_->offload(blocks_[i]);
+      resident_at_[i] = nullptr;
+    }
+    resident_.assign(blocks_.size(), false);
+    slots_ = 0;
+    prefetch_layers_ = 0;
+    manager_->set_budget_bytes(1);
+    declare_cycle();
+    allocator_->trim();
+    throw;
+  }
+  declare_cycle();
+  allocator_->trim();  // the memory of layers that left goes back to the arena
+}
+
+void* WeightStore::acquire(int layer, const Stream& compute) {
+  const BlockId id = block_at(layer, "acquire");
+  const auto i = static_cast<std::size_t>(layer);
+  REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::acquire: layer ", layer,
+                   " is already acquired");
+  if (resident_[i]) {
+    // (pinned since set_residency; acquiring again orders `compute` after its first fill)
+    acquired_[i] = manager_->acquire(id, compute, Access::ReadOnly);
+    return acquired_[i];
+  }
+  REVIVA_CHECK_ARG(slots_ > 0, "WeightStore::acquire: layer ", layer,
+                   " streams and the store has no slots (call set_residency first)");
+  const BlockState state = manager_->state(id);
+  if (state == BlockState::Device || state == BlockState::ToDevice) ++slot_hits_;
+  const std::vector<void*> ptrs = scheduler_->acquire_group({&id, 1}, compute, Access::ReadOnly);
+  acquired_[i] = ptrs.front();
+  return ptrs.front();
+}
+
+void WeightStore::release(int layer, const Stream& compute) {
+  const BlockId id = block_at(layer, "release");
+  const auto i = static_cast<std::size_t>(layer);
+  REVIVA_CHECK_ARG(acquired_[i] != nullptr, "WeightStore::release: layer ", layer,
+                   " is not acquired");
+  acquired_[i] = nullptr;
+  if (resident_[i])
+    manager_->release(id, compute);
+  else
+    scheduler_->release_group({&id, 1}, compute);
+}
+
+std::shared_ptr<ArenaBuffer> WeightStore::buffer(int layer) const {
+  block_at(layer, "buffer");
+  void* ptr = acquired_[static_cast<std::size_t>(layer)];
+  REVIVA_CHECK_ARG(ptr != nullptr, "WeightStore::buffer: layer ", layer, " is not acquired");
+  return allocator_->buffer_of(ptr);
+}
+
+void WeightStore::trim() {
+  check_open("trim");
+  for (std::size_t i = 0; i < acquired_.size(); ++i)
+    REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::trim: layer ", i, " is acquired");
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (!resident_[i]) manager_->offload(blocks_[i]);
+  declare_cycle();  // (the next call's cycle starts from its first streamed layer)
+  allocator_->trim();
+}
+
+void WeightStore::synchronize() {
+  if (manager_)
+    manager_->synchronize();
+  else
+    engine_->synchronize();
+}
+
+WeightStoreStats WeightStore::stats() {
+  WeightStoreStats st;
+  st.slots = slots_;
+  st.prefetch_layers = prefetch_layers_;
+  st.slot_hits = slot_hits_;
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    st.host_bytes += options_.layer_bytes[i];
+    if (resident_[i]) {
+      ++st.resident_layers;
+      st.resident_bytes += options_.layer_bytes[i];
+    } else {
+      ++st.streamed_layers;
+    }
+  }
+  if (!manager_) return st;
+  const ManagerMetrics mm = manager_->metrics();
+  st.fills = mm.prefetches + mm.prefetch_misses;
+  st.prefetched_fills = mm.prefetches;
+  st.bytes_to_device = mm.bytes_to_device;
+  st.bytes_to_host = mm.bytes_to_host;
+  st.compute_stall_ms = mm.compute_stall_ms;
+  st.copy_to_device_ms = mm.to_device_busy_ms;
+  st.overlap_ratio = mm.overlap_ratio;
+  const ArenaAllocatorStats as = allocator_->stats();
+  st.device_bytes = as.live_bytes + as.cached_bytes;
+  st.peak_device_bytes = as.peak_bytes;
+  return st;
+}
+
+std::vector<TimelineEvent> WeightStore::timeline() {
+  return manager_ ? manager_->timeline() : std::vector<TimelineEvent>{};
+}
+
+}  // namespace reviva

@@ -1,0 +1,218 @@
+// WeightStore: a decoder's weights in pinned host memory, resident layers held on the device and
+// the others streamed ahead of use. Every use reads exactly the bytes written into the layer's
+// host copy; streamed layers come in once per pass, ahead of use, and leave without a copy;
+// residency changes between calls; an arena that cannot hold the resident layers leaves the store
+// usable; misuse is refused naming the values.
+#include "test_util.h"
+
+namespace reviva::test {
+namespace {
+
+struct WeightRig {
+  WeightRig(std::shared_ptr<Backend> b, std::vector<std::size_t> sizes, std::size_t arena_limit = 0)
+      : backend(std::move(b)) {
+    pool = PinnedHostPool::create(backend, {});
+    staging = PinnedHostPool::create(backend, {});
+    engine = std::make_shared<TransferEngine>(pool);
+    DeviceArenaOptions ao;
+    ao.limit_bytes = arena_limit;
+    arena = DeviceArena::create(backend, ao);
+    compute = std::make_shared<Stream>(backend);
+    WeightStoreOptions o;
+    o.layer_bytes = sizes;
+    store = std::make_unique<WeightStore>(engine, arena, o);
+    for (int l = 0; l < store->num_layers(); ++l) {
+      weights.push_back(random_bytes(sizes[static_cast<std::size_t>(l)], 31 + l));
+      std::memcpy(store->host_data(l), weights.back().data(), weights.back().size());
+    }
+  }
+
+  ~WeightRig() {
+    store.reset();
+    compute->synchronize();
+  }
+
+  // One pass over every layer (a decode step): compute reads each layer's weights after acquire
+  // (the fill must have landed: rule 3) and before release (its memory is reused only after: rule
+  // 2), with compute held behind a gate until the layer is released.
+  void pass() {
+    for (int l = 0; l < store->num_layers(); ++l) {
+      void* ptr = store->acquire(l, *compute);
+      const std::size_t n = store->layer_bytes(l);
+      PinnedBlock block = staging->allocate(n);
+      StreamGate gate;
+      gate.block(*compute);
+      backend->copy_async(block.data(), ptr, n, compute->handle());
+      block.record_use(compute);
+      store->release(l, *compute);
+      gate.open();
+      compute->synchronize();
+      const auto* p = static_cast<const std::uint8_t*>(block.data());
+      ASSERT_EQ(std::vector<std::uint8_t>(p, p + n), weights[static_cast<std::size_t>(l)])
+          << "layer " << l;
+    }
+  }
+
+  std::shared_ptr<Backend> backend;
+  std::shared_ptr<PinnedHostPool> pool, staging;
+  std::shared_ptr<TransferEngine> engine;
+  std::shared_ptr<DeviceArena> arena;
+  std::shared_ptr<Stream> compute;
+  std::unique_ptr<WeightStore> store;
+  std::vector<std::vector<std::uint8_t>> weights;  // [layer]
+};
+
+// Layer sizes in the arena's mapping granules (the host backend's and CUDA's differ), so that
+// the device bounds below are exact: a layer's buffer is a whole number of granules.
+std::vector<std::size_t> layer_sizes(const std::shared_ptr<Backend>& backend) {
+  const std::size_t g = DeviceArena::create(backend, {})->granularity();
+  return {g * 6 / 10, g, g * 3 / 4, g, g * 45 / 100, g, g};
+}
+
+std::size_t total(const std::vector<std::size_t>& sizes, const std::vector<int>& layers) {
+  std::size_t n = 0;
+  for (int l : layers) n += sizes[static_cast<std::size_t>(l)];
+  return n;
+}
+
+class WeightStoreTest : public BackendTest {};
+
+TEST_P(WeightStoreTest, ResidentAndStreamedLayersReadTheirWeightsExactly) {
+  const std::vector<std::size_t> kSizes = layer_sizes(backend_);
+  WeightRig rig(backend_, kSizes);
+  rig.store->set_residency({1, 4}, 3, 2, *rig.compute);
+  const int passes = scaled(8);
+  for (int s = 0; s < passes; ++s) rig.pass();
+  rig.store->synchronize();
+  const WeightStoreStats st = rig.store->stats();
+  EXPECT_EQ(st.resident_layers, 2);
+  EXPECT_EQ(st.streamed_layers, 5);
+  EXPECT_EQ(st.slots, 3);
+  EXPECT_EQ(st.prefetch_layers, 2);
+  EXPECT_EQ(st.resident_bytes, kSizes[1] + kSizes[4]);
+  EXPECT_EQ(st.host_bytes, total(kSizes, {0, 1, 2, 3, 4, 5, 6}));
+  // Each streamed layer comes in once a pass; the last pass's window wraps into the next (2
+  // layers); the resident ones once.
+  const std::size_t streamed = total(kSizes, {0, 2, 3, 5, 6});
+  EXPECT_EQ(st.bytes_to_device, streamed * static_cast<std::size_t>(passes) + kSizes[0] +
+                                    kSizes[2] + kSizes[1] + kSizes[4]);
+  EXPECT_EQ(st.fills, 5u * static_cast<std::size_t>(passes) + 2 + 2);
+  // Only the first streamed layer of the first pass and the resident ones were not prefetched.
+  EXPECT_EQ(st.fills - st.prefetched_fills, 3u);
+  EXPECT_EQ(st.bytes_to_host, 0u) << "weights leave the device without a copy";
+  EXPECT_LE(st.peak_device_bytes, (2 + 3) * rig.arena->granularity())
+      << "the resident layers and 3 slots";
+}
+
+TEST_P(WeightStoreTest, EveryMixOfResidentAndStreamedLayers) {
+  const std::vector<std::size_t> kSizes = layer_sizes(backend_);
+  for (const std::vector<int>& resident :
+       {std::vector<int>{}, std::vector<int>{0, 1, 2, 3, 4, 5, 6}, std::vector<int>{6},
+        std::vector<int>{0, 2, 4, 6}}) {
+    WeightRig rig(backend_, kSizes);
+    const bool streams = resident.size() < kSizes.size();
+    rig.store->set_residency(resident, streams ? 2 : 0, streams ? 1 : 0, *rig.compute);
+    for (int s = 0; s < 3; ++s) rig.pass();
+    rig.store->synchronize();
+    const WeightStoreStats st = rig.store->stats();
+    EXPECT_EQ(st.resident_layers, static_cast<int>(resident.size()));
+    EXPECT_EQ(st.bytes_to_host, 0u);
+    if (!streams) {
+      EXPECT_EQ(st.bytes_to_device, st.resident_bytes) << "one fill each, ever";
+    }
+  }
+}
+
+TEST_P(WeightStoreTest, ResidencyChangesBetweenCallsAndTrimGivesTheSlotsBack) {
+  const std::vector<std::size_t> kSizes = layer_sizes(backend_);
+  WeightRig rig(backend_, kSizes);
+  rig.store->set_residency({}, 2, 1, *rig.compute);
+  rig.pass();
+  rig.store->set_residency({0, 1, 2}, 2, 1, *rig.compute);
+  rig.pass();
+  rig.pass();
+  rig.store->trim();
+  rig.store->synchronize();
+  rig.arena->reclaim(true);
+  WeightStoreStats st = rig.store->stats();
+  EXPECT_EQ(st.resident_layers, 3);
+  const std::size_t granule = rig.arena->granularity();
+  EXPECT_EQ(st.device_bytes, 3 * granule) << "only the resident layers stay";
+  rig.store->set_residency({5}, 2, 1, *rig.compute);  // 0-2 leave, 5 comes
+  rig.pass();
+  rig.store->trim();
+  rig.store->synchronize();
+  st = rig.store->stats();
+  EXPECT_EQ(st.resident_bytes, kSizes[5]);
+  EXPECT_EQ(st.device_bytes, granule);
+  EXPECT_EQ(st.bytes_to_host, 0u);
+}
+
+TEST_P(WeightStoreTest, AnArenaTooSmallForTheResidentLayersLeavesTheStoreUsable) {
+  const std::vector<std::size_t> kSizes = layer_sizes(backend_);
+  const std::size_t granule = DeviceArena::create(backend_, {})->granularity();
+  WeightRig rig(backend_, kSizes, 4 * granule);  // room for 4 of the 7 layers
+  EXPECT_THROW(rig.store->set_residency({0, 1, 2, 3, 4, 5, 6}, 0, 0, *rig.compute), OutOfMemory);
+  EXPECT_EQ(rig.store->stats().resident_layers, 0);
+  rig.store->set_residency({1}, 2, 1, *rig.compute);
+  rig.pass();
+  rig.pass();
+}
+
+TEST_P(WeightStoreTest, MisuseIsRefusedNamingTheValues) {
+  WeightRig rig(backend_, layer_sizes(backend_));
+  auto message = [&](auto&& f) {
+    try {
+      f();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  EXPECT_NE(message([&] {
+              rig.store->set_residency({}, 0, 0, *rig.compute);
+            }).find("7 layers stream, which needs a slot"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              rig.store->set_residency({1, 1}, 2, 1, *rig.compute);
+            }).find("layer 1 is listed twice"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              rig.store->set_residency({9}, 2, 1, *rig.compute);
+            }).find("layer 9 out of range [0, 7)"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              rig.store->set_residency({}, 2, 2, *rig.compute);
+            }).find("prefetch_layers must be in [0, slots - 1] = [0, 1], got 2"),
+            std::string::npos);
+  EXPECT_NE(message([&] { rig.store->acquire(0, *rig.compute); }).find("no slots"),
+            std::string::npos);
+  rig.store->set_residency({}, 2, 1, *rig.compute);
+  rig.store->acquire(0, *rig.compute);
+  EXPECT_NE(message([&] { rig.store->acquire(0, *rig.compute); }).find("already acquired"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              rig.store->set_residency({}, 2, 1, *rig.compute);
+            }).find("layer 0 is acquired"),
+            std::string::npos);
+  EXPECT_NE(message([&] { rig.store->trim(); }).find("layer 0 is acquired"), std::string::npos);
+  EXPECT_NE(message([&] { rig.store->release(1, *rig.compute); }).find("layer 1 is not acquired"),
+            std::string::npos);
+  rig.store->release(0, *rig.compute);
+  rig.store->close();
+  EXPECT_NE(message([&] { rig.store->acquire(0, *rig.compute); }).find("closed"),
+            std::string::npos);
+  WeightStoreOptions none;
+  EXPECT_THROW(WeightStore(rig.engine, rig.arena, none), InvalidArgument);
+  WeightStoreOptions zero;
+  zero.layer_bytes = {10, 0};
+  EXPECT_NE(message([&] { WeightStore(rig.engine, rig.arena, zero); }).find("layer 1 has 0 bytes"),
+            std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, WeightStoreTest,
+                         ::testing::Values(BackendKind::Host, BackendKind::Cuda),
+                         backend_param_name);
+
+}  // namespace
+}  // namespace reviva::test
