@@ -65,7 +65,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "reviva_32b": dict(shape="32b", card_gb=24, kind="reviva"),
     "resident_32b": dict(shape="32b", card_gb=None, kind="resident"),
     "accelerate_32b": dict(shape="32b", card_gb=24, kind="accelerate"),
+    "reviva_32b_fp8": dict(shape="32b", card_gb=24, kind="reviva", kv_dtype="fp8", batch8=False),
     "reviva_8b": dict(shape="8b", card_gb=8, kind="reviva"),
+    "reviva_8b_fp8": dict(shape="8b", card_gb=8, kind="reviva", kv_dtype="fp8"),
     "accelerate_8b": dict(shape="8b", card_gb=8, kind="accelerate"),
 }
 
@@ -156,6 +158,7 @@ def timed_generate(
     timer = CallTimer(sync)
     sampler = CardSampler(probe)
     t = time.perf_counter()
+    timer.begin()  # (the prefill's clock starts here: generate puts the prompt first)
     with sampler:
         out = gen(ids, max_new_tokens=new, do_sample=False, streamer=timer, **kwargs)
     wall = time.perf_counter() - t
@@ -182,14 +185,14 @@ def run_reviva(spec: dict[str, Any], args: argparse.Namespace, probe: Any, card:
     t = time.perf_counter()
     model = meta_model(cfg)
     budget = f"{spec['card_gb']}GB" if spec["card_gb"] else None
-    config = RevivaConfig(vram_budget=budget, device="cuda")
+    config = RevivaConfig(vram_budget=budget, device="cuda", kv_dtype=spec.get("kv_dtype", "auto"))
     manager = RevivaManager(model, config, fill_layer=fill_random)
     load_s = time.perf_counter() - t
     say(f"# loaded in {load_s:.1f} s: {manager.weights.total_bytes / 1e9:.1f} GB pinned")
     sync = torch.cuda.synchronize
     rows = []
     calls = [(1, args.prompt, args.new_tokens)] * args.calls
-    if spec["shape"] == "32b" and args.batch8:
+    if spec["shape"] == "32b" and args.batch8 and spec.get("batch8", True):
         calls += [(8, 4096, args.new_tokens), (1, 4096, max(args.new_tokens // 4, 4))]
     for batch, prompt, new in calls:
         ids = torch.randint(1, cfg.vocab_size, (batch, prompt), device="cuda")
@@ -212,9 +215,9 @@ def roofline(manager: Any, st: dict[str, Any], cfg: Any, batch: int, prompt: int
     streamed in decode (at the prompt's length), and the rate 55 GB/s gives them."""
     w = manager.weights
     streamed_w = sum(w.layer_bytes[i] for i in range(w.num_layers) if not w.resident(i))
-    kv_token = (
-        2 * batch * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    )
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    row = head_dim + 4 if st["kv_dtype"] == "fp8" else head_dim * 2  # (Note [fp8 K/V rows])
+    kv_token = 2 * batch * cfg.num_key_value_heads * row
     streamed_kv = st["streamed_layers"] * prompt * kv_token
     step = streamed_w + streamed_kv
     rate = PCIE_H2D_BPS / step if step else None
@@ -318,41 +321,74 @@ def first_ok(result: dict[str, Any] | None, batch: int = 1, prompt: int | None =
     return {}
 
 
+def calls_ok(result: dict[str, Any] | None, batch: int, prompt: int) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in (result or {}).get("calls", [])
+        if "error" not in r and r.get("batch") == batch and r.get("prompt_tokens") == prompt
+    ]
+
+
+def card_check(
+    rows: list[dict[str, Any]],
+    accelerate: dict[str, Any],
+    card_gb: int,
+    least_tok_s: float,
+    resident: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One model-larger-than-the-card check: the first call's decode (at least `least_tok_s`,
+    within 1.15x of its roofline, 6x accelerate's), the peak within the card, and (with
+    `resident` calls) each call's prefill within 1.2x the resident call of the same index (the
+    first call of a process pays its kernels' set-up in both)."""
+    row = rows[0]
+    acc_rate = accelerate.get("decode_tok_s")
+    rate = row.get("decode_tok_s")
+    out: dict[str, Any] = {
+        "decode_tok_s": rate,
+        "roofline_tok_s": row.get("roofline_tok_s"),
+        "of_roofline": row.get("of_roofline"),
+        "step_weight_gb": gb(row.get("step_weight_bytes")),
+        "step_kv_gb": gb(row.get("step_kv_bytes")),
+        "accelerate_decode_tok_s": acc_rate,
+        "x_accelerate": rate / acc_rate if rate and acc_rate else None,
+        "prefill_s": [r.get("prefill_s") for r in rows],
+        "card_peak_gb": max(gb(r.get("card_peak_bytes")) or 0 for r in rows),
+    }
+    ok = (
+        rate is not None
+        and rate >= least_tok_s
+        and (row.get("of_roofline") or 0) >= 1 / 1.15
+        and acc_rate is not None
+        and rate >= 6 * acc_rate
+        and out["card_peak_gb"] <= card_gb
+    )
+    limits = f"decode >= {least_tok_s} tok/s, >= 1/1.15 of the roofline, >= 6x accelerate; "
+    limits += f"peak <= {card_gb} GB"
+    if resident is not None:
+        pairs = list(zip(rows, resident, strict=False))
+        ratios = [r["prefill_s"] / q["prefill_s"] for r, q in pairs if r.get("prefill_s")]
+        out["resident_prefill_s"] = [q.get("prefill_s") for q in resident]
+        out["prefill_x_resident"] = ratios
+        ok = ok and bool(ratios) and all(x <= 1.2 for x in ratios)
+        limits += "; each call's prefill <= 1.2x the resident call of the same index"
+    out["limits"] = limits
+    return {"pass": bool(ok), **out}
+
+
 def analyse(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     checks: dict[str, Any] = {}
     acc32 = first_ok(results.get("accelerate_32b"))
-    rv32 = first_ok(results.get("reviva_32b"), 1, args.prompt)
-    res32 = (results.get("resident_32b") or {}).get("calls", [])
-    if rv32:
-        acc_rate = acc32.get("decode_tok_s")
-        resident_prefill = min((r["prefill_s"] for r in res32 if r.get("prefill_s")), default=None)
-        ok = (
-            rv32.get("decode_tok_s") is not None
-            and rv32["decode_tok_s"] >= 1.05
-            and rv32["stats"]["decode_tok_s"] is not None
-            and (rv32.get("of_roofline") or 0) >= 1 / 1.15
-            and acc_rate is not None
-            and rv32["decode_tok_s"] >= 6 * acc_rate
-            and resident_prefill is not None
-            and rv32["prefill_s"] <= 1.2 * resident_prefill
-            and rv32["card_peak_bytes"] <= 24e9
-        )
-        checks["card24_32b"] = {
-            "pass": bool(ok),
-            "decode_tok_s": rv32.get("decode_tok_s"),
-            "roofline_tok_s": rv32.get("roofline_tok_s"),
-            "of_roofline": rv32.get("of_roofline"),
-            "accelerate_decode_tok_s": acc_rate,
-            "x_accelerate": rv32["decode_tok_s"] / acc_rate if acc_rate else None,
-            "prefill_s": rv32.get("prefill_s"),
-            "resident_prefill_s": resident_prefill,
-            "prefill_x_resident": rv32["prefill_s"] / resident_prefill
-            if resident_prefill
-            else None,
-            "card_peak_gb": gb(rv32.get("card_peak_bytes")),
-            "limits": "decode >= 1.05 tok/s, >= 1/1.15 of the roofline, >= 6x accelerate; "
-            "prefill <= 1.2x every weight resident; peak <= 24 GB",
-        }
+    acc8 = first_ok(results.get("accelerate_8b"))
+    res32 = calls_ok(results.get("resident_32b"), 1, args.prompt)
+    for name, key, card, least, resident, acc in (
+        ("card24_32b", "reviva_32b", 24, 1.05, res32, acc32),
+        ("card24_32b_fp8", "reviva_32b_fp8", 24, 1.05, res32, acc32),
+        ("card8_8b", "reviva_8b", 8, 5.0, None, acc8),
+        ("card8_8b_fp8", "reviva_8b_fp8", 8, 5.0, None, acc8),
+    ):
+        rows = calls_ok(results.get(key), 1, args.prompt)
+        if rows:
+            checks[name] = card_check(rows, acc, card, least, resident)
     b8 = first_ok(results.get("reviva_32b"), 8, 4096)
     b1 = first_ok(results.get("reviva_32b"), 1, 4096)
     if b8 and b1:
@@ -364,30 +400,6 @@ def analyse(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "ratio": ratio,
             "card_peak_gb": gb(b8["card_peak_bytes"]),
             "limit": "batch 8 tokens/s >= 6x batch 1's (4k prompts)",
-        }
-    rv8 = first_ok(results.get("reviva_8b"), 1, args.prompt)
-    acc8 = first_ok(results.get("accelerate_8b"))
-    if rv8:
-        acc_rate = acc8.get("decode_tok_s")
-        ok = (
-            rv8.get("decode_tok_s") is not None
-            and rv8["decode_tok_s"] >= 5
-            and acc_rate is not None
-            and rv8["decode_tok_s"] >= 6 * acc_rate
-            and rv8["card_peak_bytes"] <= 8e9
-        )
-        checks["card8_8b"] = {
-            "pass": bool(ok),
-            "decode_tok_s": rv8.get("decode_tok_s"),
-            "roofline_tok_s": rv8.get("roofline_tok_s"),
-            "of_roofline": rv8.get("of_roofline"),
-            "step_weight_gb": gb(rv8.get("step_weight_bytes")),
-            "step_kv_gb": gb(rv8.get("step_kv_bytes")),
-            "accelerate_decode_tok_s": acc_rate,
-            "x_accelerate": rv8["decode_tok_s"] / acc_rate if acc_rate else None,
-            "prefill_s": rv8.get("prefill_s"),
-            "card_peak_gb": gb(rv8.get("card_peak_bytes")),
-            "limits": "decode >= 5 tok/s and >= 6x accelerate; peak <= 8 GB",
         }
     return checks
 

@@ -62,12 +62,13 @@ class MemoryModel:
     chunk_max_bytes: int = 4096 * _MiB
     chunk_multiple: int = 256
     kv_block_bytes: int = 128 * _MiB  # fp8 K/V: a block's dequantized K and V with temporaries
-    # Streamed weights (Note [Streamed weights] in reviva/weights.py): a layer's weights on the
-    # device at a time beyond the resident ones: the one compute uses and the next being copied.
-    # A decode step's compute per layer is far shorter than its copy (the copy stream is the
-    # bottleneck, and the next copy is queued when the layer before it is released); in prefill
-    # a layer's compute over a long prompt is longer than its copy. A third slot would cost a
-    # layer's weights that could stay resident (one layer's bytes more per token).
+    # Streamed weights (Note [Streamed weights] in reviva/weights.py): room for at most this many
+    # streamed layers' weights on the device beside the resident ones: the one compute uses and
+    # the next being copied. Where a layer more can stay resident instead, the plan takes one
+    # slot (the mix that holds more bytes: _residency): a decode step is copy-bound, and the
+    # copy stream stays busy without prefetching weights (the K/V fetches and the next layer's
+    # weights queue behind each other). Measured on the H200, 32B shape on a 24 GB card: one
+    # weight slot, decode at 0.975 of the transfer roofline (bench_weights, ec413ed).
     weight_slots: int = 2
 
 
@@ -584,8 +585,10 @@ def _residency(
     """How `avail` bytes are shared: (resident K/V layers, K/V staging units, resident weight
     layers, weight slots), or None when not even the least of each fits. K/V streams through
     up to window + 1 units (pages, or whole layers) of staging room, narrowed before failing;
-    streamed weights through weight_slots layers' room (at least one). Of the mixes, the one
-    with the most bytes resident, then the most weights (make_plan's docstring says why)."""
+    streamed weights through weight_slots layers' room, narrowed to one where the rest does not
+    fit. Of the mixes, the one with the most bytes resident, then the most weights (make_plan's
+    docstring says why): so a second weight slot is given up where a layer more stays resident
+    with one (MemoryModel.weight_slots)."""
     best: tuple[int, tuple[int, int, int, int]] | None = None
     for w in range(weight_layers, -1, -1):
         room = avail - w * weight_bytes

@@ -310,12 +310,15 @@ def test_loading_does_not_hold_two_copies() -> None:
 
 @pytest.mark.gpu
 def test_gpu_bf16_streamed_weights_same_logits_as_resident_and_close_to_hf() -> None:
-    """A 1B-shaped bf16 model on the CPU, computing on CUDA with half its layers' weights
+    """A 1B-shaped bf16 model on the CPU, computing on CUDA with some of its layers' weights
     streamed (and K/V streamed too): the same logits, bit for bit, as the same model with every
-    weight on the device under the same chunking (streaming moves bytes, not numbers), and
-    within bf16 rounding of plain HF's."""
+    weight on the device under the same chunking (streaming moves bytes, not numbers), and as
+    close to an fp32 run of the same weights as plain HF's bf16 logits are (<= 1.5x: chunked
+    attention runs other kernels than HF's, which round differently; test_generate's bf16 test
+    says more)."""
     from test_generate import gpu_llama
 
+    from reviva.demo import fp32_reference_logits
     from reviva.demo import relative_error as rel
 
     torch.manual_seed(0)
@@ -328,6 +331,7 @@ def test_gpu_bf16_streamed_weights_same_logits_as_resident_and_close_to_hf() -> 
         max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
     )
     ref = gpu_model.generate(ids, **kwargs)
+    exact = fp32_reference_logits(gpu_model, ids, keep=1)
     fixed = dict(chunk_tokens=1024, prefill_attention="chunked")
     resident = RevivaManager(gpu_model, RevivaConfig(**fixed)).generate(ids, **kwargs)
     cpu_model = copy.deepcopy(gpu_model).to("cpu")
@@ -345,6 +349,7 @@ def test_gpu_bf16_streamed_weights_same_logits_as_resident_and_close_to_hf() -> 
     assert torch.equal(out.sequences, resident.sequences)
     for t in range(new):
         assert torch.equal(out.logits[t], resident.logits[t]), f"step {t}: streaming changed it"
-    assert rel(out.logits[0], ref.logits[0]) <= 2e-2, rel(out.logits[0], ref.logits[0])
+    err_hf, err_rv = rel(ref.logits[0], exact[:, 0]), rel(out.logits[0], exact[:, 0])
+    assert err_rv <= 1.5 * err_hf, (err_rv, err_hf)
     again = manager.generate(ids, **kwargs)
     assert torch.equal(again.sequences, out.sequences)
