@@ -470,6 +470,38 @@ def driver(args: argparse.Namespace) -> int:
     return 0
 
 
+def merge(args: argparse.Namespace) -> int:
+    """One JSON (and its checks) from several runs' files: device calls are 10 minutes at most,
+    so the scenarios of one set of checks may come from two calls."""
+    parts = [json.loads(Path(f).read_text()) for f in args.merge]
+    results: dict[str, Any] = {}
+    for part in parts:
+        results.update(part["results"])
+    prompts = {part["settings"]["prompt"] for part in parts}
+    if len(prompts) != 1:
+        raise SystemExit(f"the runs have different --prompt values: {sorted(prompts)}")
+    args.prompt = prompts.pop()
+    checks = analyse(results, args)
+    env = environment(cuda=False)
+    path = Path(args.out) / f"weights-merged-{env['date_utc'][:10]}-{env['git_sha'][:12]}.json"
+    write_json(
+        path,
+        {
+            "environment": env,
+            "merged_from": [str(f) for f in args.merge],
+            "parts_environment": [part["environment"] for part in parts],
+            "status": [part["status"] for part in parts],
+            "pcie_h2d_bps": PCIE_H2D_BPS,
+            "checks": checks,
+            "results": results,
+        },
+    )
+    for k, v in checks.items():
+        say(f"{k}: {'PASS' if v['pass'] else 'FAIL'} {json.dumps(v)[:300]}")
+    say(f"# wrote {path}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -483,9 +515,12 @@ def main() -> int:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--max-wall-s", type=float, default=540)
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge runs' JSON files")
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.merge:
+        return merge(args)
     return driver(args)
 
 
