@@ -37,7 +37,7 @@ from reviva.kv_cache import RevivaCache
 from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
 from reviva.planner import Plan, budget_for, device_state, host_state, make_plan, spread
 from reviva.resources import device_resources
-from reviva.weights import StreamedWeights
+from reviva.weights import HostEmbedding, StreamedWeights
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,17 @@ class RevivaManager:
         # Note [Streamed weights] (reviva/weights.py): the decoder layers' weights in pinned host
         # memory, streamed to the device by each call's plan; None: they stay where they are.
         self.weights: StreamedWeights | None = self._take_weights(config, fill_layer)
+        # Note [Embedding on the host] (reviva/weights.py): with streamed weights, an untied
+        # input embedding's table in pinned host memory.
+        self.host_embedding: HostEmbedding | None = None
+        embed = self.layout.embed_tokens
+        if (
+            self.weights is not None
+            and isinstance(embed, nn.Embedding)
+            and embed.max_norm is None
+            and embed.weight is not getattr(model.get_output_embeddings(), "weight", None)
+        ):
+            self.host_embedding = HostEmbedding(embed, self.pool, device)
         self.layers = LlamaLayerPath(self.layout)
         # Note [Prefill attention kernel] (block_attention.py): "flash", "cudnn" or "reference"
         # for the device; each call's (call_kernel) in _call_kernel.
@@ -986,6 +997,7 @@ class RevivaManager:
         now = w.stats()
         return {
             "weights_streamed": True,
+            "embedding_on_host": self.host_embedding is not None,
             "weight_resident_layers": now["resident_layers"],
             "weight_streamed_layers": now["streamed_layers"],
             "weight_slots": now["slots"],

@@ -225,3 +225,45 @@ class StreamedWeights:
 
     def stats(self) -> dict[str, object]:
         return self.store.stats()
+
+
+# Note [Embedding on the host]
+# A decoder's input embedding is a table of vocab x hidden (1.56 GB for the 32B shape, 1.05 GB
+# for the 8B one) of which a decode step reads one row per sequence. When the layers' weights
+# stream, every byte of device memory is a byte a step need not copy, so the table moves to pinned
+# host memory and the embedding's forward gathers the rows there and copies them to the device
+# (the prompt's rows once, then a row per step). The module's `weight` stays a parameter on the
+# device, of the table's shape, over one element (an expanded view): `model.device` (HF reads the
+# first parameter's) stays the compute device, and anything that would write into it fails loudly
+# (an expanded tensor refuses in-place copies). Its state_dict entry is the host table. Only for
+# an input embedding that is not tied to the output head (tied, the head reads the table every
+# step: it stays on the device).
+
+
+class HostEmbedding:
+    """An nn.Embedding whose table lives in pinned host memory (Note [Embedding on the host])."""
+
+    def __init__(self, embed: nn.Embedding, pool: object, device: torch.device) -> None:
+        if type(embed) is not nn.Embedding or embed.max_norm is not None:
+            raise ValueError(
+                f"HostEmbedding: a plain nn.Embedding without max_norm is needed, got "
+                f"{type(embed).__name__}"
+            )
+        w = embed.weight
+        self.embed = embed
+        self.device = device
+        self.table = pool.tensor(list(w.shape), w.dtype)  # pinned
+        with torch.no_grad():
+            self.table.copy_(w.data)
+        self.nbytes = w.numel() * w.element_size()
+        w.data = torch.zeros((), dtype=w.dtype, device=device).expand(w.shape)
+        self._state_hook = embed._register_state_dict_hook(self._state_dict_hook)
+        embed.forward = self.forward  # (an instance attribute: the class's forward is shadowed)
+        _trim_host_heap()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = nn.functional.embedding(input_ids.to("cpu"), self.table, self.embed.padding_idx)
+        return rows.to(self.device)
+
+    def _state_dict_hook(self, module: nn.Module, state: dict, prefix: str, meta: object) -> None:
+        state[prefix + "weight"] = self.table

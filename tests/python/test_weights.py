@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from test_generate import tiny_model
+from test_generate import TINY, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.streamers import BaseStreamer
 
@@ -353,3 +353,35 @@ def test_gpu_bf16_streamed_weights_same_logits_as_resident_and_close_to_hf() -> 
     assert err_rv <= 1.5 * err_hf, (err_rv, err_hf)
     again = manager.generate(ids, **kwargs)
     assert torch.equal(again.sequences, out.sequences)
+
+
+def test_embedding_on_the_host_when_untied() -> None:
+    """Note [Embedding on the host]: with streamed weights an untied input embedding's table
+    lives in pinned host memory, `model.device` stays the compute device, the state dict gives
+    the table, and a write into the device parameter fails loudly; a tied one stays."""
+    model = tiny_model("llama", seed=11)
+    table = model.model.embed_tokens.weight.detach().clone()
+    ids = torch.randint(1, 211, (1, 30), generator=torch.Generator().manual_seed(6))
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+    manager = RevivaManager(model, RevivaConfig(stream_weights=True))
+    assert manager.host_embedding is not None
+    weight = model.model.embed_tokens.weight
+    assert weight.stride() == (0, 0) and model.device == manager.layout.device
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"], table)
+    with pytest.raises(RuntimeError):
+        with torch.no_grad():
+            weight.copy_(table)
+    budget_where(manager, 30, 8, MIXES["some_weights"])
+    assert torch.equal(manager.generate(ids, max_new_tokens=8, do_sample=False), ref)
+    assert manager.get_memory_stats()["embedding_on_host"]
+
+    tied_cfg = LlamaConfig(**TINY, tie_word_embeddings=True, pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(12)
+    tied = AutoModelForCausalLM.from_config(tied_cfg).eval()
+    ref = tied.generate(ids, max_new_tokens=8, do_sample=False)
+    manager = RevivaManager(tied, RevivaConfig(stream_weights=True))
+    assert manager.host_embedding is None
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    budget_where(manager, 30, 8, MIXES["some_weights"])
+    assert torch.equal(manager.generate(ids, max_new_tokens=8, do_sample=False), ref)
+    assert not manager.get_memory_stats()["embedding_on_host"]
