@@ -251,6 +251,8 @@ class RevivaManager:
                     "use one manager per model"
                 )
             model.__dict__[_WRAPPED_BY] = weakref.ref(self)
+        if self.weights is not None:
+            self.weights.in_call = True
         try:
             for i, layer in enumerate(self.layout.layers):
                 self._wrap(layer, self._make_layer_forward(i, layer))
@@ -272,6 +274,8 @@ class RevivaManager:
         module.forward = forward
 
     def _restore(self) -> None:
+        if self.weights is not None:
+            self.weights.in_call = False
         for module, saved in self._saved_forwards.values():
             if saved is _MISSING:
                 module.__dict__.pop("forward", None)

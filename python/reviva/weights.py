@@ -157,6 +157,27 @@ class StreamedWeights:
         if meta:
             log.info("reviva: %d decoder layers filled by fill_layer", len(meta))
         self._acquired: dict[int, torch.Tensor] = {}
+        self.in_call = False  # RevivaManager's wrappers are installed: they acquire each layer
+        # A layer run outside RevivaManager's calls (model(...) or model.generate without the
+        # manager) while its parameters are views of the host copy would fail inside its first
+        # matmul with a device mismatch; this says why, by name.
+        self._hooks = [
+            layer.register_forward_pre_hook(self._outside_a_call(i))
+            for i, layer in enumerate(layers)
+        ]
+
+    def _outside_a_call(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object) -> None:
+            if self.in_call or self.device.type == "cpu" or i in self._acquired:
+                return
+            if self.on_host(i):
+                raise RuntimeError(
+                    f"decoder layer {i}'s weights live in pinned host memory (RevivaConfig("
+                    "stream_weights)): run the model through RevivaManager.generate, which "
+                    "brings them to the device as each layer runs"
+                )
+
+        return hook
 
     @property
     def num_layers(self) -> int:

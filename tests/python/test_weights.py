@@ -385,3 +385,22 @@ def test_embedding_on_the_host_when_untied() -> None:
     budget_where(manager, 30, 8, MIXES["some_weights"])
     assert torch.equal(manager.generate(ids, max_new_tokens=8, do_sample=False), ref)
     assert not manager.get_memory_stats()["embedding_on_host"]
+
+
+def test_a_streamed_layer_run_outside_a_call_says_why() -> None:
+    """Outside RevivaManager's calls a streamed layer's parameters are views of its host copy: on
+    a GPU the layer is refused by name (here the check is made to see a CUDA compute device; on
+    the host backend such a layer simply runs on the CPU)."""
+    model = tiny_model("llama", seed=13)
+    ids = torch.randint(1, 211, (1, 12), generator=torch.Generator().manual_seed(7))
+    manager = RevivaManager(model, RevivaConfig(stream_weights=True))
+    plain = model(ids).logits  # host backend: the host views compute on the CPU
+    weights = manager.weights
+    weights.device = torch.device("cuda")  # (what the check sees on a GPU)
+    with pytest.raises(RuntimeError, match="decoder layer 0's weights live in pinned host memory"):
+        model(ids)
+    with manager:  # inside a call's wrappers the check stands aside
+        assert weights.in_call
+    assert not weights.in_call
+    weights.device = torch.device("cpu")
+    assert torch.equal(model(ids).logits, plain)
