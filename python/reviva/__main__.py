@@ -4,7 +4,7 @@
     python -m reviva transfers [--device cuda|cpu] [--mib N]
     python -m reviva plan [--model llama3-8b|qwen2.5-32b|CONFIG] [--context 512k] [--card 24GB]
                           [--kv-dtype auto|fp8] [--kv-page-tokens N] [--host-memory 128GiB]
-                          [--json]
+                          [--stream-weights auto|on|off] [--no-host-embedding] [--json]
 
 `demo` runs a long prompt through a random-init Llama-shaped model, with and without Reviva
 (which streams half the layers' K/V from pinned host memory), and prints peak VRAM, prefill
@@ -137,6 +137,7 @@ def _plan(args: argparse.Namespace) -> int:
     from reviva.adapters import inspect_model
     from reviva.forecast import CUDA_CONTEXT_BYTES, forecast
     from reviva.planner import DeviceState, HostState, make_plan
+    from reviva.weights import layer_weight_bytes
 
     if args.model in PRESETS:
         fields = dict(PRESETS[args.model])
@@ -158,17 +159,36 @@ def _plan(args: argparse.Namespace) -> int:
     layout = dataclasses.replace(inspect_model(model), device=torch.device("cuda", 0))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     card = reviva.parse_bytes(args.card)
-    state = DeviceState(
-        total=card,
-        baseline=weights,
-        available=max(card - CUDA_CONTEXT_BYTES - weights, 0),
-        granularity=2 << 20,
-    )
     config = reviva.RevivaConfig(
         vram_budget=args.vram_budget or args.card,
         prefill_residual=args.prefill_residual,
         kv_dtype=args.kv_dtype,
         kv_page_tokens=args.kv_page_tokens,
+    )
+    # Note [Streamed weights]: as RevivaConfig(stream_weights="auto") decides for a model on the
+    # device (its weights over the budget), or forced; the untied input embedding then lives in
+    # pinned host memory too (Note [Embedding on the host]) unless --no-host-embedding.
+    if args.stream_weights == "auto":
+        stream = weights > config.budget_bytes(card)
+    else:
+        stream = args.stream_weights == "on"
+    weight_layers = layout.num_layers if stream else 0
+    layer_bytes = max(layer_weight_bytes(layer) for layer in layout.layers) if stream else 0
+    on_device = weights
+    host_embedding = False
+    if stream:
+        on_device -= sum(layer_weight_bytes(layer) for layer in layout.layers)
+        embed = model.get_input_embeddings()
+        host_embedding = not args.no_host_embedding and (
+            embed.weight is not getattr(model.get_output_embeddings(), "weight", None)
+        )
+        if host_embedding:
+            on_device -= embed.weight.numel() * embed.weight.element_size()
+    state = DeviceState(
+        total=card,
+        baseline=on_device,
+        available=max(card - CUDA_CONTEXT_BYTES - on_device, 0),
+        granularity=2 << 20,
     )
     host = None
     if args.host_memory:  # the host's memory for pinning: what the planner may count on
@@ -181,7 +201,15 @@ def _plan(args: argparse.Namespace) -> int:
     call = f"{args.context}-token prompt + {args.new_tokens} new, batch {args.batch}"
     try:
         plan = make_plan(
-            layout, config, state, args.batch, args.context, args.new_tokens, host=host
+            layout,
+            config,
+            state,
+            args.batch,
+            args.context,
+            args.new_tokens,
+            host=host,
+            weight_layers=weight_layers,
+            weight_layer_bytes=layer_bytes,
         )
     except reviva.RevivaOutOfMemoryError as e:
         if args.json:
@@ -210,6 +238,8 @@ def _plan(args: argparse.Namespace) -> int:
             "plan": dataclasses.asdict(plan),
             "host_bytes": plan.pinned_host_bytes,
             "promotable_layers": plan.promotable_layers(),
+            "weights_streamed": stream,
+            "embedding_on_host": host_embedding,
             "forecast": f.to_dict(),
         }
         print(json.dumps(out, indent=1))
@@ -231,6 +261,13 @@ def _plan(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    if stream:
+        print(
+            f"  weights streamed from pinned host memory: {len(plan.weight_resident_layers)} of "
+            f"{plan.weight_layers} layers resident ({plan.weight_layer_bytes / gb:.2f} GB each), "
+            f"{plan.weight_slots} slot(s); "
+            + ("input embedding on the host" if host_embedding else "input embedding on the device")
+        )
     print(
         f"  prefill: chunks of {plan.chunk_tokens} tokens, attention "
         + ("over the whole prompt" if plan.whole_attention else "by query chunks")
@@ -317,6 +354,19 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="prefill's chunked attention kernel for the estimate (default auto: what "
         "RevivaConfig(attention_kernel='auto') takes on an H200, cuDNN from 128k tokens)",
+    )
+    pl.add_argument(
+        "--stream-weights",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="RevivaConfig.stream_weights: auto streams the decoder layers' weights when the "
+        "model's weights are more than the budget",
+    )
+    pl.add_argument(
+        "--no-host-embedding",
+        action="store_true",
+        help="with streamed weights, keep the input embedding on the device (as measured before "
+        "Note [Embedding on the host])",
     )
     pl.add_argument("--json", action="store_true", help="the plan and estimate as JSON")
     args = parser.parse_args(argv)

@@ -10,8 +10,16 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
   K/V per token at 3.9 TB/s (launch and host costs folded in).
 - fp8 K/V (not calibrated): in each step every block of rows is read by the dequantization
   kernel, written as 16 bits and read again by attention, at the same rate as bf16 K/V.
-- decode, transfer: the streamed layers' K/V over PCIe at 55 GB/s (pinned H2D, measured by
-  bench_transfer), a step taking the slower of the two (the copies overlap the compute).
+- decode, transfer: the streamed layers' K/V, and the streamed layers' weights (Note [Streamed
+  weights]), over PCIe at 55 GB/s (pinned H2D, measured by bench_transfer), a step taking the
+  slower of the two (the copies overlap the compute). Streamed weights measured at 0.95-0.98 of
+  this (bench_weights, 2fc8869: 32B shape on 24 GB, 8B on 8 GB, 32k).
+- prefill with streamed weights: every streamed layer's weights cross PCIe once. With two or
+  more weight slots the copies run under the layers' compute (the prefill takes the longer of
+  the two); with one (the planner's usual pick: planner._residency) a layer's copy starts when
+  the layer before it is done with the slot, so it runs under that layer's compute only when
+  that layer's weights are resident: the copy of a streamed layer after a streamed one (or of
+  layer 0) is exposed. Measured 32k, one slot: 8B on 8 GB 1.60 s, 32B on 24 GB 5.29 s (call 2).
 - prefill: linear layers (2 x parameters x tokens FLOPs) at 546 TFLOP/s, causal attention
   (2 x layers x tokens^2 x heads x head_dim) at 530 TFLOP/s in one call over the prompt; by
   query chunks at 325 TFLOP/s through flash attention (fitted to 64k 3.80 s, 128k 11.84 s no
@@ -134,12 +142,26 @@ def forecast(
         plan.num_layers, len(plan.resident_layers) + plan.promotable_layers()
     )
     transfer = streamed * mean_len * plan.kv_token_bytes / PCIE_BPS
+    weight_copies = plan.streamed_weight_layers * plan.weight_layer_bytes / PCIE_BPS
+    transfer += weight_copies
     step = max(compute, transfer)
     promoted = min(plan.promotable_layers(), plan.streamed_layers)
     first_extra = promoted * plan.prompt_tokens * plan.kv_token_bytes / PCIE_BPS
     steps = plan.capacity - plan.prompt_tokens - 1
+    exposed = 0.0  # prefill's weight copies not under compute (see the module docstring)
+    if plan.streamed_weight_layers and plan.weight_slots == 1:
+        resident = set(plan.weight_resident_layers)
+        alone = sum(
+            1
+            for i in range(plan.weight_layers)
+            if i not in resident and (i == 0 or i - 1 not in resident)
+        )
+        exposed = alone * plan.weight_layer_bytes / PCIE_BPS
+        prefill = compute_prefill + exposed + residual
+    else:
+        prefill = max(compute_prefill, weight_copies) + residual
     return Forecast(
-        prefill_s=compute_prefill + residual,
+        prefill_s=prefill,
         prefill_linear_s=linear,
         prefill_attention_s=attention,
         prefill_residual_copies_s=residual,
