@@ -13,6 +13,12 @@
 // streamed layers alone (a decode step needs each once, in order; so does a prefill, where each
 // layer's compute over a long prompt hides its copy). The budget is each resident layer's bytes
 // plus `slots` times the largest streamed layer: the one compute holds and those in flight.
+// The window may be as wide as the slots: the arena's allocator reuses freed memory in stream
+// order (Note [Stream-ordered frees] in offload_manager.cpp), so a prefetch that found no room
+// at an acquire is retried when the layer is released, into the memory just freed, its copy
+// ordered on the device after compute's use. With one slot and a window of one, the next
+// layer's copy is queued as soon as the host releases a layer and starts the moment compute is
+// done with it, also across the end of a decode step, where the host waits for the token.
 #include <reviva/error.h>
 #include <reviva/weight_store.h>
 
@@ -143,9 +149,9 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
   REVIVA_CHECK_ARG(!streams || slots >= 1,
                    "WeightStore::set_residency: ", blocks_.size() - resident.size(),
                    " layers stream, which needs a slot, got 0");
-  REVIVA_CHECK_ARG(prefetch_layers >= 0 && (prefetch_layers < slots || prefetch_layers == 0),
-                   "WeightStore::set_residency: prefetch_layers must be in [0, slots - 1] = [0, ",
-                   std::max(slots - 1, 0), "], got ", prefetch_layers);
+  REVIVA_CHECK_ARG(prefetch_layers >= 0 && prefetch_layers <= (streams ? slots : 0),
+                   "WeightStore::set_residency: prefetch_layers must be in [0, slots] = [0, ",
+                   streams ? slots : 0, "], got ", prefetch_layers);
   // Layers no longer resident leave after compute's work so far (clean: no copy).
   scheduler_.reset();  // (a new cycle below)
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
@@ -231,6 +237,7 @@ void WeightStore::trim() {
   check_open("trim");
   for (std::size_t i = 0; i < acquired_.size(); ++i)
     REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::trim: layer ", i, " is acquired");
+  manager_->synchronize();  // prefetches in flight land first, so that they leave too
   for (std::size_t i = 0; i < blocks_.size(); ++i)
     if (!resident_[i]) manager_->offload(blocks_[i]);
   declare_cycle();  // (the next call's cycle starts from its first streamed layer)

@@ -76,11 +76,12 @@ class REVIVA_API WeightStore {
 
   // Which layers stay on the device (`resident`: distinct indices), the room for streamed layers
   // (`slots`: at least 1 while a layer streams) and how many streamed layers are brought in
-  // ahead of use (`prefetch_layers` <= slots - 1). Layers made resident are fetched now (compute
-  // waits for them at their next use), layers no longer resident leave after the work queued on
-  // `compute` so far. Not while a layer is acquired. Throws OutOfMemory naming the numbers when
-  // the arena cannot give the resident layers' memory (the store is then left with every layer
-  // streamed and no slots: call again with less).
+  // ahead of use (`prefetch_layers` <= slots: with as many as the slots, the last of the window
+  // comes in when a layer is released, into its memory: Note [Streamed weights]). Layers made
+  // resident are fetched now (compute waits for them at their next use), layers no longer resident
+  // leave after the work queued on `compute` so far. Not while a layer is acquired. Throws
+  // OutOfMemory naming the numbers when the arena cannot give the resident layers' memory (the
+  // store is then left with every layer streamed and no slots: call again with less).
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers,
                      const Stream& compute);
   bool resident(int layer) const;

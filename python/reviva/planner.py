@@ -472,7 +472,9 @@ def _make_plan(
         weight_layer_bytes=weight_bytes if weight_layers else 0,
         weight_resident_layers=spread(weight_resident, weight_layers) if weight_layers else (),
         weight_slots=weight_slots,
-        weight_prefetch_layers=max(weight_slots - 1, 0),
+        # as wide as the slots: the last of the window comes in as a layer is released (Note
+        # [Streamed weights] in src/weight_store.cpp)
+        weight_prefetch_layers=min(window, weight_slots),
     )
     host_cap = config.host_memory_bytes()
     pinned = plan.pinned_host_bytes

@@ -104,6 +104,26 @@ TEST_P(WeightStoreTest, ResidentAndStreamedLayersReadTheirWeightsExactly) {
       << "the resident layers and 3 slots";
 }
 
+TEST_P(WeightStoreTest, OneSlotWithAWindowOfOnePrefetchesIntoTheMemoryJustReleased) {
+  // The planner's usual pick: one slot. Each streamed layer's fill is started at the release of
+  // the one before it (into its memory, after compute's read of it: pass() holds compute behind
+  // a gate across the release, and checks what compute read), so every fill but the very first
+  // is a prefetch, across passes too.
+  const std::vector<std::size_t> kSizes = layer_sizes(backend_);
+  WeightRig rig(backend_, kSizes);
+  rig.store->set_residency({1, 4}, 1, 1, *rig.compute);
+  const int passes = scaled(6);
+  for (int s = 0; s < passes; ++s) rig.pass();
+  rig.store->synchronize();
+  const WeightStoreStats st = rig.store->stats();
+  const std::size_t streamed = total(kSizes, {0, 2, 3, 5, 6});
+  // the last pass's release of layer 6 brought layer 0 of the next in
+  EXPECT_EQ(st.bytes_to_device,
+            streamed * static_cast<std::size_t>(passes) + kSizes[0] + kSizes[1] + kSizes[4]);
+  EXPECT_EQ(st.fills - st.prefetched_fills, 3u) << "the first streamed layer and the 2 resident";
+  EXPECT_LE(st.peak_device_bytes, (2 + 1) * rig.arena->granularity()) << "2 resident, 1 slot";
+}
+
 TEST_P(WeightStoreTest, EveryMixOfResidentAndStreamedLayers) {
   const std::vector<std::size_t> kSizes = layer_sizes(backend_);
   for (const std::vector<int>& resident :
@@ -182,8 +202,8 @@ TEST_P(WeightStoreTest, MisuseIsRefusedNamingTheValues) {
             }).find("layer 9 out of range [0, 7)"),
             std::string::npos);
   EXPECT_NE(message([&] {
-              rig.store->set_residency({}, 2, 2, *rig.compute);
-            }).find("prefetch_layers must be in [0, slots - 1] = [0, 1], got 2"),
+              rig.store->set_residency({}, 2, 3, *rig.compute);
+            }).find("prefetch_layers must be in [0, slots] = [0, 2], got 3"),
             std::string::npos);
   EXPECT_NE(message([&] { rig.store->acquire(0, *rig.compute); }).find("no slots"),
             std::string::npos);

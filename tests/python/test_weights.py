@@ -93,6 +93,8 @@ def test_greedy_tokens_identical_for_every_mix(family: str, mix: str) -> None:
         steps = 12
         assert st["weight_bytes_to_device"] >= streamed * steps * layer_bytes
         assert st["weight_bytes_to_device"] <= (streamed * steps + plan.weight_slots) * layer_bytes
+        # every fill but the call's first is started ahead of use, one slot or more
+        assert st["weight_fills"] - st["weight_prefetched_fills"] <= 1, st
     # the resident weights came in once (in this call), and stay for the next
     again = manager.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(again, ref)
