@@ -47,6 +47,9 @@ _MISSING = object()
 # another) is refused rather than left to interleave its wrappers with the first's.
 _WRAPPED_BY = "_reviva_wrapped_by"
 _WRAP_LOCK = threading.Lock()
+# The StreamedWeights holding a model's decoder layers' weights (Note [Streamed weights]): a
+# second manager would pack the host views of the first into a copy of its own.
+_WEIGHTS_OF = "_reviva_streamed_weights"
 
 
 _PIN_MODES = ("background", "before_compute")
@@ -113,7 +116,12 @@ class RevivaManager:
             and embed.max_norm is None
             and embed.weight is not getattr(model.get_output_embeddings(), "weight", None)
         ):
-            self.host_embedding = HostEmbedding(embed, self.pool, device)
+            # (a manager before this one may have moved the table already: its forward says so)
+            earlier = getattr(embed.__dict__.get("forward"), "__self__", None)
+            if isinstance(earlier, HostEmbedding):
+                self.host_embedding = earlier
+            else:
+                self.host_embedding = HostEmbedding(embed, self.pool, device)
         self.layers = LlamaLayerPath(self.layout)
         # Note [Prefill attention kernel] (block_attention.py): "flash", "cudnn" or "reference"
         # for the device; each call's (call_kernel) in _call_kernel.
@@ -183,8 +191,15 @@ class RevivaManager:
                     "weights stream; this model's do not"
                 )
             return None
-        ids = {id(p) for p in layer_params}
         model = lay.model
+        holder = model.__dict__.get(_WEIGHTS_OF)
+        if holder is not None and holder() is not None:
+            raise ValueError(
+                "RevivaManager: this model's decoder layers' weights already live in another "
+                "RevivaManager's pinned host memory (stream_weights); use that manager, one per "
+                "model"
+            )
+        ids = {id(p) for p in layer_params}
         for name, p in model.named_parameters():
             if id(p) in ids or p.device == device:
                 continue
@@ -202,6 +217,7 @@ class RevivaManager:
                     module._buffers[key] = buf.to(device)
         t = time.perf_counter()
         weights = StreamedWeights(lay.layers, self.engine, self.arena, device, fill_layer)
+        model.__dict__[_WEIGHTS_OF] = weakref.ref(weights)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the layers' device memory, if they were there
         log.info(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -167,10 +168,13 @@ class StreamedWeights:
         ]
 
     def _outside_a_call(self, i: int) -> Callable[..., None]:
+        ref = weakref.ref(self)  # (the model's hooks must not keep the weights' owner alive)
+
         def hook(module: nn.Module, args: object) -> None:
-            if self.in_call or self.device.type == "cpu" or i in self._acquired:
+            weights = ref()
+            if weights is None or weights.in_call or weights.device.type == "cpu":
                 return
-            if self.on_host(i):
+            if i not in weights._acquired and weights.on_host(i):
                 raise RuntimeError(
                     f"decoder layer {i}'s weights live in pinned host memory (RevivaConfig("
                     "stream_weights)): run the model through RevivaManager.generate, which "
@@ -237,6 +241,10 @@ class StreamedWeights:
             self._point(i, None)
             del self._acquired[i]  # (the device block's memory is reused after compute's use)
         self.store.release(i)
+
+    def __del__(self) -> None:
+        for h in getattr(self, "_hooks", ()):
+            h.remove()
 
     def trim(self) -> None:
         """Between calls: the streamed layers' device memory goes back (resident layers stay)."""

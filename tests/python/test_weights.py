@@ -223,6 +223,20 @@ def test_misuse_is_refused_by_name() -> None:
     shared.model.layers[1].mlp.up_proj.weight = shared.model.layers[0].mlp.up_proj.weight
     with pytest.raises(ValueError, match="mlp.up_proj.weight of decoder layer 1 is shared"):
         RevivaManager(shared, RevivaConfig(stream_weights=True))
+    twice = tiny_model("llama")
+    ids = torch.randint(1, 211, (1, 20), generator=torch.Generator().manual_seed(8))
+    ref = twice.generate(ids, max_new_tokens=5, do_sample=False)
+    first = RevivaManager(twice, RevivaConfig(stream_weights=True))
+    with pytest.raises(ValueError, match="already live in another RevivaManager"):
+        RevivaManager(twice, RevivaConfig(stream_weights=True))
+    assert first.weights is not None
+    del first  # its weights go with it: a new manager takes the model over
+    import gc
+
+    gc.collect()
+    again = RevivaManager(twice, RevivaConfig(stream_weights=True))
+    assert again.weights is not None and again.host_embedding is not None
+    assert torch.equal(again.generate(ids, max_new_tokens=5, do_sample=False), ref)
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="stream_weights must be 'auto', True or False"):
             RevivaConfig(stream_weights=bad)
