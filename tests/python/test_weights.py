@@ -420,3 +420,44 @@ def test_a_streamed_layer_run_outside_a_call_says_why() -> None:
     assert not weights.in_call
     weights.device = torch.device("cpu")
     assert torch.equal(model(ids).logits, plain)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(kv_page_tokens=16),
+        dict(prefill_residual="host", chunk_tokens=16),
+        dict(kv_page_tokens=16, prefill_residual="host", chunk_tokens=16),
+    ],
+    ids=["paged", "host_residual", "paged_host_residual"],
+)
+def test_streamed_weights_with_paged_kv_and_the_residual_on_the_host(fields: dict) -> None:
+    model = tiny_model("qwen3", seed=14)
+    ids = torch.randint(1, 211, (1, 60), generator=torch.Generator().manual_seed(9))
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+    manager = RevivaManager(copy.deepcopy(model), RevivaConfig(stream_weights=True, **fields))
+    _, plan = budget_where(manager, 60, 8, MIXES["some_weights"])
+    assert len(plan.weight_resident_layers) < plan.weight_layers
+    assert torch.equal(manager.generate(ids, max_new_tokens=8, do_sample=False), ref)
+    st = manager.get_memory_stats()
+    if "kv_page_tokens" in fields:
+        assert st["paged_layers"] > 0, st
+    if "prefill_residual" in fields:
+        assert st["prefill_residual"] == "host", st
+
+
+def test_streamed_weights_with_fp8_kv_same_tokens_as_resident_weights() -> None:
+    """fp8 K/V is lossy; streaming the weights must not change anything beyond it."""
+    model = tiny_model("llama", seed=15)
+    ids = torch.randint(1, 211, (1, 50), generator=torch.Generator().manual_seed(10))
+    kwargs = dict(
+        max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    resident = RevivaManager(copy.deepcopy(model), RevivaConfig(kv_dtype="fp8"))
+    want = resident.generate(ids, **kwargs)
+    manager = RevivaManager(copy.deepcopy(model), RevivaConfig(kv_dtype="fp8", stream_weights=True))
+    budget_where(manager, 50, 8, MIXES["some_weights"])
+    got = manager.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        assert torch.equal(a, b)
