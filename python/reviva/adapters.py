@@ -4,6 +4,8 @@ Supported: the Llama decoder layout, shared by Llama, Mistral, Qwen2 and Qwen3 (
 follows it): `model.model.layers[i]` with `input_layernorm`, `self_attn` (`q_proj`, `k_proj`,
 `v_proj`, `o_proj`, optional `q_norm`/`k_norm`), `post_attention_layernorm` and `mlp`; a final
 `model.model.norm`; a `model.model.rotary_emb`; and the modeling module's `apply_rotary_pos_emb`.
+Phi-3 follows it with its projections fused: `self_attn.qkv_proj` (queries, then keys, then
+values) instead of the three, and `mlp.gate_up_proj` inside its MLP, which is called whole.
 Anything else gets a ValueError naming the first missing piece.
 """
 
@@ -18,6 +20,7 @@ from torch import nn
 
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_FUSED_ATTN_PARTS = ("qkv_proj", "o_proj")  # Phi-3
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,14 @@ class DecoderLayout:
     device: torch.device
     embed_tokens: nn.Module | None = None  # model.model.embed_tokens
     rotary_emb: nn.Module | None = None  # model.model.rotary_emb
+    fused_qkv: bool = False  # self_attn.qkv_proj (Phi-3) instead of q_proj, k_proj and v_proj
 
 
 def _need(obj: object, name: str, where: str) -> object:
     if not hasattr(obj, name):
         raise ValueError(
             f"RevivaManager supports models with the Llama decoder layout (Llama, Mistral, Qwen2, "
-            f"Qwen3); this model has no `{where}.{name}`"
+            f"Qwen3, Phi-3); this model has no `{where}.{name}`"
         )
     return getattr(obj, name)
 
@@ -63,10 +67,11 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
     rotary_emb = _need(inner, "rotary_emb", "model.model")
     embed_tokens = _need(inner, "embed_tokens", "model.model")
     _need(model, "lm_head", "model")
+    fused = hasattr(layers[0], "self_attn") and hasattr(layers[0].self_attn, "qkv_proj")
     for i, layer in enumerate(layers):
         for part in _LAYER_PARTS:
             _need(layer, part, f"model.model.layers[{i}]")
-        for part in _ATTN_PARTS:
+        for part in _FUSED_ATTN_PARTS if fused else _ATTN_PARTS:
             _need(layer.self_attn, part, f"model.model.layers[{i}].self_attn")
         if getattr(layer.self_attn, "layer_idx", i) != i:
             raise ValueError(
@@ -107,4 +112,5 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
         device=param.device,
         embed_tokens=embed_tokens,
         rotary_emb=rotary_emb,
+        fused_qkv=fused,
     )

@@ -221,15 +221,23 @@ class LlamaLayerPath:
         """Queries, keys (both with RoPE) and values of tokens [s, e), [B, heads, n, D]."""
         attn = layer.self_attn
         x = layer.input_layernorm(h[:, s:e])
-        shape = (h.shape[0], e - s, -1, self.layout.head_dim)
-        q = attn.q_proj(x).view(shape)
-        k = attn.k_proj(x).view(shape)
+        lay = self.layout
+        shape = (h.shape[0], e - s, -1, lay.head_dim)
+        if lay.fused_qkv:  # Phi-3: one projection, queries then keys then values
+            qkv = attn.qkv_proj(x)
+            nq, nkv = lay.num_heads * lay.head_dim, lay.num_kv_heads * lay.head_dim
+            q = qkv[..., :nq].view(shape)
+            k = qkv[..., nq : nq + nkv].view(shape)
+            v = qkv[..., nq + nkv :].view(shape).transpose(1, 2)
+        else:
+            q = attn.q_proj(x).view(shape)
+            k = attn.k_proj(x).view(shape)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
         if hasattr(attn, "q_norm"):
             q = attn.q_norm(q)
         if hasattr(attn, "k_norm"):
             k = attn.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
         q, k = self.layout.apply_rotary_pos_emb(q, k, cos[:, s:e], sin[:, s:e])
         return q, k, v
 
@@ -723,6 +731,7 @@ _PARTS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
     "self_attn.v_proj",
+    "self_attn.qkv_proj",
     "self_attn.q_norm",
     "self_attn.k_norm",
     "self_attn.o_proj",

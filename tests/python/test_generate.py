@@ -14,6 +14,7 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
     TextIteratorStreamer,  # noqa: F401 (generate's streamer API is exercised below)
@@ -45,6 +46,8 @@ def tiny_model(family: str, seed: int = 0, device: str = "cpu") -> torch.nn.Modu
         cfg = Qwen2Config(**TINY, use_sliding_window=False)
     elif family == "qwen3":
         cfg = Qwen3Config(**TINY, head_dim=16, use_sliding_window=False)
+    elif family == "phi3":  # fused qkv_proj and gate_up_proj
+        cfg = Phi3Config(**TINY, sliding_window=None)
     else:
         raise AssertionError(family)
     cfg.pad_token_id = 0
@@ -95,7 +98,7 @@ def budget_keeping(
     return smallest_budget(manager.layout, config, state, batch, prompt, new, keeps)
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
 # (layers of K/V the budget holds, chunk, prefill attention): all resident; 2 resident + 3 slots;
 # no resident layer, 3 slots; one slot (no prefetch); chunked prefill with streaming, with whole
 # and with chunked attention.
