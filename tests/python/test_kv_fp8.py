@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_generate import FAMILIES, budget_for, gpu_llama, tiny_model
+from test_generate import FAMILIES, MOE_FAMILIES, budget_for, gpu_llama, tiny_model
 
 import reviva
 from reviva import RevivaConfig, RevivaManager, kv_fp8
@@ -134,7 +134,7 @@ def assert_close_to_exact(out, ref, prompt: int, tol: float = 0.05) -> int:  # n
 @pytest.mark.parametrize(("layers", "chunk", "block"), [(99, 32, 40), (2, 48, 17), (1, 150, 1000)])
 def test_generate_with_fp8_kv(family: str, layers: int, chunk: int, block: int) -> None:
     """Every family, all resident down to one slot, blocks of 17 to 1000 tokens, twice in a row:
-    logits within 5% of plain HF's while the context is the same, flips only at near-ties, and
+    logits within 5% of plain HF's while the context is the same (15% with experts), flips only at near-ties, and
     most of the 24 steps compared; the stats report the format and its error."""
     model = tiny_model(family)
     ids = torch.randint(1, 211, (2, 150), generator=torch.Generator().manual_seed(1))
@@ -144,9 +144,10 @@ def test_generate_with_fp8_kv(family: str, layers: int, chunk: int, block: int) 
     budget = budget_for(model, 2, 150, 24, layers, chunk, kv_dtype="fp8", kv_block_tokens=block)
     manager = RevivaManager(model, RevivaConfig(vram_budget=budget, kv_dtype="fp8", **kw))
     first = None
+    tol = 0.15 if family in MOE_FAMILIES else 0.05  # (MOE_FAMILIES says why)
     for _ in range(2):
         out = manager.generate(ids, return_dict_in_generate=True, **kwargs)
-        assert assert_close_to_exact(out, ref, 150) >= 24  # at least one sequence's worth
+        assert assert_close_to_exact(out, ref, 150, tol) >= 24  # at least one sequence's worth
         if first is None:
             first = out.sequences
         assert torch.equal(out.sequences, first)  # the same call gives the same tokens

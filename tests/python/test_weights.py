@@ -66,7 +66,7 @@ MIXES = {
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_greedy_tokens_identical_for_every_mix(family: str, mix: str) -> None:
     model = tiny_model(family)
