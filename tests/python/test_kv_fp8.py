@@ -134,8 +134,9 @@ def assert_close_to_exact(out, ref, prompt: int, tol: float = 0.05) -> int:  # n
 @pytest.mark.parametrize(("layers", "chunk", "block"), [(99, 32, 40), (2, 48, 17), (1, 150, 1000)])
 def test_generate_with_fp8_kv(family: str, layers: int, chunk: int, block: int) -> None:
     """Every family, all resident down to one slot, blocks of 17 to 1000 tokens, twice in a row:
-    logits within 5% of plain HF's while the context is the same (15% with experts), flips only at near-ties, and
-    most of the 24 steps compared; the stats report the format and its error."""
+    logits within 5% of plain HF's while the context is the same (15% with experts), flips only
+    at near-ties, and most of the 24 steps compared; the stats report the format and its
+    error."""
     model = tiny_model(family)
     ids = torch.randint(1, 211, (2, 150), generator=torch.Generator().manual_seed(1))
     kwargs = dict(max_new_tokens=24, do_sample=False, output_logits=True)
