@@ -290,7 +290,9 @@ class RevivaCache(Cache):
         self.store.clear()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("RevivaCache does not support num_return_sequences > 1 or beams")
+        # (several sequences per prompt repeat the prompt's rows before prefill, when the cache
+        # is still empty: the manager plans that many rows; a filled cache is never expanded)
+        raise NotImplementedError("RevivaCache does not support beams or expanding its rows")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("RevivaCache does not support batch selection")

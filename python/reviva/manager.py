@@ -703,11 +703,9 @@ class RevivaManager:
         gen = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
         gen_kwargs = {k: v for k, v in kwargs.items() if hasattr(gen, k)}
         gen.update(**gen_kwargs)
-        if (gen.num_beams or 1) > 1 or (gen.num_return_sequences or 1) > 1:
+        if (gen.num_beams or 1) > 1:
             raise ValueError(
-                f"RevivaManager.generate: num_beams={gen.num_beams}, num_return_sequences="
-                f"{gen.num_return_sequences}: beam search and several sequences per prompt are "
-                "not supported"
+                f"RevivaManager.generate: num_beams={gen.num_beams}: beam search is not supported"
             )
         if gen.output_attentions:
             raise ValueError(
@@ -716,6 +714,9 @@ class RevivaManager:
                 "attention weights"
             )
         batch, tokens = inputs.shape
+        # Several sequences per prompt (sampling): generate repeats each prompt's row that many
+        # times before prefill, so the cache holds that many rows.
+        batch *= gen.num_return_sequences or 1
         if gen.max_new_tokens is not None:
             new_tokens = gen.max_new_tokens
         else:

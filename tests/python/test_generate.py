@@ -216,6 +216,25 @@ def test_sampling_with_seed_identical() -> None:
     assert manager.get_memory_stats()["resident_layers_in_prefill"] == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_several_sequences_per_prompt_identical(family: str) -> None:
+    """num_return_sequences with sampling: generate repeats each prompt's row; the cache is
+    planned for that many rows, streamed, and the tokens are plain HF's under the same seed."""
+    model = tiny_model(family, seed=5)
+    ids = torch.randint(1, 211, (2, 40), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(max_new_tokens=12, do_sample=True, top_k=20, num_return_sequences=3)
+    torch.manual_seed(321)
+    ref = model.generate(ids, **kwargs)
+    assert ref.shape[0] == 6
+    budget = budget_for(model, 6, 40, 12, 3)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+    torch.manual_seed(321)
+    out = manager.generate(ids, **kwargs)
+    assert torch.equal(out, ref)
+    st = manager.get_memory_stats()
+    assert st["resident_layers_in_prefill"] < 5 and st["decode_steps"] == 11
+
+
 def test_store_timeline_records_the_calls_copies() -> None:
     """The diagnostic timeline (benchmarks/diag_phases.py): off by default; with a capacity, every
     fill of a streamed layer is a copy_to_device event whose bytes are that layer's valid tokens."""
