@@ -681,20 +681,36 @@ class RevivaManager:
             inputs = kwargs.pop("input_ids", None)
         if inputs is None:
             inputs = kwargs.pop("input_ids", None)
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is not None:
+            # The prompt as embeddings ([batch, tokens, hidden], on the device): they are the
+            # first layer's input; token ids, if given too, are only what the output starts with.
+            if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3:
+                raise ValueError(
+                    "RevivaManager.generate: inputs_embeds must be a [batch, tokens, hidden] "
+                    f"tensor, got {type(embeds).__name__}"
+                    + (
+                        f" of shape {tuple(embeds.shape)}"
+                        if isinstance(embeds, torch.Tensor)
+                        else ""
+                    )
+                )
+            shape = tuple(embeds.shape[:2])
+        elif not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
             raise ValueError(
                 "RevivaManager.generate needs token ids as a [batch, tokens] tensor (or a "
-                f"tokenizer's BatchEncoding), got {type(inputs).__name__}"
+                f"tokenizer's BatchEncoding, or inputs_embeds), got {type(inputs).__name__}"
                 + (f" of shape {tuple(inputs.shape)}" if isinstance(inputs, torch.Tensor) else "")
             )
-        if inputs.shape[0] < 1 or inputs.shape[1] < 1:
+        else:
+            shape = tuple(inputs.shape)
+        if shape[0] < 1 or shape[1] < 1:
             raise ValueError(
-                f"RevivaManager.generate: the token ids have shape {tuple(inputs.shape)}; batch "
-                "and prompt length must both be >= 1"
+                f"RevivaManager.generate: the prompt has shape {shape}; batch and prompt length "
+                "must both be >= 1"
             )
         for unsupported in (
             "past_key_values",
-            "inputs_embeds",
             "assistant_model",
             "prompt_lookup_num_tokens",
         ):
@@ -713,7 +729,7 @@ class RevivaManager:
                 "attention by token chunks (or in a fused kernel), which never forms the "
                 "attention weights"
             )
-        batch, tokens = inputs.shape
+        batch, tokens = shape
         # Several sequences per prompt (sampling): generate repeats each prompt's row that many
         # times before prefill, so the cache holds that many rows.
         batch *= gen.num_return_sequences or 1
@@ -736,6 +752,13 @@ class RevivaManager:
         )
         if plan.residual_on_host:
             self._check_host_residual(gen, kwargs, padded)
+            if embeds is not None:
+                raise ValueError(
+                    "RevivaManager.generate: inputs_embeds while the prompt's hidden states stay "
+                    f"on the host through prefill (RevivaConfig(prefill_residual="
+                    f"{self.config.prefill_residual!r}) and a plan that needs it): the "
+                    "embeddings are already the prompt's size on the device; pass token ids"
+                )
         if plan.page_tokens and padded:
             raise ValueError(
                 "RevivaManager.generate: a padded batch with RevivaConfig(kv_page_tokens="

@@ -235,6 +235,26 @@ def test_several_sequences_per_prompt_identical(family: str) -> None:
     assert st["resident_layers_in_prefill"] < 5 and st["decode_steps"] == 11
 
 
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_inputs_embeds_identical(with_ids: bool) -> None:
+    """The prompt given as embeddings (and, optionally, its ids too, which the output then
+    starts with): plain HF's tokens, with streamed layers."""
+    model = tiny_model("llama", seed=6)
+    ids = torch.randint(1, 211, (2, 40), generator=torch.Generator().manual_seed(7))
+    embeds = model.get_input_embeddings()(ids).detach()
+    kwargs = dict(inputs_embeds=embeds, max_new_tokens=10, do_sample=False)
+    if with_ids:
+        kwargs["input_ids"] = ids
+    ref = model.generate(**kwargs)
+    budget = budget_for(model, 2, 40, 10, 3)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+    out = manager.generate(**kwargs)
+    assert torch.equal(out, ref)
+    assert manager.get_memory_stats()["resident_layers_in_prefill"] < 5
+    with pytest.raises(ValueError, match="inputs_embeds while the prompt's hidden states"):
+        RevivaManager(model, RevivaConfig(prefill_residual="host")).generate(**kwargs)
+
+
 def test_store_timeline_records_the_calls_copies() -> None:
     """The diagnostic timeline (benchmarks/diag_phases.py): off by default; with a capacity, every
     fill of a streamed layer is a copy_to_device event whose bytes are that layer's valid tokens."""
@@ -331,8 +351,8 @@ def test_unsupported_models_and_options_are_named() -> None:
     ids = torch.randint(1, 211, (1, 10))
     with pytest.raises(ValueError, match="num_beams=2"):
         manager.generate(ids, max_new_tokens=4, num_beams=2)
-    with pytest.raises(ValueError, match="inputs_embeds"):
-        manager.generate(ids, inputs_embeds=torch.zeros(1, 10, 64))
+    with pytest.raises(ValueError, match=r"inputs_embeds must be a \[batch, tokens, hidden\]"):
+        manager.generate(inputs_embeds=torch.zeros(10, 64))
     with pytest.raises(ValueError, match=r"\[batch, tokens\] tensor.*shape \(10,\)"):
         manager.generate(ids[0])
 
