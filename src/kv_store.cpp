@@ -388,6 +388,29 @@ std::size_t KVStore::length(int layer) const {
   return bytes / options_.token_bytes;
 }
 
+void KVStore::truncate(int layer, std::size_t tokens) {
+  const BlockId id = block_at(layer, "truncate");
+  const auto i = static_cast<std::size_t>(layer);
+  const std::size_t length = KVStore::length(layer);
+  REVIVA_CHECK_ARG(tokens <= length, "KVStore::truncate: ", tokens, " tokens exceed layer ", layer,
+                   "'s ", length);
+  REVIVA_CHECK_ARG(acquired_[i] == nullptr, "KVStore::truncate: layer ", layer, " is acquired");
+  if (!paged(layer)) {
+    manager_->truncate(id, tokens * options_.token_bytes);
+    return;
+  }
+  for (void* p : page_acquired_[i])
+    REVIVA_CHECK_ARG(p == nullptr, "KVStore::truncate: a page of layer ", layer, " is acquired");
+  const std::size_t page = options_.page_tokens;
+  for (std::size_t j = 0; j < pages_[i].size(); ++j) {
+    const std::size_t first = j * page;
+    const std::size_t keep = tokens > first ? std::min(tokens - first, page) : 0;
+    if (keep * options_.token_bytes < manager_->valid_bytes(pages_[i][j]))
+      manager_->truncate(pages_[i][j], keep * options_.token_bytes);
+  }
+  declare_cycle();  // (the pages a step reads, and the one it writes, changed)
+}
+
 bool KVStore::paged(int layer) const {
   block_at(layer, "paged");
   return !pages_[static_cast<std::size_t>(layer)].empty();

@@ -963,6 +963,19 @@ bool OffloadManager::kept(BlockId id) const {
   return impl_->find(id).keep;
 }
 
+void OffloadManager::truncate(BlockId id, std::size_t bytes) {
+  Impl& m = *impl_;
+  std::unique_lock<std::mutex> lock(m.mutex);
+  Impl::Block& b = m.wait_idle(lock, id);
+  REVIVA_CHECK_ARG(b.append, "truncate: block ", id, " (", b.name, ") is not an append block");
+  REVIVA_CHECK_ARG(b.pins == 0, "truncate: block ", id, " (", b.name, ") is acquired");
+  REVIVA_CHECK_ARG(bytes <= b.valid, "truncate: ", bytes, " bytes exceed block ", id, " (", b.name,
+                   ")'s ", b.valid, " valid bytes");
+  // A fetch in flight copies the old prefix, of which the kept one is a part; a write-through in
+  // flight lands before any later fetch reads its range (rule 4: fetches wait for last_write).
+  b.valid = bytes;
+}
+
 std::size_t OffloadManager::valid_bytes(BlockId id) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   const Impl::Block& b = impl_->find(id);

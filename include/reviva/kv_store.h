@@ -150,6 +150,10 @@ class REVIVA_API KVStore {
   void declare_prefill_order(int layer, std::size_t first, std::size_t end, std::size_t chunk);
   void end_prefill_order();
 
+  // Keeps the layer's first `tokens` tokens (<= length()) and forgets the rest: later writes
+  // continue from there (assisted decoding's rejected tokens). Not while the layer (or one of
+  // its pages) is acquired.
+  void truncate(int layer, std::size_t tokens);
   std::size_t length(int layer) const;
   bool resident(int layer) const;
   std::size_t layer_bytes() const noexcept;  // capacity_tokens * token_bytes

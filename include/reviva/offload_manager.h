@@ -93,6 +93,10 @@ class REVIVA_API OffloadManager {
   // prefix extends to cover it, and a block with a host copy copies the range there (a D2H after
   // that work). Returns the bytes sent to the host copy.
   std::size_t wrote(BlockId id, std::size_t offset, std::size_t bytes, const Stream& compute);
+  // Shortens an append block's contents to their first `bytes` (<= valid_bytes()): later writes
+  // continue from there (a rollback: assisted decoding's rejected tokens). Its memory and its
+  // host copy stay; the copy's prefix stays valid. It must not be acquired.
+  void truncate(BlockId id, std::size_t bytes);
   // Keeps an append block on the device from now on: never evicted nor offloaded, its host copy
   // given back once its contents are on the device (later writes stay there). A block on the
   // host is fetched now into fresh memory (not memory the allocator keeps for blocks that come

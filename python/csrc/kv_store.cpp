@@ -342,6 +342,10 @@ void bind_kv_store(py::module_& m) {
       .def("kv", &PyKVStore::kv, py::arg("layer"), py::arg("tokens"))
       .def("wrote", &PyKVStore::wrote, py::arg("layer"), py::arg("first"), py::arg("count"))
       .def("release", &PyKVStore::release, py::arg("layer"))
+      .def(
+          "truncate",
+          [](PyKVStore& s, int layer, std::size_t tokens) { s.store().truncate(layer, tokens); },
+          py::arg("layer"), py::arg("tokens"))
       .def("length", [](PyKVStore& s, int layer) { return s.store().length(layer); })
       .def("resident", [](PyKVStore& s, int layer) { return s.store().resident(layer); })
       .def("stats", &PyKVStore::stats)

@@ -36,7 +36,7 @@ class RevivaCacheLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # (assisted and prompt-lookup decoding cut the rejected candidates)
 
     def __init__(self, cache: RevivaCache, layer_idx: int) -> None:
         super().__init__()
@@ -73,10 +73,14 @@ class RevivaCacheLayer(CacheLayerMixin):
         raise NotImplementedError("RevivaCache does not support beam search (num_beams > 1)")
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "RevivaCache is append-only: cropping (assisted or speculative decoding) is not "
-            "supported"
-        )
+        # HF's convention (a number or a 0-d tensor): a negative count removes that many tokens,
+        # 0 removes none, a positive one (legacy) is the length to keep
+        n = int(tokens_to_remove)
+        if n == 0:
+            return
+        length = self.get_seq_length()
+        keep = length + n if n < 0 else min(n, length)
+        self._cache.truncate(self._layer_idx, max(keep, 0))
 
     def offload(self) -> None:
         pass  # the store decides where layers live
@@ -232,6 +236,11 @@ class RevivaCache(Cache):
                 fp8rows.relative_error(value, v_rows),
             )
         self.store.write(layer_idx, first, k_rows, v_rows)
+
+    def truncate(self, layer_idx: int, tokens: int) -> None:
+        """Keeps the layer's first `tokens` tokens (a rollback: rejected candidates of assisted
+        decoding); the next write continues from there. Not while the layer is acquired."""
+        self.store.truncate(layer_idx, tokens)
 
     def view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The acquired layer's first `length` tokens: K and V, [batch, kv_heads, length, D]."""

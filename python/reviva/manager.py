@@ -343,9 +343,11 @@ class RevivaManager:
                 return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
             if i == 0:
                 self._mark_decode_step()
+            # (without padding, a mask HF passes is the causal one, which the own path applies
+            # itself: several candidate tokens verified at once in assisted decoding)
             if (
                 (self._own_decode or cache.fp8 or cache.page_tokens > 0)
-                and kwargs.get("attention_mask") is None
+                and (kwargs.get("attention_mask") is None or not self._phase.get("padded", True))
                 and "position_embeddings" in kwargs
             ):
                 if i == 0:
@@ -709,11 +711,7 @@ class RevivaManager:
                 f"RevivaManager.generate: the prompt has shape {shape}; batch and prompt length "
                 "must both be >= 1"
             )
-        for unsupported in (
-            "past_key_values",
-            "assistant_model",
-            "prompt_lookup_num_tokens",
-        ):
+        for unsupported in ("past_key_values",):
             if kwargs.get(unsupported) is not None:
                 raise ValueError(f"RevivaManager.generate does not support {unsupported}=")
         gen = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)

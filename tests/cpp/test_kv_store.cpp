@@ -93,6 +93,30 @@ struct Rig {
 
 class KVStoreTest : public BackendTest {};
 
+TEST_P(KVStoreTest, TruncateRollsBackAndLaterWritesContinueFromThere) {
+  // Assisted decoding: a step writes several candidate tokens, the rejected ones are cut, and
+  // the next step writes from the cut. Resident and streamed layers alike hold exactly the kept
+  // tokens and the new ones, and a streamed layer's fill moves only those.
+  Rig rig(backend_, 5, 96, 2, 3, {0, 3});
+  rig.step(40, 1, /*check=*/false);
+  for (int s = 0; s < 3; ++s) {
+    rig.step(5, 10 + s);
+    for (int l = 0; l < 5; ++l) {
+      const std::size_t keep = rig.store->length(l) - 3;
+      rig.store->truncate(l, keep);
+      rig.expected[static_cast<std::size_t>(l)].resize(keep * kTokenBytes);
+      EXPECT_EQ(rig.store->length(l), keep);
+    }
+  }
+  rig.step(1, 70);
+  rig.step(0, 99);  // checks every layer
+  EXPECT_EQ(rig.store->length(2), 40u + 3 * 2 + 1);
+  EXPECT_THROW(rig.store->truncate(1, 48), InvalidArgument);  // more than it holds
+  rig.store->acquire(1, *rig.compute);
+  EXPECT_THROW(rig.store->truncate(1, 10), InvalidArgument);  // acquired
+  rig.store->release(1, *rig.compute);
+}
+
 TEST_P(KVStoreTest, PrefillThenDecodeKeepsEveryLayerExact) {
   // 7 layers, 3 resident, 4 streamed through 3 slots with a window of 2.
   Rig rig(backend_, 7, 96, 2, 3, {0, 3, 5});

@@ -145,6 +145,24 @@ struct PagedRig {
 
 class KVStorePagesTest : public BackendTest {};
 
+TEST_P(KVStorePagesTest, TruncateAcrossPagesThenWritesContinue) {
+  // Cuts that end inside a page and across pages; the cycle's pages follow the new length.
+  PagedRig rig(backend_, 3, 96, 16, 2, 3, {1});
+  rig.step(40, 1, /*check=*/false);
+  for (std::size_t cut : {std::size_t{3}, std::size_t{20}, std::size_t{1}}) {
+    rig.step(4, 10 + cut);
+    for (int l = 0; l < 3; ++l) {
+      const std::size_t keep = rig.store->length(l) - cut;
+      rig.store->truncate(l, keep);
+      rig.expected[static_cast<std::size_t>(l)].resize(keep * kTokenBytes);
+      EXPECT_EQ(rig.store->length(l), keep);
+    }
+    rig.step(0, 90 + cut);  // checks every page
+  }
+  rig.step(2, 77);
+  rig.step(0, 99);
+}
+
 TEST_P(KVStorePagesTest, PrefillThenDecodeKeepsEveryPageExact) {
   // 5 layers, layer 1 whole and resident, 4 paged in pages of 16 tokens through 3 page slots
   // with a window of 2 pages; a 40-token prompt (pages of 16, 16, 8) then decode steps that

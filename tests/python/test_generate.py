@@ -6,6 +6,7 @@ left padding, seeded sampling, and restore after `with manager:`."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -253,6 +254,35 @@ def test_inputs_embeds_identical(with_ids: bool) -> None:
     assert manager.get_memory_stats()["resident_layers_in_prefill"] < 5
     with pytest.raises(ValueError, match="inputs_embeds while the prompt's hidden states"):
         RevivaManager(model, RevivaConfig(prefill_residual="host")).generate(**kwargs)
+
+
+@pytest.mark.parametrize("pages", [0, 16])
+def test_prompt_lookup_and_assisted_decoding_identical(pages: int) -> None:
+    """Candidates verified several at a time, the rejected ones cut from the cache (crop ->
+    KVStore.truncate, across pages too): greedy tokens are plain greedy's, with streamed layers,
+    for prompt-lookup decoding and for an assistant model."""
+    model = tiny_model("llama", seed=8)
+    gen = torch.Generator().manual_seed(9)
+    motif = torch.randint(1, 211, (1, 12), generator=gen)
+    ids = torch.cat([motif, torch.randint(1, 211, (1, 20), generator=gen), motif, motif], dim=1)
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    config = RevivaConfig(kv_page_tokens=pages)
+    # (the first forward is the prompt and the first candidates: room for them too)
+    budget = budget_keeping(
+        model, config, 1, ids.shape[1] + 4, 24, lambda p: len(p.resident_layers) >= 1
+    )
+    manager = RevivaManager(model, dataclasses.replace(config, vram_budget=budget))
+    out = manager.generate(ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=4)
+    assert torch.equal(out, ref)
+    st = manager.get_memory_stats()
+    assert st["decode_steps"] < 23, "no candidate was ever accepted: lookup not exercised"
+    assert st["resident_layers_in_prefill"] < 5 and st["streamed_layers"] > 0, st
+    assert st["paged_layers"] > 0 if pages else st["paged_layers"] == 0
+    assistant = tiny_model("llama", seed=10)
+    out = manager.generate(
+        ids, max_new_tokens=24, do_sample=False, assistant_model=assistant, num_assistant_tokens=3
+    )
+    assert torch.equal(out, ref)
 
 
 def test_store_timeline_records_the_calls_copies() -> None:
