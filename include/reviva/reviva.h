@@ -8,7 +8,6 @@
 #include <reviva/error.h>
 #include <reviva/eviction_policy.h>
 #include <reviva/kv_store.h>
-#include <reviva/weight_store.h>
 #include <reviva/metrics.h>
 #include <reviva/offload_manager.h>
 #include <reviva/pinned_host_pool.h>
@@ -16,3 +15,4 @@
 #include <reviva/stream.h>
 #include <reviva/transfer_engine.h>
 #include <reviva/version.h>
+#include <reviva/weight_store.h>

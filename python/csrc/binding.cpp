@@ -16,8 +16,8 @@ namespace py = pybind11;
 
 namespace reviva::python {
 
-void bind_manager(py::module_& m);   // manager.cpp
-void bind_kv_store(py::module_& m);  // kv_store.cpp
+void bind_manager(py::module_& m);       // manager.cpp
+void bind_kv_store(py::module_& m);      // kv_store.cpp
 void bind_weight_store(py::module_& m);  // weight_store.cpp
 
 namespace {
