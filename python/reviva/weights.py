@@ -112,6 +112,13 @@ class StreamedWeights:
             if not slots:
                 raise ValueError(f"StreamedWeights: decoder layer {i} has no parameters")
             self._slots.append(slots)
+        if fill_layer is None:  # (before anything moves: a model is never left half packed)
+            for i, slots in enumerate(self._slots):
+                if any(slot.param.is_meta for slot in slots):
+                    raise ValueError(
+                        f"StreamedWeights: decoder layer {i} has parameters on the meta device: "
+                        "pass fill_layer(index, layer) to write their values"
+                    )
         sizes = [s[-1].offset + s[-1].nbytes for s in self._slots]
         self.layer_bytes = sizes
         self.store = WeightStore(engine, arena, sizes, timeline_capacity)
@@ -149,11 +156,7 @@ class StreamedWeights:
                             module._buffers[key] = buf.to(device)
                 if was_meta:
                     meta.append(i)
-                    if fill_layer is None:
-                        raise ValueError(
-                            f"StreamedWeights: decoder layer {i} has parameters on the meta "
-                            "device: pass fill_layer(index, layer) to write their values"
-                        )
+                    assert fill_layer is not None  # (checked above)
                     fill_layer(i, layer)
         if meta:
             log.info("reviva: %d decoder layers filled by fill_layer", len(meta))
