@@ -40,26 +40,8 @@ from common import environment, print_table, write_json  # noqa: E402
 
 PCIE_H2D_BPS = 55e9  # DESIGN.md, "Performance model"
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "32b": dict(
-        family="qwen2",
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-    ),
-    "8b": dict(
-        family="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),
-}
+# The shapes, as `python -m reviva plan` names them (reviva.__main__.PRESETS).
+SHAPES = {"32b": "qwen2.5-32b", "8b": "llama3-8b"}
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "reviva_32b": dict(shape="32b", card_gb=24, kind="reviva"),
@@ -73,82 +55,63 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 def config_of(shape: str, max_positions: int) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import AutoConfig
 
-    fields = dict(SHAPES[shape])
-    family = fields.pop("family")
-    common = dict(max_position_embeddings=max_positions, pad_token_id=0, eos_token_id=None)
-    if family == "qwen2":
-        return Qwen2Config(**fields, **common, use_sliding_window=False, tie_word_embeddings=False)
-    return LlamaConfig(**fields, **common)
+    from reviva.__main__ import PRESETS
+
+    fields = dict(PRESETS[SHAPES[shape]])
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    cfg.max_position_embeddings = max_positions
+    cfg.pad_token_id, cfg.eos_token_id = 0, None
+    return cfg
 
 
-def meta_model(cfg: Any) -> Any:
-    """The model on the meta device, with everything outside the decoder layers on the GPU
-    (random, as a checkpoint loader would have loaded it)."""
+def fill_param(name: str, p: Any, generator: Any = None) -> None:
+    """Random values made on the GPU (when there is one) and copied into p, wherever p lives;
+    norms at 1, as a trained model's are near."""
+    import torch
+
+    if name.endswith("norm.weight"):
+        p.fill_(1.0)
+        return
+    where = "cuda" if torch.cuda.is_available() else "cpu"
+    v = torch.empty(p.shape, dtype=torch.float32, device=where).normal_(
+        0, 0.02, generator=generator
+    )
+    p.copy_(v.to(p.dtype))
+
+
+def fill_random(i: int, layer: Any) -> None:
+    """fill_layer for RevivaManager: layer i's values, into its pinned host copy."""
+    import torch
+
+    where = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=where).manual_seed(1000 + i)
+    for name, p in layer.named_parameters():
+        fill_param(name, p, g)
+
+
+def random_model(cfg: Any, place: str) -> Any:
+    """A random bf16 model built without memory, then placed: "cuda" or "cpu" (all of it there),
+    or "layers_on_meta" (its decoder layers left on the meta device for RevivaManager's
+    fill_layer, the rest on the GPU, as a checkpoint loader would have loaded it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     inner = model.model
-    for module in (inner.embed_tokens, inner.norm, model.lm_head):
-        module.to_empty(device="cuda")
-    with torch.no_grad():
-        inner.embed_tokens.weight.normal_(0, 0.02)
-        model.lm_head.weight.normal_(0, 0.02)
-        inner.norm.weight.fill_(1.0)
-    inner.rotary_emb = type(inner.rotary_emb)(config=cfg, device="cuda")
-    return model
-
-
-def fill_random(i: int, layer: Any) -> None:
-    """fill_layer for RevivaManager: random values made on the GPU, copied into the pinned host
-    copy (norms at 1, as a trained model's are near)."""
-    import torch
-
-    g = torch.Generator(device="cuda").manual_seed(1000 + i)
-    for name, p in layer.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-            continue
-        v = torch.empty(p.shape, dtype=torch.float32, device="cuda").normal_(0, 0.02, generator=g)
-        p.copy_(v.to(p.dtype))
-
-
-def device_model(cfg: Any) -> Any:
-    """The whole model on the GPU, random (the no-card reference)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    model.to_empty(device="cuda")
+    device = "cpu" if place == "cpu" else "cuda"
+    if place == "layers_on_meta":
+        for module in (inner.embed_tokens, inner.norm, model.lm_head):
+            module.to_empty(device=device)
+    else:
+        model.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg, device="cuda")
-    return model
-
-
-def cpu_model(cfg: Any) -> Any:
-    """The whole model on the CPU (pageable), random values made on the GPU piece by piece."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.empty(p.shape, dtype=p.dtype, device="cuda").normal_(0, 0.02))
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+            if not p.is_meta:
+                fill_param(name, p)
+    inner.rotary_emb = type(inner.rotary_emb)(config=cfg).to(device)
     return model
 
 
@@ -183,7 +146,7 @@ def run_reviva(spec: dict[str, Any], args: argparse.Namespace, probe: Any, card:
 
     cfg = config_of(spec["shape"], args.prompt + args.new_tokens + 64)
     t = time.perf_counter()
-    model = meta_model(cfg)
+    model = random_model(cfg, "layers_on_meta")
     budget = f"{spec['card_gb']}GB" if spec["card_gb"] else None
     config = RevivaConfig(vram_budget=budget, device="cuda", kv_dtype=spec.get("kv_dtype", "auto"))
     manager = RevivaManager(model, config, fill_layer=fill_random)
@@ -236,7 +199,7 @@ def run_resident(spec: dict[str, Any], args: argparse.Namespace, probe: Any, car
     from reviva import RevivaConfig, RevivaManager
 
     cfg = config_of(spec["shape"], args.prompt + args.new_tokens + 64)
-    model = device_model(cfg)
+    model = random_model(cfg, "cuda")
     manager = RevivaManager(model, RevivaConfig())
     assert manager.weights is None
     rows = []
@@ -257,7 +220,7 @@ def run_accelerate(spec: dict[str, Any], args: argparse.Namespace, probe: Any, c
 
     cfg = config_of(spec["shape"], 8192)
     t = time.perf_counter()
-    model = cpu_model(cfg)
+    model = random_model(cfg, "cpu")
     build_s = time.perf_counter() - t
     # 80% of the card for the modules accelerate places there: the rest holds the CUDA
     # context, the K/V and the activations (a 24 GB card is 22.4 GiB)
