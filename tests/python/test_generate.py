@@ -678,3 +678,31 @@ def test_prepare_pins_the_host_copies_ahead() -> None:
     after = manager.pool.stats()
     assert after["slabs_allocated"] == before["slabs_allocated"], "generate pinned new memory"
     assert torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_bf16_every_family_close_to_an_fp32_run(family: str) -> None:
+    """Issue 15's families on CUDA in bf16 (a small model of each, 512-token prompt, 64-token
+    chunks so that prefill runs Reviva's chunked attention, most layers' K/V streamed, its own
+    decode path): the first token's logits as close to an fp32 run of the same weights as plain
+    HF's bf16 ones are (<= 1.5x; 3x for expert models, whose routing a rounding can flip:
+    MOE_FAMILIES), and the greedy tokens plain HF's while both runs agree on them."""
+    from reviva.demo import fp32_reference_logits
+    from reviva.demo import relative_error as rel
+
+    model = tiny_model(family, seed=21).to(device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(1, 211, (1, 512), device="cuda")
+    kwargs = dict(
+        max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    ref = model.generate(ids, **kwargs)
+    exact = fp32_reference_logits(model, ids, keep=1)
+    budget = budget_for(model, 1, 512, 8, 3, chunk=64, attention="chunked")
+    config = RevivaConfig(vram_budget=budget, chunk_tokens=64, prefill_attention="chunked")
+    out = RevivaManager(model, config).generate(ids, **kwargs)
+    err_hf, err_rv = rel(ref.logits[0], exact[:, 0]), rel(out.logits[0], exact[:, 0])
+    factor = 3.0 if family in MOE_FAMILIES else 1.5
+    assert err_rv <= factor * err_hf, (family, err_rv, err_hf)
+    same = int((ref.sequences[0, 512:] == out.sequences[0, 512:]).cumprod(0).sum())
+    assert same >= 1, "the first greedy token already differs"
