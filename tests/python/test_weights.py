@@ -461,3 +461,44 @@ def test_streamed_weights_with_fp8_kv_same_tokens_as_resident_weights() -> None:
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits, strict=True):
         assert torch.equal(a, b)
+
+
+class _StarvedStore:
+    """A WeightStore whose n-th acquire finds no memory (what the core raises when the arena
+    cannot map a streamed layer's weights), the rest passed through."""
+
+    def __init__(self, store: object, fail_at: int) -> None:
+        self._store, self._left = store, fail_at
+
+    def acquire(self, layer: int) -> torch.Tensor:
+        self._left -= 1
+        if self._left == 0:
+            raise RevivaOutOfMemoryError(f"layer {layer}: no device memory (test)")
+        return self._store.acquire(layer)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("fail_at", [3, 9])  # in prefill, in decode
+def test_an_out_of_memory_in_the_middle_of_a_call_leaves_nothing_behind(fail_at: int) -> None:
+    """A layer's weights find no device memory part way through a call: the call raises
+    RevivaOutOfMemoryError, no layer stays acquired, streamed layers point at their host
+    copies again, and the next call gives plain HF's tokens."""
+    model = tiny_model("llama", seed=16)
+    ids = torch.randint(1, 211, (1, 40), generator=torch.Generator().manual_seed(11))
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    manager = RevivaManager(copy.deepcopy(model), RevivaConfig(stream_weights=True))
+    budget_where(manager, 40, 6, MIXES["least"])
+    weights = manager.weights
+    store = weights.store
+    weights.store = _StarvedStore(store, fail_at)
+    try:
+        with pytest.raises(RevivaOutOfMemoryError, match="no device memory"):
+            manager.generate(ids, max_new_tokens=6, do_sample=False)
+    finally:
+        weights.store = store
+    for i in range(weights.num_layers):
+        assert not store.acquired(i), i
+        assert weights.resident(i) or weights.on_host(i), i
+    assert torch.equal(manager.generate(ids, max_new_tokens=6, do_sample=False), ref)
