@@ -152,19 +152,19 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
   REVIVA_CHECK_ARG(prefetch_layers >= 0 && prefetch_layers <= (streams ? slots : 0),
                    "WeightStore::set_residency: prefetch_layers must be in [0, slots] = [0, ",
                    streams ? slots : 0, "], got ", prefetch_layers);
-  // Layers no longer resident leave after compute's work so far (clean: no copy).
+  // Layers no longer resident leave after compute's work so far (clean: no copy), and so do
+  // streamed layers on the device (prefetched at the end of the last call): the new cycle starts
+  // from its first streamed layer.
   scheduler_.reset();  // (a new cycle below)
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
-    if (!resident_[i] || wanted[i]) continue;
-    manager_->release(blocks_[i], compute);
-    resident_[i] = false;
-    resident_at_[i] = nullptr;
+    if (wanted[i]) continue;
+    if (resident_[i]) {  // the store's hold ends
+      manager_->release(blocks_[i], compute);
+      resident_[i] = false;
+      resident_at_[i] = nullptr;
+    }
     manager_->offload(blocks_[i]);
   }
-  // Streamed layers on the device (prefetched at the end of the last call) leave too: the new
-  // cycle starts from its first streamed layer.
-  for (std::size_t i = 0; i < blocks_.size(); ++i)
-    if (!wanted[i]) manager_->offload(blocks_[i]);
   std::vector<bool> before = resident_;
   resident_ = wanted;  // the budget holds the resident layers and the slots ...
   slots_ = streams ? slots : 0;

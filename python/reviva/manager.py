@@ -209,9 +209,7 @@ class RevivaManager:
                     "layers' parameters are filled (fill_layer): load the rest before wrapping"
                 )
             p.data = p.data.to(device)
-        for module in model.modules():
-            if any(module is layer for layer in lay.layers):
-                continue
+        for module in model.modules():  # (the layers' buffers too: they are small)
             for key, buf in module._buffers.items():
                 if buf is not None and buf.device != device and not buf.is_meta:
                     module._buffers[key] = buf.to(device)
@@ -229,11 +227,12 @@ class RevivaManager:
         return weights
 
     def _streamed_param_bytes(self) -> int:
+        """Bytes of parameters that do not live on the device as such: the streamed layers' (in
+        their WeightStore) and a host embedding's table (Note [Embedding on the host])."""
         if self.weights is None:
             return 0
-        return sum(
-            p.numel() * p.element_size() for layer in self.layout.layers for p in layer.parameters()
-        )
+        table = self.host_embedding.nbytes if self.host_embedding is not None else 0
+        return self.weights.param_bytes + table
 
     # --- enabling and restoring ------------------------------------------------------------------
 

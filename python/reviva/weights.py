@@ -121,6 +121,8 @@ class StreamedWeights:
                     )
         sizes = [s[-1].offset + s[-1].nbytes for s in self._slots]
         self.layer_bytes = sizes
+        # the parameters' own bytes (without the packing's alignment), as torch counts them
+        self.param_bytes = sum(slot.nbytes for slots in self._slots for slot in slots)
         self.store = WeightStore(engine, arena, sizes, timeline_capacity)
         self._host_views: list[list[torch.Tensor]] = []
         self._device_views: dict[int, torch.Tensor] = {}  # resident layers' device blocks

@@ -118,6 +118,15 @@ def test_batch_and_sampling_identical() -> None:
     assert torch.equal(out_s, ref_s)
 
 
+def assert_nothing_held(weights: object, store: object = None) -> None:
+    """After a call (one that raised too): no layer acquired, and the streamed layers'
+    parameters views of their pinned host copies again."""
+    store = store or weights.store
+    for i in range(weights.num_layers):
+        assert not store.acquired(i), f"layer {i} still acquired"
+        assert weights.resident(i) or weights.on_host(i), i
+
+
 class _RaisingStreamer(BaseStreamer):
     def __init__(self, after: int) -> None:
         self.left = after
@@ -142,10 +151,7 @@ def test_repeated_calls_and_a_call_that_raises_leave_nothing_behind() -> None:
         assert torch.equal(manager.generate(ids, max_new_tokens=10, do_sample=False), ref)
     with pytest.raises(RuntimeError, match="streamer stopped the call"):
         manager.generate(ids, max_new_tokens=10, do_sample=False, streamer=_RaisingStreamer(4))
-    for i in range(weights.num_layers):
-        assert not weights.store.acquired(i), f"layer {i} still acquired after the exception"
-        if not weights.resident(i):  # streamed layers point back at their pinned host copy
-            assert weights.on_host(i), i
+    assert_nothing_held(weights)
     st = weights.stats()
     # after the call only the resident layers hold device memory (in granules)
     granule = manager.arena.granularity
@@ -498,7 +504,5 @@ def test_an_out_of_memory_in_the_middle_of_a_call_leaves_nothing_behind(fail_at:
             manager.generate(ids, max_new_tokens=6, do_sample=False)
     finally:
         weights.store = store
-    for i in range(weights.num_layers):
-        assert not store.acquired(i), i
-        assert weights.resident(i) or weights.on_host(i), i
+    assert_nothing_held(weights, store)
     assert torch.equal(manager.generate(ids, max_new_tokens=6, do_sample=False), ref)
