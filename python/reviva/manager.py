@@ -538,18 +538,43 @@ class RevivaManager:
             torch.cuda.empty_cache()  # prefill's cached working set: the device's again
         streamed = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
         promoted = refused = 0
+        first_refusal: dict | None = None
         for k in spread(int(count), len(streamed)):
             if cuda:
+                # (the arena's retiring memory, given back and waiting for its streams, is the
+                # arena's to map again: freed weight slots and dropped K/V slots are there)
                 free = torch.cuda.mem_get_info(self.layout.device)[0]
+                free += int(self.arena.stats()["retiring_bytes"])
                 if free < plan.layer_kv_bytes + plan.decode_working_set:
                     refused += 1
+                    first_refusal = first_refusal or self._refusal_state("device", free, promoted)
                     continue
             if cache.promote(streamed[k]):
                 promoted += 1
             else:
                 refused += 1
+                first_refusal = first_refusal or self._refusal_state("store", None, promoted)
         self._phase["promotions_refused_by_device"] = refused
+        self._phase["first_promotion_refusal"] = first_refusal
         log.info("reviva: %d of %d planned promotions after prefill", promoted, count)
+
+    def _refusal_state(self, by: str, free: int | None, promoted: int) -> dict:
+        """What the device and the arena held when a promotion was first refused (MiB)."""
+        mib = 1 << 20
+        st = self.arena.stats()
+        state = {
+            "refused_by": by,
+            "promoted_before": promoted,
+            "arena_mapped_mb": int(st["mapped_bytes"]) / mib,
+            "arena_retiring_mb": int(st["retiring_bytes"]) / mib,
+            "arena_limit_mb": int(st["limit_bytes"]) / mib,
+        }
+        if free is not None:
+            dev = self.layout.device
+            state["device_free_mb"] = free / mib
+            state["torch_allocated_mb"] = torch.cuda.memory_allocated(dev) / mib
+            state["torch_reserved_mb"] = torch.cuda.memory_reserved(dev) / mib
+        return state
 
     # --- phases ----------------------------------------------------------------------------------
 
@@ -984,6 +1009,7 @@ class RevivaManager:
             "kv_page_tokens": plan.page_tokens,
             "page_slots": st["page_slots"],
             "promotions_refused_by_device": ph.get("promotions_refused_by_device", 0),
+            "first_promotion_refusal": ph.get("first_promotion_refusal"),
             "prefetch_window": plan.prefetch_layers,
             "chunk_tokens": plan.chunk_tokens,
             "prefill_residual": "host" if plan.residual_on_host else "device",
