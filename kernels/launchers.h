@@ -44,4 +44,18 @@ struct Fp8RowsArgs {
 cudaError_t launch_dequantize_fp8_rows(const Fp8RowsArgs& args, void* out, bool bfloat16,
                                        cudaStream_t stream);
 
+// Table rows by index (layout shared with reviva::RowGather): row i of `out` is row ids[i] of
+// `table` (device memory, or pinned host memory read in place), zeros for an index outside
+// [0, rows); one block per row at a time, 16-byte accesses where every address allows.
+struct RowGatherArgs {
+  const void* table;
+  std::size_t rows;
+  std::size_t row_bytes;
+  const std::int64_t* ids;
+  std::size_t count;
+  void* out;
+};
+
+cudaError_t launch_gather_rows(const RowGatherArgs& args, cudaStream_t stream);
+
 }  // namespace reviva::kernels

@@ -98,6 +98,28 @@ void dequantize_fp8_rows(const Fp8Rows& rows, void* out, HalfType type) {
       }
 }
 
+void check_row_gather(const RowGather& g) {
+  if (g.count == 0) return;
+  REVIVA_CHECK_ARG(g.row_bytes > 0, "gather_rows: row_bytes must be > 0");
+  REVIVA_CHECK_ARG(g.rows > 0, "gather_rows: the table has no rows (", g.count, " rows asked for)");
+  REVIVA_CHECK_ARG(g.table != nullptr && g.ids != nullptr && g.out != nullptr,
+                   "gather_rows: null pointer (table ", g.table, ", ids ",
+                   static_cast<const void*>(g.ids), ", out ", g.out, ")");
+}
+
+void gather_rows(const RowGather& g) {
+  check_row_gather(g);
+  const auto* table = static_cast<const std::uint8_t*>(g.table);
+  auto* out = static_cast<std::uint8_t*>(g.out);
+  for (std::size_t i = 0; i < g.count; ++i, out += g.row_bytes) {
+    const std::int64_t id = g.ids[i];
+    if (id < 0 || static_cast<std::uint64_t>(id) >= g.rows)
+      std::memset(out, 0, g.row_bytes);
+    else
+      std::memcpy(out, table + static_cast<std::size_t>(id) * g.row_bytes, g.row_bytes);
+  }
+}
+
 std::shared_ptr<Backend> make_default_backend() {
   if (cuda_available()) return make_cuda_backend(0);
   return make_host_backend();

@@ -411,6 +411,16 @@ class CudaBackend final : public Backend {
                                                           as_stream(stream)));
   }
 
+  // The table may be pinned host memory: with unified addressing its host pointer is the
+  // device's (Note [Pinning by registration]: registered only where the device can use it so).
+  void gather_rows_async(const RowGather& gather, StreamHandle stream) override {
+    check_row_gather(gather);
+    DeviceGuard guard(device_);
+    const kernels::RowGatherArgs args{gather.table, gather.rows,  gather.row_bytes,
+                                      gather.ids,   gather.count, gather.out};
+    REVIVA_CUDA_CHECK(kernels::launch_gather_rows(args, as_stream(stream)));
+  }
+
   void memset_async(void* dst, int value, std::size_t bytes, StreamHandle stream) override {
     REVIVA_CHECK_ARG(dst != nullptr, "memset_async: null pointer");
     REVIVA_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, as_stream(stream)));

@@ -374,6 +374,11 @@ class HostBackend final : public Backend {
     as_stream(stream)->submit([rows, out, type] { dequantize_fp8_rows(rows, out, type); });
   }
 
+  void gather_rows_async(const RowGather& gather, StreamHandle stream) override {
+    check_row_gather(gather);
+    as_stream(stream)->submit([gather] { gather_rows(gather); });
+  }
+
  private:
   HostBackendOptions options_;
   std::mutex mutex_;

@@ -43,6 +43,20 @@ struct Fp8Rows {
   std::size_t head_dim = 0;
 };
 
+// Rows of a table gathered by index, an embedding's lookup: row i of `out` is row ids[i] of
+// `table`, row_bytes bytes each. The table is device memory or pinned host memory that the device
+// reads in place over the bus (Note [Embedding on the host] in python/reviva/weights.py: no host
+// work, no synchronization); `ids` (int64) and `out` are device memory. An index outside
+// [0, rows) gives a row of zeros: callers check the indices they did not produce themselves.
+struct RowGather {
+  const void* table = nullptr;
+  std::size_t rows = 0;       // rows in the table
+  std::size_t row_bytes = 0;  // bytes of one row
+  const std::int64_t* ids = nullptr;
+  std::size_t count = 0;  // rows to gather
+  void* out = nullptr;    // [count][row_bytes]
+};
+
 // The 16-bit float types a kernel writes.
 enum class HalfType { BFloat16, Float16 };
 
@@ -126,6 +140,8 @@ class REVIVA_API Backend {
   // on `stream` (one kernel on CUDA, no temporaries).
   virtual void dequantize_fp8_rows_async(const Fp8Rows& rows, void* out, HalfType type,
                                          StreamHandle stream) = 0;
+  // Table rows by index (RowGather), ordered on `stream` (one kernel on CUDA).
+  virtual void gather_rows_async(const RowGather& gather, StreamHandle stream) = 0;
 };
 
 struct HostBackendOptions {
@@ -145,6 +161,12 @@ REVIVA_API void check_fp8_rows(const Fp8Rows& rows, const void* out);
 // Dequantizes fp8 rows on the calling thread (the host backend's way, and the reference the CUDA
 // kernel is tested against: the same values to the bit).
 REVIVA_API void dequantize_fp8_rows(const Fp8Rows& rows, void* out, HalfType type);
+
+// Checks the arguments of Backend::gather_rows_async; throws InvalidArgument naming the bad
+// value (null pointers with rows to gather, an empty row, an empty table).
+REVIVA_API void check_row_gather(const RowGather& gather);
+// Gathers on the calling thread (the host backend's way, and the CUDA kernel's reference).
+REVIVA_API void gather_rows(const RowGather& gather);
 
 // True when the library was built with CUDA and at least one device is usable.
 REVIVA_API bool cuda_available() noexcept;

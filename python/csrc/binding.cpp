@@ -362,6 +362,49 @@ void dequantize_fp8_rows_into(const Runtime& rt, const torch::Tensor& rows, torc
   rt.backend()->synchronize_stream(stream->handle());
 }
 
+// Runtime.gather_rows: an embedding's lookup whose table may be pinned host memory, read in
+// place by the device (Note [Embedding on the host]); on torch's current stream (CUDA) or the
+// host backend's own stream, waited for.
+void gather_rows_into(const Runtime& rt, const torch::Tensor& table, const torch::Tensor& ids,
+                      torch::Tensor& out) {
+  REVIVA_CHECK_ARG(table.defined() && ids.defined() && out.defined(),
+                   "gather_rows: a tensor is None");
+  const bool table_here = table.device() == rt.device();
+  REVIVA_CHECK_ARG(table_here || (table.device().is_cpu() && table.is_pinned()),
+                   "gather_rows: the table must be on ", rt.device().str(),
+                   " or in pinned host memory, got a ", describe(table),
+                   table.device().is_cpu() ? " (pageable)" : "");
+  REVIVA_CHECK_ARG(table.dim() == 2 && table.is_contiguous() && table.size(0) > 0,
+                   "gather_rows: the table must be a contiguous 2-D tensor with rows, got a ",
+                   describe(table));
+  REVIVA_CHECK_ARG(ids.device() == rt.device() && ids.scalar_type() == torch::kLong &&
+                       ids.dim() == 1 && ids.is_contiguous(),
+                   "gather_rows: ids must be a contiguous 1-D int64 tensor on ", rt.device().str(),
+                   ", got a ", describe(ids));
+  REVIVA_CHECK_ARG(out.device() == rt.device() && out.scalar_type() == table.scalar_type() &&
+                       out.is_contiguous() && out.dim() == 2 && out.size(0) == ids.size(0) &&
+                       out.size(1) == table.size(1),
+                   "gather_rows: out must be a contiguous ", table.dtype(), " tensor of shape [",
+                   ids.size(0), ", ", table.size(1), "] on ", rt.device().str(), ", got a ",
+                   describe(out));
+  RowGather g;
+  g.table = table.data_ptr();
+  g.rows = static_cast<std::size_t>(table.size(0));
+  g.row_bytes = static_cast<std::size_t>(table.size(1)) * table.element_size();
+  g.ids = ids.data_ptr<int64_t>();
+  g.count = static_cast<std::size_t>(ids.size(0));
+  g.out = out.data_ptr();
+  if (g.count == 0 || g.row_bytes == 0) return;
+  if (auto stream = rt.current_stream()) {
+    rt.backend()->gather_rows_async(g, stream->handle());
+    return;
+  }
+  py::gil_scoped_release release;
+  auto stream = rt.compute_stream();
+  rt.backend()->gather_rows_async(g, stream->handle());
+  rt.backend()->synchronize_stream(stream->handle());
+}
+
 }  // namespace
 
 std::shared_ptr<TransferEngine> engine_of(py::handle py_engine) {
@@ -430,6 +473,12 @@ PYBIND11_MODULE(_C, m) {
            "K/V rows]) into `out` (contiguous bf16 or fp16 [..., head_dim]) on the runtime's "
            "device, in torch's current stream's order: one kernel on CUDA. Up to 3 leading "
            "dimensions, any strides that are multiples of 4 bytes, the last dimension dense.")
+      .def("gather_rows", &gather_rows_into, py::arg("table"), py::arg("ids"), py::arg("out"),
+           "Rows of `table` (contiguous [rows, width], on the runtime's device or in pinned "
+           "host memory, which the device reads in place) by index: out[i] = table[ids[i]] "
+           "(ids int64 [n] and out [n, width] on the runtime's device), zeros for an index "
+           "outside the table; in torch's current stream's order: one kernel on CUDA, no "
+           "host work and no synchronization.")
       .def("__repr__", &Runtime::repr);
 
   py::class_<PinnedHostPool, std::shared_ptr<PinnedHostPool>>(m, "PinnedHostPool")

@@ -121,7 +121,7 @@ class RevivaManager:
             if isinstance(earlier, HostEmbedding):
                 self.host_embedding = earlier
             else:
-                self.host_embedding = HostEmbedding(embed, self.pool, device)
+                self.host_embedding = HostEmbedding(embed, self.pool, self.runtime, device)
         self.layers = LlamaLayerPath(self.layout)
         # Note [Prefill attention kernel] (block_attention.py): "flash", "cudnn" or "reference"
         # for the device; each call's (call_kernel) in _call_kernel.

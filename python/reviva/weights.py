@@ -265,19 +265,23 @@ class StreamedWeights:
 # A decoder's input embedding is a table of vocab x hidden (1.56 GB for the 32B shape, 1.05 GB
 # for the 8B one) of which a decode step reads one row per sequence. When the layers' weights
 # stream, every byte of device memory is a byte a step need not copy, so the table moves to pinned
-# host memory and the embedding's forward gathers the rows there and copies them to the device
-# (the prompt's rows once, then a row per step). The module's `weight` stays a parameter on the
-# device, of the table's shape, over one element (an expanded view): `model.device` (HF reads the
-# first parameter's) stays the compute device, and anything that would write into it fails loudly
-# (an expanded tensor refuses in-place copies). Its state_dict entry is the host table. Only for
-# an input embedding that is not tied to the output head (tied, the head reads the table every
-# step: it stays on the device).
+# host memory, from which the device reads the rows it needs in place (Backend::gather_rows_async:
+# one kernel, the prompt's rows once, then a row per step; no host work and no synchronization in
+# a step). At 067decd the rows were gathered on the host and copied, and the 32B shape's first
+# 32k-token call spent 1.4 s more before its first layer than with the table on the device.
+# The module's `weight` stays a parameter on the device, of the table's shape, over one element
+# (an expanded view): `model.device` (HF reads the first parameter's) stays the compute device,
+# and anything that would write into it fails loudly (an expanded tensor refuses in-place
+# copies). Its state_dict entry is the host table. Only for an input embedding that is not tied
+# to the output head (tied, the head reads the table every step: it stays on the device).
 
 
 class HostEmbedding:
     """An nn.Embedding whose table lives in pinned host memory (Note [Embedding on the host])."""
 
-    def __init__(self, embed: nn.Embedding, pool: object, device: torch.device) -> None:
+    def __init__(
+        self, embed: nn.Embedding, pool: object, runtime: object, device: torch.device
+    ) -> None:
         if type(embed) is not nn.Embedding or embed.max_norm is not None:
             raise ValueError(
                 f"HostEmbedding: a plain nn.Embedding without max_norm is needed, got "
@@ -286,6 +290,7 @@ class HostEmbedding:
         w = embed.weight
         self.embed = embed
         self.device = device
+        self.runtime = runtime
         self.table = pool.tensor(list(w.shape), w.dtype)  # pinned
         with torch.no_grad():
             self.table.copy_(w.data)
@@ -301,14 +306,23 @@ class HostEmbedding:
             torch.cuda.empty_cache()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.to("cpu")
-        pin = self.device.type == "cuda"
-        rows = torch.empty(
-            (ids.numel(), self.table.shape[1]), dtype=self.table.dtype, pin_memory=pin
-        )
-        torch.index_select(self.table, 0, ids.reshape(-1), out=rows)
-        # (pinned rows: the copy is queued on the stream instead of staged by the host)
-        return rows.view(*ids.shape, -1).to(self.device, non_blocking=True)
+        rows, width = self.table.shape
+        ids = input_ids.to(self.device, torch.long).reshape(-1).contiguous()
+        if input_ids.shape[-1] > 1 and ids.numel() > 0:
+            # A prompt (or candidates): ids that did not come from this model's own sampling are
+            # checked as nn.Embedding checks them (one synchronization per prompt; the kernel
+            # would give zeros for them).
+            lo, hi = torch.aminmax(ids)
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= rows:
+                raise IndexError(
+                    f"token id {lo if lo < 0 else hi} is outside the input embedding's {rows} rows"
+                )
+        out = torch.empty((ids.numel(), width), dtype=self.table.dtype, device=self.device)
+        # The device reads the rows from the pinned table in place, in stream order: no host
+        # gather, no copy to stage, no synchronization in a decode step.
+        self.runtime.gather_rows(self.table, ids, out)
+        return out.view(*input_ids.shape, width)
 
     def _state_dict_hook(self, module: nn.Module, state: dict, prefix: str, meta: object) -> None:
         state[prefix + "weight"] = self.table

@@ -1568,6 +1568,10 @@ class ProbingBackend final : public Backend {
     probe("dequantize_fp8_rows_async");
     inner_->dequantize_fp8_rows_async(rows, out, type, s);
   }
+  void gather_rows_async(const RowGather& gather, StreamHandle s) override {
+    probe("gather_rows_async");
+    inner_->gather_rows_async(gather, s);
+  }
 
  private:
   void probe(const char* call) noexcept {

@@ -431,7 +431,10 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
     """bf16, 16k prompt, streamed layers, decode with Reviva's own attention call.
 
     - Prefill with whole-prompt attention (HF's own call, projections and MLP by chunks): the
-      first token's logits within a relative error of 1e-2 of plain HF's.
+      first token's logits as close to an fp32 run as plain HF's (<= 1.5x). (Held to 1e-2 of
+      HF's own logits until the H200 at 7657206 measured 1.94e-2 between them, while HF's and
+      Reviva's errors from fp32 were 1.87e-2 and 1.82e-2: the chunked projections run other
+      GEMM shapes than HF's whole-prompt ones, as accurate and rounded differently.)
     - Prefill with attention by query chunks, streaming in prefill and decode: lossless (the same
       logits, bit for bit, as the same configuration with every layer resident), and held to an
       fp32 run of the same weights on the same tokens: every step about as close to it as plain
@@ -459,7 +462,9 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
     st = manager.get_memory_stats()
     assert st["resident_layers_in_prefill"] < 8
     assert st["peak_vram_mb"] * 2**20 <= budget
-    assert rel(out.logits[0], ref.logits[0]) <= 1e-2, rel(out.logits[0], ref.logits[0])
+    first = fp32_reference_logits(model, ref.sequences[:, :prompt], keep=1)[:, 0]
+    err_hf, err_rv = rel(ref.logits[0], first), rel(out.logits[0], first)
+    assert err_rv <= 1.5 * err_hf, (err_rv, err_hf, rel(out.logits[0], ref.logits[0]))
 
     # Short chunks: a small prefill working set, so that few layers are promoted after prefill
     # and decode streams too.

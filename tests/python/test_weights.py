@@ -20,6 +20,7 @@ from test_generate import TINY, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.streamers import BaseStreamer
 
+import reviva
 from reviva import RevivaConfig, RevivaManager
 from reviva._C import RevivaOutOfMemoryError
 from reviva.planner import Plan
@@ -407,6 +408,70 @@ def test_embedding_on_the_host_when_untied() -> None:
     budget_where(manager, 30, 8, MIXES["some_weights"])
     assert torch.equal(manager.generate(ids, max_new_tokens=8, do_sample=False), ref)
     assert not manager.get_memory_stats()["embedding_on_host"]
+
+
+def check_gather_rows(device: str) -> None:
+    """Runtime.gather_rows against torch's embedding: a table in the pool's pinned memory (and,
+    on a GPU, on the device), prompt-sized and one-row gathers, rows outside the table zeros."""
+    resources = reviva.device_resources(device)
+    table = resources.pool.tensor([97, 40], torch.bfloat16)
+    table.copy_(torch.randn(97, 40, generator=torch.Generator().manual_seed(3)))
+    tables = [table] + ([table.to(device)] if device != "cpu" else [])
+    g = torch.Generator().manual_seed(4)
+    for t in tables:
+        for n in (1, 3, 5000):
+            ids = torch.randint(0, 97, (n,), generator=g).to(device)
+            out = torch.full((n, 40), float("nan"), dtype=torch.bfloat16, device=device)
+            resources.runtime.gather_rows(t, ids, out)
+            want = torch.nn.functional.embedding(ids.cpu(), table)
+            assert torch.equal(out.cpu(), want), (t.device, n)
+        ids = torch.tensor([96, -1, 97, 0], device=device)
+        out = torch.full((4, 40), float("nan"), dtype=torch.bfloat16, device=device)
+        resources.runtime.gather_rows(t, ids, out)
+        assert torch.equal(out[0].cpu(), table[96]) and torch.equal(out[3].cpu(), table[0])
+        assert not out[1:3].cpu().any()
+
+
+def test_gather_rows_gives_the_embedding_and_names_bad_input() -> None:
+    """The core's row gather (Note [Embedding on the host]; the host backend here, the CUDA
+    kernel on the GPU) gives torch's embedding rows, and names what it cannot take."""
+    check_gather_rows("cpu")
+    runtime = reviva.device_resources("cpu").runtime
+    table = torch.zeros(10, 8)
+    ids = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="ids must be a contiguous 1-D int64"):
+        runtime.gather_rows(table, ids.int(), torch.empty(2, 8))
+    with pytest.raises(ValueError, match=r"out must be a contiguous .* of shape \[2, 8\]"):
+        runtime.gather_rows(table, ids, torch.empty(2, 9))
+    with pytest.raises(ValueError, match="contiguous 2-D tensor with rows"):
+        runtime.gather_rows(table.t(), ids, torch.empty(2, 10))
+
+
+@pytest.mark.gpu
+def test_gpu_gather_rows_from_pinned_host_memory_and_the_device() -> None:
+    """The CUDA kernel reads a pinned table in place (and a device table): torch's rows; a
+    pageable table is refused by name."""
+    check_gather_rows("cuda")
+    runtime = reviva.device_resources("cuda").runtime
+    ids = torch.tensor([1, 2], device="cuda")
+    with pytest.raises(ValueError, match="pinned host memory.*pageable"):
+        runtime.gather_rows(torch.zeros(10, 8), ids, torch.empty(2, 8, device="cuda"))
+
+
+def test_a_prompt_with_a_token_outside_the_host_embedding_says_which() -> None:
+    """A host embedding checks a prompt's ids as nn.Embedding does (the kernel alone would give
+    zeros for them): an IndexError naming the id, and the manager usable after it."""
+    model = tiny_model("llama", seed=13)
+    ids = torch.randint(1, 211, (1, 20), generator=torch.Generator().manual_seed(8))
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+    manager = RevivaManager(model, RevivaConfig(stream_weights=True))
+    assert manager.host_embedding is not None
+    vocab = model.config.vocab_size
+    bad = ids.clone()
+    bad[0, 5] = vocab + 3
+    with pytest.raises(IndexError, match=f"token id {vocab + 3} is outside"):
+        manager.generate(bad, max_new_tokens=4, do_sample=False)
+    assert torch.equal(manager.generate(ids, max_new_tokens=4, do_sample=False), ref)
 
 
 def test_a_streamed_layer_run_outside_a_call_says_why() -> None:
