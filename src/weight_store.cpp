@@ -12,7 +12,8 @@
 // eviction can take them; they take no place in the prefetch window, whose cycle lists the
 // streamed layers alone (a decode step needs each once, in order; so does a prefill, where each
 // layer's compute over a long prompt hides its copy). The budget is each resident layer's bytes
-// plus `slots` times the largest streamed layer: the one compute holds and those in flight.
+// plus `slots` times the largest streamed layer (or the caller's slot_bytes): the one compute
+// holds and those in flight.
 // The window may be as wide as the slots: the arena's allocator reuses freed memory in stream
 // order (Note [Stream-ordered frees] in offload_manager.cpp), so a prefetch that found no room
 // at an acquire is retried when the layer is released, into the memory just freed, its copy
@@ -36,6 +37,11 @@ WeightStore::WeightStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr
   REVIVA_CHECK_ARG(!options_.layer_bytes.empty(), "WeightStore: no layers");
   for (std::size_t i = 0; i < options_.layer_bytes.size(); ++i)
     REVIVA_CHECK_ARG(options_.layer_bytes[i] > 0, "WeightStore: layer ", i, " has 0 bytes");
+  const std::size_t largest =
+      *std::max_element(options_.layer_bytes.begin(), options_.layer_bytes.end());
+  REVIVA_CHECK_ARG(options_.slot_bytes == 0 || options_.slot_bytes >= largest,
+                   "WeightStore: slot_bytes ", options_.slot_bytes,
+                   " cannot hold the largest layer (", largest, " bytes)");
   allocator_ = std::make_shared<ArenaDeviceAllocator>(arena_);
   OffloadManagerOptions mo;
   mo.budget_bytes = 1;  // set_residency() sets it
@@ -117,6 +123,7 @@ std::size_t WeightStore::budget_for(int slots) const {
     else
       largest = std::max(largest, options_.layer_bytes[i]);
   }
+  if (options_.slot_bytes > 0) largest = options_.slot_bytes;
   return std::max<std::size_t>(held + static_cast<std::size_t>(slots) * largest, 1);
 }
 

@@ -37,6 +37,12 @@ namespace reviva {
 struct WeightStoreOptions {
   std::vector<std::size_t> layer_bytes;  // each layer's packed weights (> 0 each)
   std::size_t timeline_capacity = 0;     // copy and stall events kept for timeline() (0: none)
+  // The room of one slot. 0: the largest streamed layer. A caller that splits each of its layers
+  // into consecutive blocks used one after the other (a decoder layer's attention, then its MLP:
+  // Note [Layers in two parts]) gives the largest whole layer here, so that one slot holds a
+  // layer and the next block's copy goes into the memory its predecessor just freed. At least the
+  // largest layer (block) of the store.
+  std::size_t slot_bytes = 0;
 };
 
 struct WeightStoreStats {

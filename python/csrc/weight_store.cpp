@@ -19,7 +19,8 @@ namespace {
 class PyWeightStore {
  public:
   PyWeightStore(py::object engine, std::shared_ptr<DeviceArena> arena,
-                std::vector<std::size_t> layer_bytes, std::size_t timeline_capacity)
+                std::vector<std::size_t> layer_bytes, std::size_t timeline_capacity,
+                std::size_t slot_bytes)
       : rt_(runtime_of(engine)) {
     REVIVA_CHECK_ARG(arena != nullptr, "WeightStore: arena is None");
     REVIVA_CHECK_ARG(arena->backend().kind() == rt_->backend()->kind(),
@@ -27,6 +28,7 @@ class PyWeightStore {
     WeightStoreOptions o;
     o.layer_bytes = std::move(layer_bytes);
     o.timeline_capacity = timeline_capacity;
+    o.slot_bytes = slot_bytes;
     auto e = engine_of(engine);
     py::gil_scoped_release release;  // (pins every layer's host copy)
     store_ = std::make_shared<WeightStore>(std::move(e), std::move(arena), std::move(o));
@@ -105,10 +107,12 @@ void bind_weight_store(py::module_& m) {
                             "A decoder's weights in pinned host memory, layer by layer: resident "
                             "layers held on the device, the others streamed ahead of use by a "
                             "PrefetchScheduler (see include/reviva/weight_store.h)")
-      .def(py::init<py::object, std::shared_ptr<DeviceArena>, std::vector<std::size_t>,
+      .def(py::init<py::object, std::shared_ptr<DeviceArena>, std::vector<std::size_t>, std::size_t,
                     std::size_t>(),
            py::arg("engine"), py::arg("arena"), py::arg("layer_bytes"),
-           py::arg("timeline_capacity") = 0)
+           py::arg("timeline_capacity") = 0, py::arg("slot_bytes") = 0,
+           "slot_bytes: the room of one slot (0: the largest streamed layer; a caller whose "
+           "layers are split into consecutive blocks gives its largest whole layer)")
       .def("host", &PyWeightStore::host, py::arg("layer"),
            "The layer's pinned host copy as a uint8 tensor, to fill before its first use")
       .def("acquire", &PyWeightStore::acquire, py::arg("layer"),

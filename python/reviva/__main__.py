@@ -173,7 +173,8 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         stream = args.stream_weights == "on"
     weight_layers = layout.num_layers if stream else 0
-    layer_bytes = max(layer_weight_bytes(layer) for layer in layout.layers) if stream else 0
+    granule = 2 << 20  # (the arena's mapping granule on CUDA: each layer part is a buffer)
+    layer_bytes = max(layer_weight_bytes(lay, granule) for lay in layout.layers) if stream else 0
     on_device = weights
     host_embedding = False
     if stream:

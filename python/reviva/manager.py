@@ -311,7 +311,13 @@ class RevivaManager:
             weights = self.weights
             if weights is None:
                 return run(hidden_states, *args, **kwargs)
-            weights.acquire(i)  # (Note [Streamed weights]: its parameters on the device)
+            # (Note [Streamed weights]: its parameters on the device; a decode step's layer
+            # takes its MLP's part when the MLP starts, Note [Layers in two parts])
+            cache = kwargs.get("past_key_values")
+            prompt = hidden_states is self._placeholder or (
+                hidden_states.shape[1] > 1 and (cache is None or cache.get_seq_length(i) == 0)
+            )
+            weights.acquire(i, whole=prompt)
             try:
                 return run(hidden_states, *args, **kwargs)
             finally:
@@ -637,7 +643,7 @@ class RevivaManager:
             padded,
             host=host,
             weight_layers=w.num_layers if w is not None else 0,
-            weight_layer_bytes=max(w.layer_bytes) if w is not None else 0,
+            weight_layer_bytes=max(w.layer_device_bytes) if w is not None else 0,
         )
 
     def budget_for(
@@ -1068,7 +1074,8 @@ class RevivaManager:
             "weight_resident_layers": now["resident_layers"],
             "weight_streamed_layers": now["streamed_layers"],
             "weight_slots": now["slots"],
-            "weight_prefetch_layers": now["prefetch_layers"],
+            "weight_prefetch_layers": plan.weight_prefetch_layers,
+            "weight_prefetch_blocks": now["prefetch_blocks"],  # (Note [Layers in two parts])
             "weight_host_mb": now["host_bytes"] / _MiB,
             "weight_resident_mb": now["resident_bytes"] / _MiB,
             "weight_bytes_to_device": now["bytes_to_device"] - before["bytes_to_device"],

@@ -9,7 +9,8 @@ namespace reviva::test {
 namespace {
 
 struct WeightRig {
-  WeightRig(std::shared_ptr<Backend> b, std::vector<std::size_t> sizes, std::size_t arena_limit = 0)
+  WeightRig(std::shared_ptr<Backend> b, std::vector<std::size_t> sizes, std::size_t arena_limit = 0,
+            std::size_t slot_bytes = 0)
       : backend(std::move(b)) {
     pool = PinnedHostPool::create(backend, {});
     staging = PinnedHostPool::create(backend, {});
@@ -20,6 +21,7 @@ struct WeightRig {
     compute = std::make_shared<Stream>(backend);
     WeightStoreOptions o;
     o.layer_bytes = sizes;
+    o.slot_bytes = slot_bytes;
     store = std::make_unique<WeightStore>(engine, arena, o);
     for (int l = 0; l < store->num_layers(); ++l) {
       weights.push_back(random_bytes(sizes[static_cast<std::size_t>(l)], 31 + l));
@@ -122,6 +124,38 @@ TEST_P(WeightStoreTest, OneSlotWithAWindowOfOnePrefetchesIntoTheMemoryJustReleas
             streamed * static_cast<std::size_t>(passes) + kSizes[0] + kSizes[1] + kSizes[4]);
   EXPECT_EQ(st.fills - st.prefetched_fills, 3u) << "the first streamed layer and the 2 resident";
   EXPECT_LE(st.peak_device_bytes, (2 + 1) * rig.arena->granularity()) << "2 resident, 1 slot";
+}
+
+TEST_P(WeightStoreTest, LayersInTwoPartsShareOneSlotOfAWholeLayer) {
+  // Note [Layers in two parts]: 4 layers of a small part (1 granule) then a large one (3), one
+  // slot of a whole layer (4 granules) and a window of one block. The next part's copy goes into
+  // the memory its predecessor just freed: every fill but the first is a prefetch, and the store
+  // never holds more than one layer's bytes (two slots of the largest block would be 6).
+  const std::size_t g = DeviceArena::create(backend_, {})->granularity();
+  std::vector<std::size_t> sizes;
+  for (int l = 0; l < 4; ++l) {
+    sizes.push_back(g);
+    sizes.push_back(3 * g);
+  }
+  WeightRig rig(backend_, sizes, 0, 4 * g);
+  rig.store->set_residency({}, 1, 1, *rig.compute);
+  const int passes = scaled(5);
+  for (int s = 0; s < passes; ++s) rig.pass();
+  rig.store->synchronize();
+  const WeightStoreStats st = rig.store->stats();
+  EXPECT_EQ(st.fills - st.prefetched_fills, 1u) << "only the very first block on demand";
+  EXPECT_LE(st.peak_device_bytes, 4 * g) << "one slot of a whole layer";
+  EXPECT_EQ(st.bytes_to_host, 0u);
+}
+
+TEST_P(WeightStoreTest, SlotBytesSmallerThanALayerAreRefused) {
+  const std::vector<std::size_t> kSizes = layer_sizes(backend_);
+  try {
+    WeightRig rig(backend_, kSizes, 0, 1000);
+    ADD_FAILURE() << "a slot of 1000 bytes was taken";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("slot_bytes 1000"), std::string::npos) << e.what();
+  }
 }
 
 TEST_P(WeightStoreTest, EveryMixOfResidentAndStreamedLayers) {

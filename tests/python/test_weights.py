@@ -104,6 +104,53 @@ def test_greedy_tokens_identical_for_every_mix(family: str, mix: str) -> None:
         assert st2["weight_bytes_to_device"] == 0, "resident weights stayed from the last call"
 
 
+@pytest.mark.parametrize("family", ["llama", "phi3", "mixtral"])
+def test_a_decode_step_takes_a_streamed_layer_in_two_parts(family: str) -> None:
+    """Note [Layers in two parts]: each layer is two blocks (attention, MLP); in a decode step a
+    streamed layer's MLP runs with its attention part already given back (its parameters views
+    of the host copy again) and its own part on the device; prefill holds both; the store never
+    maps more than the resident layers and one slot of a whole layer; HF's tokens."""
+    model = tiny_model(family, seed=21)
+    ids = torch.randint(1, 211, (1, 30), generator=torch.Generator().manual_seed(9))
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    manager = RevivaManager(model, RevivaConfig(stream_weights=True))
+    weights = manager.weights
+    assert all(len(p) == 2 for p in weights.parts)
+    budget, plan = budget_where(manager, 30, 6, MIXES["least"])
+    streamed = [i for i in range(weights.num_layers) if i not in plan.weight_resident_layers]
+    assert streamed and plan.weight_slots == 1
+    seen: dict[str, list[bool]] = {"decode": [], "prefill": []}
+
+    def watch(i: int):  # noqa: ANN202
+        layer = manager.layout.layers[i]
+        attn = next(layer.self_attn.parameters())
+        mlp = next(layer.mlp.parameters())
+
+        def hook(module: torch.nn.Module, args: tuple, output: object) -> None:
+            phase = "prefill" if args[0].shape[1] > 1 else "decode"
+            host = [weights._host_views[b][0].data_ptr() for b in weights.parts[i]]
+            # (the attention part on its host copy, the MLP's on the device)
+            seen[phase].append(attn.data_ptr() == host[0] and mlp.data_ptr() != host[1])
+
+        return layer.mlp.register_forward_hook(hook)
+
+    handles = [watch(i) for i in streamed]
+    try:
+        out = manager.generate(ids, max_new_tokens=6, do_sample=False)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(out, ref)
+    assert seen["decode"] and all(seen["decode"]), seen
+    assert seen["prefill"] and not any(seen["prefill"]), "prefill holds both parts"
+    st = manager.get_memory_stats()
+    assert st["weight_fills"] - st["weight_prefetched_fills"] <= 1, st
+    peak = weights.stats()["peak_device_bytes"]
+    whole = max(weights.layer_device_bytes)
+    assert peak <= sum(weights.layer_device_bytes[i] for i in plan.weight_resident_layers) + whole
+    assert_nothing_held(weights)
+
+
 def test_batch_and_sampling_identical() -> None:
     model = tiny_model("llama", seed=3)
     gen = torch.Generator().manual_seed(2)
