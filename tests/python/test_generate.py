@@ -203,8 +203,9 @@ def test_batch_encoding_input() -> None:
     assert torch.equal(out, ref)
 
 
-def test_sampling_with_seed_identical() -> None:
-    model = tiny_model("qwen3", seed=4)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_with_seed_identical(family: str) -> None:
+    model = tiny_model(family, seed=4)
     ids = torch.randint(1, 211, (2, 60), generator=torch.Generator().manual_seed(5))
     kwargs = dict(max_new_tokens=48, do_sample=True, top_k=20, top_p=0.9, temperature=0.8)
     torch.manual_seed(123)

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from test_generate import TINY, tiny_model
+from test_generate import FAMILIES, TINY, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.streamers import BaseStreamer
 
@@ -67,7 +67,7 @@ MIXES = {
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_greedy_tokens_identical_for_every_mix(family: str, mix: str) -> None:
     model = tiny_model(family)
