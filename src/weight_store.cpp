@@ -177,6 +177,19 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
   slots_ = streams ? slots : 0;
   prefetch_layers_ = streams ? prefetch_layers : 0;
   manager_->set_budget_bytes(budget_for(slots_));
+  // The cycle's first streamed layers are copied first, as much as the slots hold, then the new
+  // resident layers: the copy stream is FIFO, and a first streamed layer queued behind every
+  // resident layer's fill would hold the call's first layer up for all of them (Note [Streamed
+  // weights]). Resident layers are needed only when compute reaches them.
+  if (slots_ > 0) {
+    const std::size_t room = budget_for(slots_) - budget_for(0);  // the slots' bytes
+    std::size_t queued = 0;
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
+      if (wanted[i]) continue;
+      queued += options_.layer_bytes[i];
+      if (queued > room || !manager_->prefetch(blocks_[i])) break;
+    }
+  }
   try {
     for (std::size_t i = 0; i < blocks_.size(); ++i) {  // ... then the new ones come in
       if (!wanted[i] || before[i]) continue;

@@ -471,6 +471,9 @@ class RevivaManager:
         the middle layer on the decode graphs' captures while the device is busy."""
         if i == 0:
             self._phase["layer0_start"] = self._event()
+            if "t_setup" in self._phase:
+                t = time.perf_counter() - self._phase["t_setup"]
+                self._phase["setup_host_ms"]["first_layer"] = t * 1e3
             self._note_rope(kwargs)
         elif i == 1:
             self._phase["layer1_start"] = self._event()
@@ -805,7 +808,12 @@ class RevivaManager:
         cache: RevivaCache | None = None
         self._phase = {"start": self._event(), "map_ms": self.arena.stats()["map_ms"]}
         self._phase["padded"] = padded
+        # the host's time from the call's start to each step of its set-up (ms): where a first
+        # call's time before its first layer goes (prefill_before_first_layer_ms is the device's)
+        setup = self._phase["setup_host_ms"] = {}
+        t_setup = self._phase["t_setup"] = time.perf_counter()
         self._phase["pin_s"] = self._pin_host_copies(plan)
+        setup["pinned"] = (time.perf_counter() - t_setup) * 1e3
         self._copy_hidden = bool(gen.output_hidden_states)
         self._call_kernel = call_kernel(
             self._device_kernel, self.config.attention_kernel, plan.prompt_tokens
@@ -813,12 +821,15 @@ class RevivaManager:
         weights_before = None
         try:
             if self.weights is not None:
+                # (before set_residency: the call's bytes include the resident layers' first
+                # fills and the first streamed layers it starts bringing in)
+                weights_before = self.weights.stats()
                 self.weights.set_residency(
                     list(plan.weight_resident_layers),
                     plan.weight_slots,
                     plan.weight_prefetch_layers,
                 )
-                weights_before = self.weights.stats()
+                setup["weights_placed"] = (time.perf_counter() - t_setup) * 1e3
             self._phase["weights_before"] = weights_before
             if self._graphs is not None:
                 self._graphs.begin_call(self.layout.layers)
@@ -846,6 +857,7 @@ class RevivaManager:
             )
             if plan.page_slots:
                 cache.store.set_page_slots(plan.page_slots)
+            setup["cache_made"] = (time.perf_counter() - t_setup) * 1e3
             self._cache, self._plan = cache, plan
             with self:
                 out = model.generate(inputs, past_key_values=cache, **kwargs)
@@ -1049,6 +1061,9 @@ class RevivaManager:
             # kernels there), and after the last layer (final norm, decode graphs captured
             # ahead, the head, the first token); ms on the device's clock, None if not reached
             "prefill_before_first_layer_ms": self._phase_ms("start", "layer0_start"),
+            # (host clock, from the set-up's start: pinned, weights_placed, cache_made,
+            # first_layer)
+            "prefill_setup_host_ms": dict(ph.get("setup_host_ms", {})),
             "prefill_first_layer_ms": self._phase_ms("layer0_start", "layer1_start"),
             "prefill_after_layers_ms": self._phase_ms("layers_end", "prefill_end"),
             "decode_s": decode_s,
