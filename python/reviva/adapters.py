@@ -91,12 +91,6 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
     num_heads = cfg.num_attention_heads
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    window = getattr(cfg, "sliding_window", None)
-    if window is not None and getattr(cfg, "use_sliding_window", True):
-        raise ValueError(
-            f"RevivaManager: sliding-window attention (config.sliding_window={window}) is not "
-            "supported; set config.sliding_window = None for full attention"
-        )
     param = next(model.parameters())
     return DecoderLayout(
         model=model,

@@ -286,13 +286,15 @@ class LlamaLayerPath:
         numbers as HF); else Reviva's bottom-right causal call on the cache's layout."""
         q, k, v = self._qkv(layer, h, s, e, cos, sin)
         last = first + e - s
+        window = sliding_window(layer.self_attn)
         if interface is not None and not (cache.paged(i) or cache.fp8):
             cache.write(i, first, k, v)
             k_all, v_all = cache.view(i, last)
             out = self._attend_hf(layer.self_attn, q, k_all, v_all, mask, interface)
         else:  # (fp8 and paged layers: by blocks or pages, never HF's call over whole K/V)
             scale = layer.self_attn.scaling
-            out = write_and_attend(cache, i, q, k, v, first, last, scale, mask).transpose(1, 2)
+            out = write_and_attend(cache, i, q, k, v, first, last, scale, mask, window)
+            out = out.transpose(1, 2)
         self._finish(layer, h, s, e, out)
 
     def _prefill_whole_attention(self, cache, plan, i, layer, h, cos, sin, mask, interface) -> None:  # noqa: ANN001
@@ -316,6 +318,26 @@ class LlamaLayerPath:
             self._finish(layer, h, s, e, out[:, s:e])
 
 
+def sliding_window(attn: nn.Module) -> int | None:
+    """The layer's sliding window (Note [Sliding windows]), None for full attention: the
+    attention module's own (Qwen2, Qwen3: per layer type), else its config's (Mistral, Phi-3,
+    Mixtral)."""
+    if "sliding_window" in vars(attn):
+        return vars(attn)["sliding_window"]
+    return getattr(getattr(attn, "config", None), "sliding_window", None)
+
+
+# Note [Sliding windows]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A sliding-window layer's query at position p attends to the keys of positions (p - W, p] (HF's
+# sliding mask: kv > q - W and kv <= q). Reviva's own attention calls (chunked prefill, decode,
+# the decode graphs' step) read only the keys from the first query's window on, and a band mask
+# when several queries are attended at once; HF's own calls (whole-prompt attention, HF's decode
+# path) get HF's sliding mask from the model. The cache keeps every token of such a layer (the
+# bytes of a full layer are moved: a window-sized ring is still to come), and fp8 and paged K/V,
+# whose blocks are attended by Reviva's block merge, refuse sliding layers by name.
+
+
 def write_and_attend(
     cache: RevivaCache,
     i: int,
@@ -326,17 +348,18 @@ def write_and_attend(
     last: int,
     scale: float,
     mask: torch.Tensor | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Writes the K/V k, v of tokens [first, last) into layer i of the cache and returns their
     queries' attention (attend_cache). A paged layer attends first, to its pages and k, v
     themselves, then writes: the last page read stays on the device for the write (Note [Paged
     layers] in src/kv_store.cpp)."""
     if cache.paged(i):
-        out = attend_cache(cache, i, q, first, last, scale, mask, k, v)
+        out = attend_cache(cache, i, q, first, last, scale, mask, k, v, window)
         cache.write(i, first, k, v)
         return out
     cache.write(i, first, k, v)
-    return attend_cache(cache, i, q, first, last, scale, mask)
+    return attend_cache(cache, i, q, first, last, scale, mask, window=window)
 
 
 def attend_cache(
@@ -349,13 +372,21 @@ def attend_cache(
     mask: torch.Tensor | None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the queries of tokens [first, last) to layer i's keys [0, last) in the
-    cache (bottom-right causal), [B, H, n, D]. fp8 K/V: block by block, each dequantized only
+    cache (bottom-right causal; within `window` positions for a sliding layer, Note [Sliding
+    windows]), [B, H, n, D]. fp8 K/V: block by block, each dequantized only
     while it is attended, merged by log-sum-exp (Note [fp8 K/V rows], Note [Block-merged
     attention]). A paged layer (Note [Paged layers] in src/kv_store.cpp): its pages up to
     `first`, then the queries' own keys and values k and v ([B, kv_heads, n, D], written to the
     cache after this call; fp8: before quantization), merged the same way."""
+    if window is not None and window < last and (cache.paged(i) or cache.fp8):
+        raise ValueError(
+            f"RevivaManager: layer {i} attends within a sliding window of {window} tokens, which "
+            "fp8 and paged K/V (attended by blocks) do not support yet; use kv_dtype='auto' and "
+            "kv_page_tokens=0"
+        )
     if cache.paged(i):
         if mask is not None:
             raise ValueError("RevivaManager: paged K/V with a padding mask is not supported")
@@ -375,7 +406,9 @@ def attend_cache(
         return block_attention(q, blocks, first, scale, cache.attention_kernel)
     if not cache.fp8:
         k_all, v_all = cache.view(i, last)
-        return chunk_attention(q, k_all, v_all, mask, first, last, scale, cache.attention_kernel)
+        return chunk_attention(
+            q, k_all, v_all, mask, first, last, scale, cache.attention_kernel, window
+        )
     if mask is not None:
         raise ValueError("RevivaManager: fp8 K/V with a padding mask is not supported")
     k_rows, v_rows = cache.rows(i, last)
@@ -400,11 +433,26 @@ def chunk_attention(
     end: int,
     scale: float,
     kernel: str = "flash",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the queries of tokens [start, end) to the keys of tokens [0, end):
-    causal aligned at the bottom right (query j sees keys <= start + j). [B, H, n, D] out.
+    causal aligned at the bottom right (query j sees keys <= start + j), and with a sliding
+    `window` only keys > start + j - window (Note [Sliding windows]). [B, H, n, D] out.
     kernel "cudnn": the earlier keys and the chunk's own in two calls merged by log-sum-exp
     (Note [Prefill attention kernel] in block_attention.py)."""
+    if window is not None and start - window + 1 > 0:
+        lo = start - window + 1  # the first query's oldest key: older ones are outside every window
+        n = end - start
+        if mask is not None:  # HF's sliding mask (with padding): its rows and columns
+            band = mask[:, :, start:end, lo:end]
+        elif n == 1:
+            band = None  # one query: every key from lo on is in its window
+        else:
+            pos_q = torch.arange(start, end, device=q.device)[:, None]
+            pos_k = torch.arange(lo, end, device=q.device)[None, :]
+            band = (pos_k <= pos_q) & (pos_k > pos_q - window)
+        k, v = k[:, :, lo:end], v[:, :, lo:end]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scale, enable_gqa=True)
     if mask is not None:  # HF's 4D mask (padding): its rows of this chunk
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, :, start:end, :end], scale=scale, enable_gqa=True
@@ -572,7 +620,8 @@ class DecodeGraphs:
             self._cos = cos
         front.replay()
         attn = self.path.layout.layers[i].self_attn
-        out = write_and_attend(cache, i, q, k, v, past, past + 1, attn.scaling, None)
+        window = sliding_window(attn)
+        out = write_and_attend(cache, i, q, k, v, past, past + 1, attn.scaling, None, window)
         st["att"].copy_(out.transpose(1, 2))
         back.replay()
         self.replays += 1

@@ -34,7 +34,7 @@ from reviva.adapters import DecoderLayout, inspect_model
 from reviva.block_attention import call_kernel, resolve_kernel
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
-from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
+from reviva.llama_layer import DecodeGraphs, LlamaLayerPath, sliding_window
 from reviva.planner import Plan, budget_for, device_state, host_state, make_plan, spread
 from reviva.resources import device_resources
 from reviva.weights import HostEmbedding, StreamedWeights
@@ -795,6 +795,16 @@ class RevivaManager:
                 "RevivaManager.generate: a padded batch with RevivaConfig(kv_page_tokens="
                 f"{self.config.kv_page_tokens}): paged K/V is attended by pages without a padding "
                 "mask; pass prompts without padding"
+            )
+        windows = set(map(sliding_window, (x.self_attn for x in self.layout.layers)))
+        windows.discard(None)
+        if windows and (plan.kv_fp8 or plan.page_tokens):
+            raise ValueError(
+                f"RevivaManager.generate: layers with a sliding window ({min(windows)} tokens) "
+                "and "
+                + ("kv_dtype='fp8'" if plan.kv_fp8 else f"kv_page_tokens={plan.page_tokens}")
+                + ": fp8 and paged K/V are attended by blocks, without the window yet; use "
+                "kv_dtype='auto' and kv_page_tokens=0 (Note [Sliding windows])"
             )
         if plan.kv_fp8 and padded:
             raise ValueError(
