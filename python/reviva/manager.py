@@ -747,6 +747,14 @@ class RevivaManager:
         for unsupported in ("past_key_values",):
             if kwargs.get(unsupported) is not None:
                 raise ValueError(f"RevivaManager.generate does not support {unsupported}=")
+        if kwargs.get("cache_implementation") is not None:
+            # (transformers takes cache_implementation from a fixed list, with no registry to
+            # add one to: the manager supplies its cache itself, as past_key_values)
+            raise ValueError(
+                "RevivaManager.generate: cache_implementation="
+                f"{kwargs['cache_implementation']!r}: the manager supplies the cache (a "
+                "RevivaCache, as past_key_values); leave cache_implementation unset"
+            )
         gen = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
         gen_kwargs = {k: v for k, v in kwargs.items() if hasattr(gen, k)}
         gen.update(**gen_kwargs)

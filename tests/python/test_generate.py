@@ -469,6 +469,9 @@ def test_unsupported_models_and_options_are_named() -> None:
     ids = torch.randint(1, 211, (1, 10))
     with pytest.raises(ValueError, match="num_beams=2"):
         manager.generate(ids, max_new_tokens=4, num_beams=2)
+    for impl in ("reviva", "offloaded"):
+        with pytest.raises(ValueError, match=f"cache_implementation='{impl}'"):
+            manager.generate(ids, max_new_tokens=4, cache_implementation=impl)
     with pytest.raises(ValueError, match=r"inputs_embeds must be a \[batch, tokens, hidden\]"):
         manager.generate(inputs_embeds=torch.zeros(10, 64))
     with pytest.raises(ValueError, match=r"\[batch, tokens\] tensor.*shape \(10,\)"):
