@@ -140,19 +140,28 @@ RESIDENCY = [
 ]
 
 
+def greedy_as_hf(
+    model: torch.nn.Module, seed: int, new: int, layers: int, chunk: int | None, attention: str
+) -> tuple[RevivaManager, torch.Tensor, torch.Tensor]:
+    """A 150-token prompt's greedy tokens under a budget keeping `layers` layers of K/V: asserts
+    they are plain HF's; returns the manager, the prompt and those tokens."""
+    ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(seed))
+    ref = model.generate(ids, max_new_tokens=new, do_sample=False)
+    budget = budget_for(model, 1, 150, new, layers, chunk, attention)
+    config = RevivaConfig(vram_budget=budget, chunk_tokens=chunk, prefill_attention=attention)
+    manager = RevivaManager(model, config)
+    out = manager.generate(ids, max_new_tokens=new, do_sample=False)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} tokens differ"
+    return manager, ids, ref
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layers,chunk,attention", RESIDENCY)
 def test_greedy_tokens_identical(
     family: str, layers: int, chunk: int | None, attention: str
 ) -> None:
     model = tiny_model(family)
-    ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(1))
-    ref = model.generate(ids, max_new_tokens=64, do_sample=False)
-    budget = budget_for(model, 1, 150, 64, layers, chunk, attention)
-    config = RevivaConfig(vram_budget=budget, chunk_tokens=chunk, prefill_attention=attention)
-    manager = RevivaManager(model, config)
-    out = manager.generate(ids, max_new_tokens=64, do_sample=False)
-    assert torch.equal(out, ref), f"{(out != ref).sum().item()} tokens differ"
+    manager, _, _ = greedy_as_hf(model, 1, 64, layers, chunk, attention)
     st = manager.get_memory_stats()
     assert st["decode_steps"] == 63
     expected_resident = 5 if layers >= 5 else max(layers - min(layers, 3), 0)
@@ -186,13 +195,7 @@ def test_sliding_window_greedy_tokens_identical(
     model = tiny_model(family, seed=7)
     sliding = [sliding_window(layer.self_attn) for layer in model.model.layers]
     assert 16 in sliding and (family != "qwen2_sliding" or None in sliding), sliding
-    ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(8))
-    ref = model.generate(ids, max_new_tokens=40, do_sample=False)
-    budget = budget_for(model, 1, 150, 40, layers, chunk, attention)
-    config = RevivaConfig(vram_budget=budget, chunk_tokens=chunk, prefill_attention=attention)
-    manager = RevivaManager(model, config)
-    out = manager.generate(ids, max_new_tokens=40, do_sample=False)
-    assert torch.equal(out, ref), f"{(out != ref).sum().item()} tokens differ"
+    manager, ids, ref = greedy_as_hf(model, 8, 40, layers, chunk, attention)
     manager._own_decode = True  # (the CUDA half-precision path's decode, here on the CPU)
     out = manager.generate(ids, max_new_tokens=40, do_sample=False)
     assert torch.equal(out, ref), f"own decode: {(out != ref).sum().item()} tokens differ"
