@@ -45,6 +45,17 @@ class DecoderLayout:
     embed_tokens: nn.Module | None = None  # model.model.embed_tokens
     rotary_emb: nn.Module | None = None  # model.model.rotary_emb
     fused_qkv: bool = False  # self_attn.qkv_proj (Phi-3) instead of q_proj, k_proj and v_proj
+    # each layer's sliding window in tokens, None for full attention (Note [Sliding windows])
+    windows: tuple[int | None, ...] = ()
+
+
+def sliding_window(attn: nn.Module) -> int | None:
+    """The layer's sliding window (Note [Sliding windows] in llama_layer.py), None for full
+    attention: the attention module's own (Qwen2, Qwen3: per layer type), else its config's
+    (Mistral, Phi-3, Mixtral)."""
+    if "sliding_window" in vars(attn):
+        return vars(attn)["sliding_window"]
+    return getattr(getattr(attn, "config", None), "sliding_window", None)
 
 
 def _need(obj: object, name: str, where: str) -> object:
@@ -109,4 +120,5 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
         embed_tokens=embed_tokens,
         rotary_emb=rotary_emb,
         fused_qkv=fused,
+        windows=tuple(sliding_window(layer.self_attn) for layer in layers),
     )

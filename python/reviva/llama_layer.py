@@ -286,13 +286,13 @@ class LlamaLayerPath:
         numbers as HF); else Reviva's bottom-right causal call on the cache's layout."""
         q, k, v = self._qkv(layer, h, s, e, cos, sin)
         last = first + e - s
-        window = sliding_window(layer.self_attn)
         if interface is not None and not (cache.paged(i) or cache.fp8):
             cache.write(i, first, k, v)
             k_all, v_all = cache.view(i, last)
             out = self._attend_hf(layer.self_attn, q, k_all, v_all, mask, interface)
         else:  # (fp8 and paged layers: by blocks or pages, never HF's call over whole K/V)
             scale = layer.self_attn.scaling
+            window = self.layout.windows[i]
             out = write_and_attend(cache, i, q, k, v, first, last, scale, mask, window)
             out = out.transpose(1, 2)
         self._finish(layer, h, s, e, out)
@@ -316,15 +316,6 @@ class LlamaLayerPath:
         for s in range(0, tokens, chunk):
             e = min(tokens, s + chunk)
             self._finish(layer, h, s, e, out[:, s:e])
-
-
-def sliding_window(attn: nn.Module) -> int | None:
-    """The layer's sliding window (Note [Sliding windows]), None for full attention: the
-    attention module's own (Qwen2, Qwen3: per layer type), else its config's (Mistral, Phi-3,
-    Mixtral)."""
-    if "sliding_window" in vars(attn):
-        return vars(attn)["sliding_window"]
-    return getattr(getattr(attn, "config", None), "sliding_window", None)
 
 
 # Note [Sliding windows]
@@ -620,7 +611,7 @@ class DecodeGraphs:
             self._cos = cos
         front.replay()
         attn = self.path.layout.layers[i].self_attn
-        window = sliding_window(attn)
+        window = self.path.layout.windows[i]
         out = write_and_attend(cache, i, q, k, v, past, past + 1, attn.scaling, None, window)
         st["att"].copy_(out.transpose(1, 2))
         back.replay()

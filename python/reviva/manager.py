@@ -34,7 +34,7 @@ from reviva.adapters import DecoderLayout, inspect_model
 from reviva.block_attention import call_kernel, resolve_kernel
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
-from reviva.llama_layer import DecodeGraphs, LlamaLayerPath, sliding_window
+from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
 from reviva.planner import Plan, budget_for, device_state, host_state, make_plan, spread
 from reviva.resources import device_resources
 from reviva.weights import HostEmbedding, StreamedWeights
@@ -804,8 +804,7 @@ class RevivaManager:
                 f"{self.config.kv_page_tokens}): paged K/V is attended by pages without a padding "
                 "mask; pass prompts without padding"
             )
-        windows = set(map(sliding_window, (x.self_attn for x in self.layout.layers)))
-        windows.discard(None)
+        windows = {w for w in self.layout.windows if w is not None}
         if windows and (plan.kv_fp8 or plan.page_tokens):
             raise ValueError(
                 f"RevivaManager.generate: layers with a sliding window ({min(windows)} tokens) "

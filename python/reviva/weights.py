@@ -73,25 +73,36 @@ def _part_of(name: str) -> int:
     return 1 if name.startswith("mlp.") else 0
 
 
-def _layer_params(layer: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
-    """(name, module, key, parameter) of each of the layer's parameters, in module order."""
-    out = []
+def _pack(layer: nn.Module) -> list[list[tuple[str, _Slot]]]:
+    """The layer's packing (Note [Layers in two parts]): its parameters by part, the attention's
+    (and the norms') then the MLP's, empty parts left out; each (name, slot) at its offset in its
+    part's block, aligned to _ALIGN, in module order."""
+    parts: list[list[tuple[str, _Slot]]] = [[], []]
+    ends = [0, 0]
     for prefix, module in layer.named_modules():
         for key, p in module._parameters.items():
-            if p is not None:
-                out.append((f"{prefix}.{key}" if prefix else key, module, key, p))
-    return out
+            if p is None:
+                continue
+            name = f"{prefix}.{key}" if prefix else key
+            k = _part_of(name)
+            offset = _round_up(ends[k], _ALIGN)
+            nbytes = p.numel() * p.element_size()
+            parts[k].append((name, _Slot(module, key, offset, nbytes)))
+            ends[k] = offset + nbytes
+    return [part for part in parts if part]
+
+
+def _block_bytes(slots: list[_Slot]) -> int:
+    return slots[-1].offset + slots[-1].nbytes
 
 
 def layer_weight_bytes(layer: nn.Module, granularity: int = 1) -> int:
     """Device bytes of a decoder layer's packed weights: its parts (Note [Layers in two parts]),
     parameters aligned as StreamedWeights packs them, each part rounded up to `granularity` (the
     arena's mapping granule: each part is a buffer of its own)."""
-    sizes = [0, 0]
-    for name, _, _, p in _layer_params(layer):
-        k = _part_of(name)
-        sizes[k] = _round_up(sizes[k], _ALIGN) + p.numel() * p.element_size()
-    return sum(_round_up(n, granularity) for n in sizes if n)
+    return sum(
+        _round_up(_block_bytes([slot for _, slot in part]), granularity) for part in _pack(layer)
+    )
 
 
 # Note [Layers in two parts]
@@ -123,9 +134,9 @@ class StreamedWeights:
         self._slots: list[list[_Slot]] = []  # per block (a layer's parts, in order)
         self._parts: list[list[int]] = []  # per layer: its blocks
         for i, layer in enumerate(layers):
-            parts: list[list[_Slot]] = [[], []]
-            offsets = [0, 0]
-            for name, module, key, p in _layer_params(layer):
+            parts = _pack(layer)
+            for name, slot in (entry for part in parts for entry in part):
+                p = slot.param
                 if id(p) in seen:
                     raise ValueError(
                         f"StreamedWeights: parameter {name} of decoder layer {i} is shared "
@@ -133,16 +144,10 @@ class StreamedWeights:
                         "them"
                     )
                 seen[id(p)] = i
-                k = _part_of(name)
-                offset = _round_up(offsets[k], _ALIGN)
-                nbytes = p.numel() * p.element_size()
-                parts[k].append(_Slot(module, key, offset, nbytes))
-                offsets[k] = offset + nbytes
-            parts = [slots for slots in parts if slots]
             if not parts:
                 raise ValueError(f"StreamedWeights: decoder layer {i} has no parameters")
             self._parts.append(list(range(len(self._slots), len(self._slots) + len(parts))))
-            self._slots.extend(parts)
+            self._slots.extend([slot for _, slot in part] for part in parts)
         if fill_layer is None:  # (before anything moves: a model is never left half packed)
             for i, blocks in enumerate(self._parts):
                 if any(slot.param.is_meta for b in blocks for slot in self._slots[b]):
@@ -150,7 +155,7 @@ class StreamedWeights:
                         f"StreamedWeights: decoder layer {i} has parameters on the meta device: "
                         "pass fill_layer(index, layer) to write their values"
                     )
-        block_bytes = [s[-1].offset + s[-1].nbytes for s in self._slots]
+        block_bytes = [_block_bytes(slots) for slots in self._slots]
         granule = int(arena.granularity)
         # each layer's packed bytes (its parts'), and what its parts map on the device
         self.layer_bytes = [sum(block_bytes[b] for b in blocks) for blocks in self._parts]
@@ -418,8 +423,7 @@ class HostEmbedding:
             # A prompt (or candidates): ids that did not come from this model's own sampling are
             # checked as nn.Embedding checks them (one synchronization per prompt; the kernel
             # would give zeros for them).
-            lo, hi = torch.aminmax(ids)
-            lo, hi = int(lo), int(hi)
+            lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # (one synchronization)
             if lo < 0 or hi >= rows:
                 raise IndexError(
                     f"token id {lo if lo < 0 else hi} is outside the input embedding's {rows} rows"

@@ -26,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
-from reviva.llama_layer import sliding_window
+from reviva.adapters import sliding_window
 from reviva.planner import Plan, device_state, smallest_budget
 
 TINY = dict(
