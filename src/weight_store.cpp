@@ -8,8 +8,10 @@
 // read it pass: lifetime rule 2, the arena allocator's stream-ordered reuse) and comes back with
 // one H2D of its bytes, which compute waits for at acquire (rule 3). The host copy is read by
 // every fetch and released only when the store closes, after its copies (rule 4). Resident layers
-// are acquired once by the store itself (set_residency) and stay pinned in the manager, so no
-// eviction can take them; they take no place in the prefetch window, whose cycle lists the
+// are acquired once by the store itself (set_residency), through the copy stream, and stay
+// pinned in the manager, so no eviction can take them; compute waits for a resident layer's fill
+// only at its own acquire (held through compute, every fill delayed the call's first work); they
+// take no place in the prefetch window, whose cycle lists the
 // streamed layers alone (a decode step needs each once, in order; so does a prefill, where each
 // layer's compute over a long prompt hides its copy). The budget is each resident layer's bytes
 // plus `slots` times the largest streamed layer (or the caller's slot_bytes): the one compute
@@ -109,6 +111,13 @@ bool WeightStore::resident(int layer) const {
   return resident_[static_cast<std::size_t>(layer)];
 }
 
+void* WeightStore::resident_data(int layer) const {
+  block_at(layer, "resident_data");
+  void* ptr = resident_at_[static_cast<std::size_t>(layer)];
+  REVIVA_CHECK_ARG(ptr != nullptr, "WeightStore::resident_data: layer ", layer, " is not resident");
+  return ptr;
+}
+
 bool WeightStore::acquired(int layer) const {
   block_at(layer, "acquired");
   return acquired_[static_cast<std::size_t>(layer)] != nullptr;
@@ -190,16 +199,21 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
       if (queued > room || !manager_->prefetch(blocks_[i])) break;
     }
   }
+  // The store holds them through the copy stream, not compute: compute is ordered after a
+  // resident layer's fill only when it acquires that layer (WeightStore::acquire). Held through
+  // compute, the call's first synchronization waited for every fill (the H200, 32B shape at
+  // 10ddabe: 0.27 s of call 1 before its first layer, behind ~15.6 GB of fills).
+  const Stream& h2d = engine_->stream(Direction::HostToDevice);
   try {
     for (std::size_t i = 0; i < blocks_.size(); ++i) {  // ... then the new ones come in
       if (!wanted[i] || before[i]) continue;
-      resident_at_[i] = manager_->acquire(blocks_[i], compute, Access::ReadOnly);
+      resident_at_[i] = manager_->acquire(blocks_[i], h2d, Access::ReadOnly);
     }
   } catch (...) {
     // Every layer streamed, no slots: the caller plans again with less.
     for (std::size_t i = 0; i < blocks_.size(); ++i) {
       if (resident_at_[i] == nullptr) continue;
-      manager_->release(blocks_[i], compute);
+      manager_->release(blocks_[i], h2d);
       manager_->offload(blocks_[i]);
       resident_at_[i] = nullptr;
     }
@@ -248,8 +262,10 @@ void WeightStore::release(int layer, const Stream& compute) {
 
 std::shared_ptr<ArenaBuffer> WeightStore::buffer(int layer) const {
   block_at(layer, "buffer");
-  void* ptr = acquired_[static_cast<std::size_t>(layer)];
-  REVIVA_CHECK_ARG(ptr != nullptr, "WeightStore::buffer: layer ", layer, " is not acquired");
+  const auto i = static_cast<std::size_t>(layer);
+  void* ptr = acquired_[i] != nullptr ? acquired_[i] : resident_at_[i];
+  REVIVA_CHECK_ARG(ptr != nullptr, "WeightStore::buffer: layer ", layer,
+                   " is neither acquired nor resident");
   return allocator_->buffer_of(ptr);
 }
 

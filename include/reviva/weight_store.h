@@ -84,13 +84,18 @@ class REVIVA_API WeightStore {
   // (`slots`: at least 1 while a layer streams) and how many streamed layers are brought in
   // ahead of use (`prefetch_layers` <= slots: with as many as the slots, the last of the window
   // comes in when a layer is released, into its memory: Note [Streamed weights]). Layers made
-  // resident are fetched now (compute waits for them at their next use), layers no longer resident
+  // resident are fetched now (compute waits for a layer's fill only when it acquires it: not at
+  // this call, nor at work that does not use the layer), layers no longer resident
   // leave after the work queued on `compute` so far. Not while a layer is acquired. Throws
   // OutOfMemory naming the numbers when the arena cannot give the resident layers' memory (the
   // store is then left with every layer streamed and no slots: call again with less).
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers,
                      const Stream& compute);
   bool resident(int layer) const;
+  // A resident layer's device address, valid while it stays resident (to lay views out over it).
+  // Its fill may still be in flight: compute reads it only after acquire(), which orders compute
+  // after the fill.
+  void* resident_data(int layer) const;
 
   // Compute is about to use `layer`: returns its device address, holding its weights for work
   // submitted to `compute` from now on (compute waits for their fill), until release(). Starts
@@ -99,7 +104,8 @@ class REVIVA_API WeightStore {
   // Compute's use of the acquired layer ends with the work queued on `compute` so far.
   void release(int layer, const Stream& compute);
   bool acquired(int layer) const;
-  // The arena buffer behind an acquired layer (to keep its memory mapped while views exist).
+  // The arena buffer behind an acquired or resident layer (to keep its memory mapped while views
+  // exist).
   std::shared_ptr<ArenaBuffer> buffer(int layer) const;
 
   // Between calls: streamed layers leave the device and the slots' memory goes back to the arena

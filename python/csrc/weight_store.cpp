@@ -63,6 +63,21 @@ class PyWeightStore {
         torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
   }
 
+  // A resident layer's device copy, its fill perhaps in flight on CUDA: for laying views out,
+  // not for reading before acquire(layer) (which orders torch's stream after the fill).
+  torch::Tensor resident_view(int layer) {
+    void* data = store_->resident_data(layer);
+    if (!rt_->is_cuda()) {  // (torch on the CPU reads without stream order: the fills land first)
+      py::gil_scoped_release release;
+      store_->synchronize();
+    }
+    std::shared_ptr<ArenaBuffer> buffer = store_->buffer(layer);
+    const auto n = static_cast<int64_t>(store_->layer_bytes(layer));
+    return torch::from_blob(
+        data, {n}, [buffer](void*) mutable { buffer.reset(); },
+        torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
+  }
+
   void release(int layer) { store_->release(layer, *rt_->compute_stream()); }
 
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers) {
@@ -118,6 +133,9 @@ void bind_weight_store(py::module_& m) {
       .def("acquire", &PyWeightStore::acquire, py::arg("layer"),
            "The layer's weights on the device (uint8) for compute on torch's current stream, "
            "until release(layer)")
+      .def("resident_view", &PyWeightStore::resident_view, py::arg("layer"),
+           "A resident layer's device copy (uint8), its fill perhaps still in flight: to lay "
+           "parameters out over it; compute reads it only after acquire(layer)")
       .def("release", &PyWeightStore::release, py::arg("layer"))
       .def("set_residency", &PyWeightStore::set_residency, py::arg("resident"), py::arg("slots"),
            py::arg("prefetch_layers"))

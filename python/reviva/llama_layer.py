@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -560,6 +560,10 @@ class DecodeGraphs:
         self.captured_in_layers = 0  # of which while prefill's layers were issued
         self.eager_steps = 0  # layer steps of this call run eagerly, before their capture
         self._pending: dict[int, tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
+        # Called with a layer's index on the capture stream before its warm-up and capture: it
+        # orders that stream after whatever the layer's parameters wait for (a resident layer's
+        # weights still being filled: RevivaManager._weights_ready).
+        self.before_capture: Callable[[int], None] | None = None
         # Layers left eager in this call, and why (uncapturable(), or a failed capture).
         self.uncaptured: dict[int, str] = {}
         self._static: dict[str, torch.Tensor] = {}
@@ -731,6 +735,8 @@ class DecodeGraphs:
             stream.wait_stream(compute)
             shapes = _param_shapes(layer)
             with torch.cuda.stream(stream):
+                if self.before_capture is not None:
+                    self.before_capture(i)
                 if shapes not in self._warm:
                     # Warm-up on this stream (kernels loaded, cuBLAS's workspace for the
                     # stream), on a copy of the hidden state: the static one may hold a step in

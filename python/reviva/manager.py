@@ -158,6 +158,18 @@ class RevivaManager:
         # Note [Decode graphs] (llama_layer.py): the own decode path's compute as CUDA graphs.
         use_graphs = self._own_decode and config.cuda_graphs
         self._graphs = DecodeGraphs(self.layers) if use_graphs else None
+        if self._graphs is not None:
+            self._graphs.before_capture = self._weights_ready
+
+    def _weights_ready(self, i: int) -> None:
+        """Torch's current stream waits for layer i's resident weights to land (a decode graph's
+        capture reads them: captures run ahead of prefill's later layers, and a resident layer
+        is filled behind the call's first streamed layers: Note [Streamed weights] in
+        src/weight_store.cpp)."""
+        weights = self.weights
+        if weights is not None and weights.resident(i):
+            weights.acquire(i)
+            weights.release(i)
 
     def _take_weights(
         self, config: RevivaConfig, fill_layer: Callable[[int, nn.Module], None] | None

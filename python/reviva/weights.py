@@ -10,8 +10,8 @@ writes their values there (from a checkpoint, or random).
 Each layer is one block of the store, or two (its attention, then its MLP: Note [Layers in two
 parts]). Around a layer's use the manager calls `acquire(i)` and `release(i)`: the parameters
 then point at the layer's device copy, and back at the host copy after. Resident layers
-(set_residency, from each call's plan) point at their device copy from then on: no per-use work,
-and their addresses stay fixed, so the decode graphs of Note [Decode graphs] stay valid across
+(set_residency, from each call's plan) point at their device copy from then on (compute waits
+for a new resident layer's fill at its first acquire, not before), and their addresses stay fixed, so the decode graphs of Note [Decode graphs] stay valid across
 calls; streamed layers run eagerly (their device address changes with each use).
 
     weights = StreamedWeights(layout.layers, engine, arena, device)
@@ -297,7 +297,8 @@ class StreamedWeights:
         """Which layers' weights stay on the device from now on, and the streamed ones' room (in
         layers) and window (WeightStore.set_residency, in blocks: a layer's parts). Layers that
         stop being resident point at their host copy again; new resident layers at their device
-        copy (compute waits for its fill)."""
+        copy, whose fill compute waits for only when it acquires the layer (so not at the
+        call's first work that does not read it)."""
         wanted = {b for i in resident for b in self._parts[i]}
         for b in list(self._device_views):
             if b not in wanted:
@@ -309,10 +310,9 @@ class StreamedWeights:
         for b in sorted(wanted):
             if b in self._device_views:
                 continue
-            block = self.store.acquire(b)
+            block = self.store.resident_view(b)  # (its fill may be in flight: acquire waits)
             self._device_views[b] = block
             self._point(b, block)
-            self.store.release(b)  # (the store holds a resident layer on the device itself)
 
     def _acquire_block(self, b: int) -> None:
         block = self.store.acquire(b)

@@ -6,6 +6,8 @@
 #include "test_util.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 namespace reviva::test {
 namespace {
@@ -176,6 +178,30 @@ TEST_P(WeightStoreTest, TheFirstStreamedLayerIsCopiedBeforeTheResidentOnes) {
   EXPECT_EQ(st.fills - st.prefetched_fills, 2u) << "the 2 resident layers only";
 }
 
+TEST_P(WeightStoreTest, ComputeIsNotOrderedAfterTheResidentFillsUntilItAcquiresThem) {
+  // set_residency queues the resident layers' fills; compute must not wait for them until it
+  // acquires such a layer: a call's first synchronization (a token id check, a small copy)
+  // waited behind ~15.6 GB of them on the H200 (32B shape, 0.27 s of call 1, 10ddabe).
+  const std::vector<std::size_t> kSizes = layer_sizes(backend_);
+  WeightRig rig(backend_, kSizes);
+  StreamGate copies;  // the copy stream held: no fill can land
+  copies.block(rig.engine->stream(Direction::HostToDevice));
+  rig.store->set_residency({1, 4}, 1, 1, *rig.compute);
+  void* layer1 = rig.store->resident_data(1);  // (its address is known before its fill lands)
+  EXPECT_NE(rig.store->buffer(1), nullptr);
+  Event mark(backend_);
+  mark.record(*rig.compute);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!mark.query() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const bool free_to_run = mark.query();
+  copies.open();
+  EXPECT_TRUE(free_to_run) << "compute waits for fills it has not acquired";
+  EXPECT_EQ(rig.store->acquire(1, *rig.compute), layer1);
+  rig.store->release(1, *rig.compute);
+  rig.pass();  // an acquire of a resident layer orders compute after its fill: exact bytes
+}
+
 TEST_P(WeightStoreTest, SlotBytesSmallerThanALayerAreRefused) {
   const std::vector<std::size_t> kSizes = layer_sizes(backend_);
   try {
@@ -279,6 +305,10 @@ TEST_P(WeightStoreTest, MisuseIsRefusedNamingTheValues) {
             std::string::npos);
   EXPECT_NE(message([&] { rig.store->trim(); }).find("layer 0 is acquired"), std::string::npos);
   EXPECT_NE(message([&] { rig.store->release(1, *rig.compute); }).find("layer 1 is not acquired"),
+            std::string::npos);
+  EXPECT_NE(message([&] { rig.store->resident_data(1); }).find("layer 1 is not resident"),
+            std::string::npos);
+  EXPECT_NE(message([&] { rig.store->buffer(1); }).find("layer 1 is neither acquired nor resident"),
             std::string::npos);
   rig.store->release(0, *rig.compute);
   rig.store->close();
