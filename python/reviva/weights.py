@@ -8,11 +8,12 @@ layer whose parameters are on the meta device gets host views too, and `fill_lay
 writes their values there (from a checkpoint, or random).
 
 Each layer is one block of the store, or two (its attention, then its MLP: Note [Layers in two
-parts]). Around a layer's use the manager calls `acquire(i)` and `release(i)`: the parameters
-then point at the layer's device copy, and back at the host copy after. Resident layers
-(set_residency, from each call's plan) point at their device copy from then on (compute waits
-for a new resident layer's fill at its first acquire, not before), and their addresses stay fixed, so the decode graphs of Note [Decode graphs] stay valid across
-calls; streamed layers run eagerly (their device address changes with each use).
+parts]). Around a layer's use the manager calls `acquire(i)` and `release(i)`: the parameters then
+point at the layer's device copy, and back at the host copy after. Resident layers (set_residency,
+from each call's plan) point at their device copy from then on (compute waits for a new resident
+layer's fill at its first acquire, not before), and their addresses stay fixed, so the decode graphs
+of Note [Decode graphs] stay valid across calls; streamed layers run eagerly (their device address
+changes with each use).
 
     weights = StreamedWeights(layout.layers, engine, arena, device)
     weights.set_residency([0, 5, 10], slots=2, prefetch_layers=1)
