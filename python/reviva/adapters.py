@@ -7,7 +7,9 @@ follows it): `model.model.layers[i]` with `input_layernorm`, `self_attn` (`q_pro
 Phi-3 follows it with its projections fused: `self_attn.qkv_proj` (queries, then keys, then
 values) instead of the three, and `mlp.gate_up_proj` inside its MLP, which is called whole.
 Mixtral and Qwen3-MoE follow it with experts in place of the MLP (`mlp` is their sparse block,
-called whole: routing included; with streamed weights every expert of a layer moves).
+called whole: routing included; with streamed weights every expert of a layer moves). SmolLM3
+follows it with some layers' attention left without rotary embeddings (NoPE: `self_attn.use_rope`
+false, every fourth layer in the released models).
 Anything else gets a ValueError naming the first missing piece.
 """
 
@@ -62,7 +64,7 @@ def _need(obj: object, name: str, where: str) -> object:
     if not hasattr(obj, name):
         raise ValueError(
             f"RevivaManager supports models with the Llama decoder layout (Llama, Mistral, Qwen2, "
-            f"Qwen3, Phi-3, Mixtral, Qwen3-MoE); this model has no `{where}.{name}`"
+            f"Qwen3, Phi-3, Mixtral, Qwen3-MoE, SmolLM3); this model has no `{where}.{name}`"
         )
     return getattr(obj, name)
 

@@ -218,7 +218,8 @@ class LlamaLayerPath:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys (both with RoPE) and values of tokens [s, e), [B, heads, n, D]."""
+        """Queries, keys (both with RoPE, except in a NoPE layer: SmolLM3's `use_rope` false, as
+        HF's attention reads it) and values of tokens [s, e), [B, heads, n, D]."""
         attn = layer.self_attn
         x = layer.input_layernorm(h[:, s:e])
         lay = self.layout
@@ -238,7 +239,8 @@ class LlamaLayerPath:
         if hasattr(attn, "k_norm"):
             k = attn.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q, k = self.layout.apply_rotary_pos_emb(q, k, cos[:, s:e], sin[:, s:e])
+        if getattr(attn, "use_rope", True):
+            q, k = lay.apply_rotary_pos_emb(q, k, cos[:, s:e], sin[:, s:e])
         return q, k, v
 
     @staticmethod
