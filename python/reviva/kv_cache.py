@@ -28,6 +28,18 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from reviva import kv_fp8 as fp8rows
+
+# Note [Beams]
+# Beam search (HF's) runs batch x num_beams rows: generate repeats each prompt's row num_beams
+# times before prefill, and after each step reorders the cache's rows by beam_idx, each new row
+# a copy of a row of the same prompt. So every row of one prompt holds the same K/V for the
+# prompt's tokens (the same computation on the same inputs), and only the generated tokens' rows
+# differ between beams: a reorder gathers those alone, never the prompt's. HF's own caches copy
+# every token's rows per step (index_select); here a step's reorder of a layer moves its
+# generated tokens only (a few rows per beam against a prompt of thousands), on the device,
+# when the layer is next acquired (acquire() applies what reorder() recorded, composed over
+# reorders in between), and a streamed layer's rewritten rows go on to its host copy like any
+# write. Paged layers are refused with beams (their rows are spread over pages).
 from reviva._C import DeviceArena, KVStore, Runtime, TransferEngine
 
 
@@ -70,7 +82,7 @@ class RevivaCacheLayer(CacheLayerMixin):
         raise NotImplementedError("RevivaCache cannot be reset layer by layer; build a new one")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("RevivaCache does not support beam search (num_beams > 1)")
+        self._cache.reorder(self._layer_idx, beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         # HF's convention (a number or a 0-d tensor): a negative count removes that many tokens,
@@ -146,6 +158,10 @@ class RevivaCache(Cache):
         for _ in range(slots):
             self.store.add_slot()
         self._acquired: set[int] = set()
+        # Note [Beams]: per layer, the rows its generated tokens are to be gathered from at its
+        # next acquire, and the prompt's length (rows before it are never reordered).
+        self._pending_rows: dict[int, torch.Tensor] = {}
+        self._beam_prefix: dict[int, int] = {}
 
     def promote(self, layer_idx: int) -> bool:
         """Makes a streamed layer resident (device memory freed up, e.g. after prefill); False
@@ -178,6 +194,39 @@ class RevivaCache(Cache):
         if not self.paged(layer_idx):
             self.store.acquire(layer_idx)
         self._acquired.add(layer_idx)
+        rows = self._pending_rows.pop(layer_idx, None)
+        if rows is not None:
+            self._gather_generated(layer_idx, rows)
+
+    def reorder(self, layer_idx: int, beam_idx: torch.Tensor) -> None:
+        """Beam search's reorder of the layer's rows (Note [Beams]): recorded, and applied to
+        the generated tokens' rows when the layer is next acquired."""
+        if self.paged(layer_idx):
+            raise RuntimeError(
+                f"RevivaCache: layer {layer_idx} is paged; beams need whole layers (the manager "
+                "refuses kv_page_tokens with num_beams > 1)"
+            )
+        if beam_idx.shape != (self.batch,):
+            raise ValueError(
+                f"RevivaCache.reorder: beam_idx of shape {tuple(beam_idx.shape)}, expected "
+                f"({self.batch},)"
+            )
+        self._beam_prefix.setdefault(layer_idx, self.store.length(layer_idx))
+        earlier = self._pending_rows.get(layer_idx)
+        beam_idx = beam_idx.to(torch.long)
+        # (row j after both reorders is row earlier[beam_idx[j]] before either)
+        self._pending_rows[layer_idx] = beam_idx if earlier is None else earlier[beam_idx]
+
+    def _gather_generated(self, layer_idx: int, rows: torch.Tensor) -> None:
+        """Rewrites the acquired layer's generated tokens [prompt, length) with each row taken
+        from `rows` (written through to its host copy like any write)."""
+        first, length = self._beam_prefix[layer_idx], self.store.length(layer_idx)
+        if length <= first:
+            return
+        k, v = self.store.kv(layer_idx, length)  # (fp8: uint8 rows, moved as they are)
+        rows = rows.to(k.device)
+        k_new, v_new = k[rows, :, first:length], v[rows, :, first:length]  # (copies)
+        self.store.write(layer_idx, first, k_new, v_new)
 
     def release(self, layer_idx: int) -> None:
         self._acquired.discard(layer_idx)

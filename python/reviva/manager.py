@@ -770,10 +770,6 @@ class RevivaManager:
         gen = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
         gen_kwargs = {k: v for k, v in kwargs.items() if hasattr(gen, k)}
         gen.update(**gen_kwargs)
-        if (gen.num_beams or 1) > 1:
-            raise ValueError(
-                f"RevivaManager.generate: num_beams={gen.num_beams}: beam search is not supported"
-            )
         if gen.output_attentions:
             raise ValueError(
                 "RevivaManager.generate does not support output_attentions=True: prefill runs "
@@ -781,9 +777,11 @@ class RevivaManager:
                 "attention weights"
             )
         batch, tokens = shape
-        # Several sequences per prompt (sampling): generate repeats each prompt's row that many
-        # times before prefill, so the cache holds that many rows.
-        batch *= gen.num_return_sequences or 1
+        # Several sequences per prompt (sampling) or beams: generate repeats each prompt's row
+        # that many times before prefill, so the cache holds that many rows (Note [Beams] in
+        # kv_cache.py).
+        beams = gen.num_beams or 1
+        batch *= max(beams, gen.num_return_sequences or 1)
         if gen.max_new_tokens is not None:
             new_tokens = gen.max_new_tokens
         else:
@@ -810,6 +808,12 @@ class RevivaManager:
                     f"{self.config.prefill_residual!r}) and a plan that needs it): the "
                     "embeddings are already the prompt's size on the device; pass token ids"
                 )
+        if plan.page_tokens and beams > 1:
+            raise ValueError(
+                f"RevivaManager.generate: num_beams={beams} with RevivaConfig(kv_page_tokens="
+                f"{self.config.kv_page_tokens!r}) and a plan that pages layers: beams reorder "
+                "each layer's generated rows, which pages would spread; use kv_page_tokens=0"
+            )
         if plan.page_tokens and padded:
             raise ValueError(
                 "RevivaManager.generate: a padded batch with RevivaConfig(kv_page_tokens="
