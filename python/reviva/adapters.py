@@ -9,7 +9,12 @@ values) instead of the three, and `mlp.gate_up_proj` inside its MLP, which is ca
 Mixtral and Qwen3-MoE follow it with experts in place of the MLP (`mlp` is their sparse block,
 called whole: routing included; with streamed weights every expert of a layer moves). SmolLM3
 follows it with some layers' attention left without rotary embeddings (NoPE: `self_attn.use_rope`
-false, every fourth layer in the released models).
+false, every fourth layer in the released models). Gemma 2 and 3 follow it with norms around each
+sublayer's output (`pre_feedforward_layernorm`, `post_feedforward_layernorm`, and
+`post_attention_layernorm` on the attention's output), sliding and global layers mixed, Gemma 3
+with q/k norms and a rotary base per layer type (HF passes each layer its own); Gemma 2's
+attention soft-capping is not applied, as HF's "sdpa" attention does not apply it (another
+attn_implementation is refused by name).
 Anything else gets a ValueError naming the first missing piece.
 """
 
@@ -64,7 +69,8 @@ def _need(obj: object, name: str, where: str) -> object:
     if not hasattr(obj, name):
         raise ValueError(
             f"RevivaManager supports models with the Llama decoder layout (Llama, Mistral, Qwen2, "
-            f"Qwen3, Phi-3, Mixtral, Qwen3-MoE, SmolLM3); this model has no `{where}.{name}`"
+            f"Qwen3, Phi-3, Mixtral, Qwen3-MoE, SmolLM3, Gemma 2/3); this model has no "
+            f"`{where}.{name}`"
         )
     return getattr(obj, name)
 
@@ -101,6 +107,14 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
         )
     for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         _need(cfg, name, "model.config")
+    cap = getattr(layers[0].self_attn, "attn_logit_softcapping", None)
+    impl = getattr(cfg, "_attn_implementation", None)
+    if cap is not None and impl != "sdpa":
+        raise ValueError(
+            f"RevivaManager: attention scores soft-capped at {cap} (Gemma 2) with "
+            f"attn_implementation={impl!r}: Reviva's attention calls do not cap them, as HF's "
+            "'sdpa' does not; load the model with attn_implementation='sdpa' (the default)"
+        )
     num_heads = cfg.num_attention_heads
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads

@@ -245,8 +245,16 @@ class LlamaLayerPath:
 
     @staticmethod
     def _finish(layer: nn.Module, h: torch.Tensor, s: int, e: int, out: torch.Tensor) -> None:
-        """o_proj of the attention output [B, n, heads, D], residual, MLP: h[:, s:e] in place."""
+        """o_proj of the attention output [B, n, heads, D], residual, MLP: h[:, s:e] in place.
+        Gemma 2/3 (a pre_feedforward_layernorm): each sublayer's output normalized before its
+        residual add (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by
+        pre_feedforward_layernorm; Llama: post_attention_layernorm is the MLP's input norm."""
         o = layer.self_attn.o_proj(out.reshape(h.shape[0], e - s, -1))
+        if hasattr(layer, "pre_feedforward_layernorm"):
+            r = h[:, s:e] + layer.post_attention_layernorm(o)
+            m = layer.mlp(layer.pre_feedforward_layernorm(r))
+            h[:, s:e] = r + layer.post_feedforward_layernorm(m)
+            return
         r = h[:, s:e] + o
         h[:, s:e] = r + layer.mlp(layer.post_attention_layernorm(r))
 

@@ -112,7 +112,7 @@ class RevivaManager:
         embed = self.layout.embed_tokens
         if (
             self.weights is not None
-            and isinstance(embed, nn.Embedding)
+            and type(embed) is nn.Embedding  # (Gemma's scaled embedding stays on the device)
             and embed.max_norm is None
             and embed.weight is not getattr(model.get_output_embeddings(), "weight", None)
         ):

@@ -69,9 +69,14 @@ def _round_up(n: int, unit: int) -> int:
     return (n + unit - 1) // unit * unit
 
 
+# What a decoder layer runs from its MLP's start on (Gemma 2/3 normalize the MLP's output too).
+_MLP_PART = ("mlp.", "post_feedforward_layernorm.")
+
+
 def _part_of(name: str) -> int:
-    """Note [Layers in two parts]: 1 for a parameter of the layer's MLP, 0 for the rest."""
-    return 1 if name.startswith("mlp.") else 0
+    """Note [Layers in two parts]: 1 for a parameter of the layer's MLP (or of what runs after
+    it: _MLP_PART), 0 for the rest."""
+    return 1 if name.startswith(_MLP_PART) else 0
 
 
 def _pack(layer: nn.Module) -> list[list[tuple[str, _Slot]]]:
@@ -108,14 +113,15 @@ def layer_weight_bytes(layer: nn.Module, granularity: int = 1) -> int:
 
 # Note [Layers in two parts]
 # A decoder layer's weights are two blocks of the WeightStore: its attention (and norms), then its
-# MLP. With one slot of a whole layer (WeightStoreOptions::slot_bytes), a decode step acquires the
-# attention part, and at the MLP's start (a forward pre-hook on layer.mlp) releases it and
-# acquires the MLP part: the next layer's attention part is then copied into the memory just
-# freed while the MLP computes, and its MLP part while its own attention computes. With the layer
-# whole in one block, one slot left the copy engine idle while each streamed layer computed (the
-# next layer's copy waits for that memory): 0.97 of the roofline on the H200 at 067decd, the 3%
-# being about the streamed layers' compute time. A prefill runs the MLP once per chunk, so it
-# acquires both parts at the layer's start, as before; so does any call that is not a decode step.
+# MLP (with what runs after it: Gemma's post-MLP norm, _MLP_PART). With one slot of a whole layer
+# (WeightStoreOptions::slot_bytes), a decode step acquires the attention part, and at the MLP's
+# start (a forward pre-hook on layer.mlp) releases it and acquires the MLP part: the next layer's
+# attention part is then copied into the memory just freed while the MLP computes, and its MLP part
+# while its own attention computes. With the layer whole in one block, one slot left the copy engine
+# idle while each streamed layer computed (the next layer's copy waits for that memory): 0.97 of the
+# roofline on the H200 at 067decd, the 3% being about the streamed layers' compute time. A prefill
+# runs the MLP once per chunk, so it acquires both parts at the layer's start, as before; so does
+# any call that is not a decode step.
 
 
 class StreamedWeights:

@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -50,6 +52,12 @@ SLIDING = {
     ),
     "phi3_sliding": lambda: Phi3Config(**TINY, sliding_window=16),
     "mixtral_sliding": lambda: MixtralConfig(**TINY, sliding_window=16, num_local_experts=4),
+    # sliding and global layers alternating (Gemma 2), five sliding to one global (Gemma 3: its
+    # global layers with their own rotary base)
+    "gemma2_sliding": lambda: Gemma2Config(**TINY, head_dim=16, sliding_window=16),
+    "gemma3_sliding": lambda: Gemma3TextConfig(
+        **TINY, head_dim=16, sliding_window=16, sliding_window_pattern=3
+    ),
 }
 
 
@@ -73,6 +81,10 @@ def tiny_model(family: str, seed: int = 0, device: str = "cpu") -> torch.nn.Modu
         cfg = Qwen3MoeConfig(
             **TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48
         )
+    elif family == "gemma2":  # norms around each sublayer's output, soft-capped logits
+        cfg = Gemma2Config(**TINY, head_dim=16)
+    elif family == "gemma3":  # the same norms, q/k norms, local and global rotary bases
+        cfg = Gemma3TextConfig(**TINY, head_dim=16, sliding_window_pattern=3)
     elif family == "smollm3":  # layers 1 and 3 without rotary embeddings (NoPE)
         cfg = SmolLM3Config(**TINY, no_rope_layer_interval=2)
     else:
@@ -125,7 +137,18 @@ def budget_keeping(
     return smallest_budget(manager.layout, config, state, batch, prompt, new, keeps)
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "smollm3"]
+FAMILIES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "smollm3",
+    "gemma2",
+    "gemma3",
+]
 # Experts instead of the MLP: a token's top-k choice of experts is discontinuous in its hidden
 # state, so a lossy change upstream (fp8 K/V) can flip a choice and move the logits more than
 # the same error does in a dense model (Mixtral, tiny: 8.3% at one step against dense's < 5%).
@@ -545,6 +568,10 @@ def test_unsupported_models_and_options_are_named() -> None:
         RevivaManager(model, {"vram_budget": "1GB"})  # type: ignore[arg-type]
     manager = RevivaManager(model)
     ids = torch.randint(1, 211, (1, 10))
+    eager = tiny_model("gemma2")
+    eager.config._attn_implementation = "eager"  # (HF's eager attention caps Gemma 2's scores)
+    with pytest.raises(ValueError, match=r"soft-capped at 50\.0.*attn_implementation='eager'"):
+        RevivaManager(eager)
     for impl in ("reviva", "offloaded"):
         with pytest.raises(ValueError, match=f"cache_implementation='{impl}'"):
             manager.generate(ids, max_new_tokens=4, cache_implementation=impl)

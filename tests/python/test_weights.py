@@ -109,7 +109,21 @@ def test_greedy_tokens_identical_for_every_mix(family: str, mix: str) -> None:
         assert st2["weight_bytes_to_device"] == 0, "resident weights stayed from the last call"
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3", "mixtral"])
+def test_a_scaled_input_embedding_stays_on_the_device() -> None:
+    """Gemma's input embedding (a subclass scaling its rows) is not a plain table: untied from
+    the head, with the weights streamed, it stays where it is (Note [Embedding on the host] is
+    for nn.Embedding itself), and the tokens are HF's."""
+    model = tiny_model("gemma3", seed=4)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    ids = torch.randint(1, 211, (1, 30), generator=torch.Generator().manual_seed(5))
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    manager = RevivaManager(model, RevivaConfig(stream_weights=True))
+    assert manager.host_embedding is None
+    assert torch.equal(manager.generate(ids, max_new_tokens=6, do_sample=False), ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "mixtral", "gemma3"])
 def test_a_decode_step_takes_a_streamed_layer_in_two_parts(family: str) -> None:
     """Note [Layers in two parts]: each layer is two blocks (attention, MLP); in a decode step a
     streamed layer's MLP runs with its attention part already given back (its parameters views
@@ -130,12 +144,20 @@ def test_a_decode_step_takes_a_streamed_layer_in_two_parts(family: str) -> None:
         layer = manager.layout.layers[i]
         attn = next(layer.self_attn.parameters())
         mlp = next(layer.mlp.parameters())
+        # (Gemma: the norm of the MLP's output runs after the MLP: it is in the MLP's part)
+        post = getattr(layer, "post_feedforward_layernorm", None)
 
         def hook(module: torch.nn.Module, args: tuple, output: object) -> None:
             phase = "prefill" if args[0].shape[1] > 1 else "decode"
-            host = [weights._host_views[b][0].data_ptr() for b in weights.parts[i]]
+            parts = weights.parts[i]
+            host = [weights._host_views[b][0].data_ptr() for b in parts]
+            p = post.weight.data_ptr() if post is not None else None
+            post_on_host = p is not None and any(
+                h <= p < h + weights.store.layer_bytes(b) for h, b in zip(host, parts, strict=True)
+            )
             # (the attention part on its host copy, the MLP's on the device)
-            seen[phase].append(attn.data_ptr() == host[0] and mlp.data_ptr() != host[1])
+            on_device = mlp.data_ptr() != host[1] and not post_on_host
+            seen[phase].append(attn.data_ptr() == host[0] and on_device)
 
         return layer.mlp.register_forward_hook(hook)
 
