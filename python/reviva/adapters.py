@@ -28,6 +28,25 @@ import torch
 from torch import nn
 
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+# The decoder layers whose forward Reviva's own layer path (llama_layer.LlamaLayerPath) is known to
+# reproduce, each a family of tests/python/test_generate.py (FAMILIES) held to HF's logits. A
+# layer can have every piece above and still do more in its forward: Glm4's extra norms, Granite's
+# residual multipliers, StableLM's partial rotary and parallel residual, Qwen2-MoE's shared
+# expert gate; accepted by the pieces alone they ran (a tiny model's logits 0.55-0.61 off, or a
+# shape error mid-call), so any other class is refused by name.
+_VERIFIED_LAYERS = {
+    "transformers.models.llama.modeling_llama": "LlamaDecoderLayer",
+    "transformers.models.mistral.modeling_mistral": "MistralDecoderLayer",
+    "transformers.models.qwen2.modeling_qwen2": "Qwen2DecoderLayer",
+    "transformers.models.qwen3.modeling_qwen3": "Qwen3DecoderLayer",
+    "transformers.models.phi3.modeling_phi3": "Phi3DecoderLayer",
+    "transformers.models.mixtral.modeling_mixtral": "MixtralDecoderLayer",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe": "Qwen3MoeDecoderLayer",
+    "transformers.models.smollm3.modeling_smollm3": "SmolLM3DecoderLayer",
+    "transformers.models.gemma2.modeling_gemma2": "Gemma2DecoderLayer",
+    "transformers.models.gemma3.modeling_gemma3": "Gemma3DecoderLayer",
+}
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _FUSED_ATTN_PARTS = ("qkv_proj", "o_proj")  # Phi-3
 
@@ -88,6 +107,16 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
     rotary_emb = _need(inner, "rotary_emb", "model.model")
     embed_tokens = _need(inner, "embed_tokens", "model.model")
     _need(model, "lm_head", "model")
+    for i, layer in enumerate(layers):
+        kind = type(layer)
+        if _VERIFIED_LAYERS.get(kind.__module__) != kind.__name__:
+            raise ValueError(
+                f"RevivaManager: model.model.layers[{i}] is a {kind.__module__}.{kind.__name__}, "
+                "not one of the decoder layers Reviva's own layer path is verified against ("
+                + ", ".join(sorted(_VERIFIED_LAYERS.values()))
+                + "); its forward may do more than the Llama layout's (a new family needs an "
+                "adapter and its tests: reviva/adapters.py)"
+            )
     fused = hasattr(layers[0], "self_attn") and hasattr(layers[0].self_attn, "qkv_proj")
     for i, layer in enumerate(layers):
         for part in _LAYER_PARTS:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
 import logging
 import os
 import threading
@@ -343,14 +345,13 @@ class RevivaManager:
                 # (No padding here, _check_host_residual: a mask HF passes is the causal one,
                 # which the chunks' attention applies itself.)
                 self._prefill_layer_starts(i, kwargs, hidden_states)
+                rotary = self._rotary_forward
+                kind = getattr(layer.self_attn, "layer_type", None)
+                if kind is not None and "layer_type" in inspect.signature(rotary).parameters:
+                    # (Gemma 3: a rotary base per layer type; HF passes each layer its own)
+                    rotary = functools.partial(rotary, layer_type=kind)
                 self.layers.prefill_from_host(
-                    cache,
-                    self._plan,
-                    i,
-                    layer,
-                    self._residual,
-                    self._positions,
-                    self._rotary_forward,
+                    cache, self._plan, i, layer, self._residual, self._positions, rotary
                 )
                 return hidden_states
             if self._copy_hidden:
@@ -820,7 +821,9 @@ class RevivaManager:
                 f"{self.config.kv_page_tokens}): paged K/V is attended by pages without a padding "
                 "mask; pass prompts without padding"
             )
-        windows = {w for w in self.layout.windows if w is not None}
+        # (a window as long as the call's tokens never leaves a key out: Gemma's 4096 or
+        # Mistral's over a shorter call attend as full layers do)
+        windows = {w for w in self.layout.windows if w is not None and w < plan.capacity}
         if windows and (plan.kv_fp8 or plan.page_tokens):
             raise ValueError(
                 f"RevivaManager.generate: layers with a sliding window ({min(windows)} tokens) "

@@ -568,6 +568,18 @@ def test_unsupported_models_and_options_are_named() -> None:
         RevivaManager(model, {"vram_budget": "1GB"})  # type: ignore[arg-type]
     manager = RevivaManager(model)
     ids = torch.randint(1, 211, (1, 10))
+    # Every Llama piece present, and a forward that does more (Glm4's extra norms, Granite's
+    # residual multipliers): refused by class rather than run wrong
+    from transformers import Glm4Config, GraniteConfig
+
+    for cfg in (
+        Glm4Config(**TINY, pad_token_id=0),
+        GraniteConfig(**TINY, residual_multiplier=0.5, pad_token_id=0),
+    ):
+        other = AutoModelForCausalLM.from_config(cfg)
+        name = type(other.model.layers[0]).__name__
+        with pytest.raises(ValueError, match=rf"layers\[0\] is a .*\.{name}, not one of"):
+            RevivaManager(other)
     eager = tiny_model("gemma2")
     eager.config._attn_implementation = "eager"  # (HF's eager attention caps Gemma 2's scores)
     with pytest.raises(ValueError, match=r"soft-capped at 50\.0.*attn_implementation='eager'"):
