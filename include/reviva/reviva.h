@@ -7,6 +7,7 @@
 #include <reviva/device_arena.h>
 #include <reviva/error.h>
 #include <reviva/eviction_policy.h>
+#include <reviva/host_attention.h>
 #include <reviva/kv_store.h>
 #include <reviva/metrics.h>
 #include <reviva/offload_manager.h>

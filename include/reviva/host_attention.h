@@ -1,0 +1,34 @@
+// Attention of decode queries over K/V rows in host memory, on the host's cores: the building
+// block of attention on the host (issue 14's lever for an 8B model on an 8 GB card: a streamed
+// layer's K/V would stay on the host and only a query and its output cross PCIe; Note [Attention
+// on the host] in host_attention.cpp). Not yet used by the Python package.
+#pragma once
+
+#include <reviva/export.h>
+
+#include <cstddef>
+
+namespace reviva {
+
+// How the K/V rows' elements are stored.
+enum class RowType { BFloat16, Float32 };
+
+struct HostAttentionShape {
+  std::size_t batch = 1;
+  std::size_t kv_heads = 1;
+  std::size_t heads = 1;  // query heads, a multiple of kv_heads (grouped-query attention)
+  std::size_t head_dim = 1;
+};
+
+// One query per sequence and head attends to keys [first, last) of token-major rows: row t is
+// [2][batch][kv_heads][head_dim] (its keys, then its values) of `type`, rows back to back from
+// `rows`. q: [batch][heads][head_dim] fp32 (scores are q.k * scale); out: the same shape, fp32.
+// `threads` >= 1 split the keys (their partial results merged by log-sum-exp). Throws
+// InvalidArgument naming a bad value (an empty range, heads not a multiple of kv_heads, null
+// pointers, threads < 1).
+REVIVA_API void host_decode_attention(const void* rows, RowType type,
+                                      const HostAttentionShape& shape, std::size_t first,
+                                      std::size_t last, const float* q, float scale, float* out,
+                                      int threads);
+
+}  // namespace reviva
