@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from reviva import kv_fp8 as fp8rows
+from reviva._C import DeviceArena, KVStore, Runtime, TransferEngine
 
 # Note [Beams]
 # Beam search (HF's) runs batch x num_beams rows: generate repeats each prompt's row num_beams
@@ -40,7 +41,6 @@ from reviva import kv_fp8 as fp8rows
 # when the layer is next acquired (acquire() applies what reorder() recorded, composed over
 # reorders in between), and a streamed layer's rewritten rows go on to its host copy like any
 # write. Paged layers are refused with beams (their rows are spread over pages).
-from reviva._C import DeviceArena, KVStore, Runtime, TransferEngine
 
 
 class RevivaCacheLayer(CacheLayerMixin):
