@@ -12,7 +12,8 @@
 // values per token), in blocks of kBlock tokens whose scores, maximum and weighted values are
 // done while the block is in cache (online softmax); threads take contiguous key ranges and
 // their (max, sum, accumulator) are merged at the end. Vectorized by the compiler for AVX-512,
-// AVX2 or neither (target_clones, chosen at load time), exp included (exp_nonpositive).
+// AVX2 or neither (chosen by the CPU's features at the first call), exp included
+// (exp_nonpositive).
 #include <reviva/error.h>
 #include <reviva/host_attention.h>
 
@@ -29,7 +30,7 @@ namespace {
 
 constexpr std::size_t kBlock = 32;  // tokens whose scores are kept at once
 
-inline float bf16_to_float(std::uint16_t v) {
+[[gnu::always_inline]] inline float bf16_to_float(std::uint16_t v) {
   const std::uint32_t bits = static_cast<std::uint32_t>(v) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
@@ -42,20 +43,20 @@ struct Partial {
 };
 
 template <typename T>
-inline float load(const T* p, std::size_t i);
+[[gnu::always_inline]] inline float load(const T* p, std::size_t i);
 template <>
-inline float load<float>(const float* p, std::size_t i) {
+[[gnu::always_inline]] inline float load<float>(const float* p, std::size_t i) {
   return p[i];
 }
 template <>
-inline float load<std::uint16_t>(const std::uint16_t* p, std::size_t i) {
+[[gnu::always_inline]] inline float load<std::uint16_t>(const std::uint16_t* p, std::size_t i) {
   return bf16_to_float(p[i]);
 }
 
 // e^x for x <= 0 (a score less the running maximum), to ~2e-7 relative: 2^n e^r with
 // |r| <= ln2/2 and a degree-6 polynomial. Plain float and integer operations, which the compiler
 // vectorizes (glibc's expf is a call per value: most of this kernel's time at 32k keys).
-inline float exp_nonpositive(float x) {
+[[gnu::always_inline]] inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);  // (e^-87 is below float's normal range: 0 from here on)
   const float n = std::floor(x * 1.44269504f + 0.5f);
   const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2, split in two
@@ -76,7 +77,8 @@ inline float exp_nonpositive(float x) {
 // -ffast-math; kLanes partial sums can, and are as accurate).
 constexpr std::size_t kLanes = 16;
 
-inline float dot(const float* __restrict a, const float* __restrict b, std::size_t n) {
+[[gnu::always_inline]] inline float dot(const float* __restrict a, const float* __restrict b,
+                                        std::size_t n) {
   float part[kLanes] = {};
   std::size_t d = 0;
   for (; d + kLanes <= n; d += kLanes)
@@ -88,9 +90,9 @@ inline float dot(const float* __restrict a, const float* __restrict b, std::size
 }
 
 template <typename T>
-__attribute__((target_clones("avx512f", "avx2", "default"))) void attend_range(
-    const T* rows, const HostAttentionShape& s, std::size_t t0, std::size_t t1, const float* q,
-    float scale, Partial& part) {
+[[gnu::always_inline]] inline void attend_range_body(const T* rows, const HostAttentionShape& s,
+                                                     std::size_t t0, std::size_t t1, const float* q,
+                                                     float scale, Partial& part) {
   const std::size_t B = s.batch, G = s.kv_heads, H = s.heads, D = s.head_dim;
   const std::size_t per_group = H / G;
   const std::size_t row = 2 * B * G * D;  // elements per token
@@ -141,6 +143,41 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void attend_range(
       }
     }
   }
+}
+
+// The body compiled three times, for AVX-512, AVX2 with FMA and the baseline, chosen once by the
+// CPU's features (not by target_clones: its load-time resolver crashed the ThreadSanitizer
+// build before main).
+template <typename T>
+[[gnu::target("avx512f")]] void attend_range_avx512(const T* rows, const HostAttentionShape& s,
+                                                    std::size_t t0, std::size_t t1, const float* q,
+                                                    float scale, Partial& part) {
+  attend_range_body(rows, s, t0, t1, q, scale, part);
+}
+template <typename T>
+[[gnu::target("avx2,fma")]] void attend_range_avx2(const T* rows, const HostAttentionShape& s,
+                                                   std::size_t t0, std::size_t t1, const float* q,
+                                                   float scale, Partial& part) {
+  attend_range_body(rows, s, t0, t1, q, scale, part);
+}
+template <typename T>
+void attend_range_baseline(const T* rows, const HostAttentionShape& s, std::size_t t0,
+                           std::size_t t1, const float* q, float scale, Partial& part) {
+  attend_range_body(rows, s, t0, t1, q, scale, part);
+}
+
+template <typename T>
+void attend_range(const T* rows, const HostAttentionShape& s, std::size_t t0, std::size_t t1,
+                  const float* q, float scale, Partial& part) {
+  static const int level = __builtin_cpu_supports("avx512f")                                 ? 2
+                           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
+                                                                                             : 0;
+  if (level == 2)
+    attend_range_avx512(rows, s, t0, t1, q, scale, part);
+  else if (level == 1)
+    attend_range_avx2(rows, s, t0, t1, q, scale, part);
+  else
+    attend_range_baseline(rows, s, t0, t1, q, scale, part);
 }
 
 }  // namespace
