@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <thread>
 #include <vector>
@@ -27,7 +28,9 @@ int main(int argc, char** argv) {
   std::normal_distribution<float> normal;
   for (std::size_t i = 0; i < n; ++i) {
     rows[i] = normal(gen);
-    rows_bf16[i] = static_cast<std::uint16_t>(reinterpret_cast<std::uint32_t&>(rows[i]) >> 16);
+    std::uint32_t bits;
+    std::memcpy(&bits, &rows[i], sizeof bits);
+    rows_bf16[i] = static_cast<std::uint16_t>(bits >> 16);  // (truncated: any bf16 will do)
   }
   std::vector<float> q(s.batch * s.heads * s.head_dim), out(q.size());
   for (float& x : q) x = normal(gen);

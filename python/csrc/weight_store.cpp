@@ -56,11 +56,7 @@ class PyWeightStore {
       data = store_->acquire(layer, *compute);
       if (!rt_->is_cuda()) compute->synchronize();  // the fill landed before torch reads
     }
-    std::shared_ptr<ArenaBuffer> buffer = store_->buffer(layer);
-    const auto n = static_cast<int64_t>(store_->layer_bytes(layer));
-    return torch::from_blob(
-        data, {n}, [buffer](void*) mutable { buffer.reset(); },
-        torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
+    return device_tensor(layer, data);
   }
 
   // A resident layer's device copy, its fill perhaps in flight on CUDA: for laying views out,
@@ -71,11 +67,7 @@ class PyWeightStore {
       py::gil_scoped_release release;
       store_->synchronize();
     }
-    std::shared_ptr<ArenaBuffer> buffer = store_->buffer(layer);
-    const auto n = static_cast<int64_t>(store_->layer_bytes(layer));
-    return torch::from_blob(
-        data, {n}, [buffer](void*) mutable { buffer.reset(); },
-        torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
+    return device_tensor(layer, data);
   }
 
   void release(int layer) { store_->release(layer, *rt_->compute_stream()); }
@@ -111,6 +103,15 @@ class PyWeightStore {
   WeightStore& store() { return *store_; }
 
  private:
+  // A uint8 tensor over the layer's device copy at `data`, holding its arena buffer mapped.
+  torch::Tensor device_tensor(int layer, void* data) {
+    std::shared_ptr<ArenaBuffer> buffer = store_->buffer(layer);
+    const auto n = static_cast<int64_t>(store_->layer_bytes(layer));
+    return torch::from_blob(
+        data, {n}, [buffer](void*) mutable { buffer.reset(); },
+        torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
+  }
+
   std::shared_ptr<Runtime> rt_;
   std::shared_ptr<WeightStore> store_;
 };

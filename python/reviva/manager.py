@@ -148,6 +148,7 @@ class RevivaManager:
         self._placeholder: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._rotary_forward: Any = None
+        self._rotary_by_type = False  # its forward takes a layer_type
         # Layers return new tensors instead of updating the hidden states in place, when HF
         # records each layer's output (output_hidden_states): else every entry aliases one.
         self._copy_hidden = False
@@ -291,6 +292,10 @@ class RevivaManager:
                     self.layout.embed_tokens, self._make_embed_forward(self.layout.embed_tokens)
                 )
                 self._rotary_forward = self.layout.rotary_emb.forward
+                # (Gemma 3: a rotary base per layer type, HF passing each layer its own)
+                self._rotary_by_type = (
+                    "layer_type" in inspect.signature(self._rotary_forward).parameters
+                )
                 self._wrap(self.layout.rotary_emb, self._make_rotary_forward())
         except BaseException:
             self._restore()
@@ -347,8 +352,7 @@ class RevivaManager:
                 self._prefill_layer_starts(i, kwargs, hidden_states)
                 rotary = self._rotary_forward
                 kind = getattr(layer.self_attn, "layer_type", None)
-                if kind is not None and "layer_type" in inspect.signature(rotary).parameters:
-                    # (Gemma 3: a rotary base per layer type; HF passes each layer its own)
+                if kind is not None and self._rotary_by_type:
                     rotary = functools.partial(rotary, layer_type=kind)
                 self.layers.prefill_from_host(
                     cache, self._plan, i, layer, self._residual, self._positions, rotary
