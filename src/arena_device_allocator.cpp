@@ -27,6 +27,7 @@ struct ArenaDeviceAllocator::Impl {
   std::multimap<std::size_t, Cached> cache;                      // by mapped bytes; mutex
   std::unordered_map<void*, std::shared_ptr<ArenaBuffer>> live;  // guarded by mutex
   ArenaAllocatorStats stats;                                     // guarded by mutex
+  std::size_t min_bytes = 0;                                     // guarded by mutex
 };
 
 ArenaDeviceAllocator::ArenaDeviceAllocator(std::shared_ptr<DeviceArena> arena)
@@ -51,7 +52,17 @@ std::string ArenaDeviceAllocator::name() const {
 
 void* ArenaDeviceAllocator::allocate(std::size_t bytes, StreamHandle stream) {
   REVIVA_CHECK_ARG(bytes > 0, "ArenaDeviceAllocator::allocate: bytes must be > 0");
-  return take(bytes, 0, stream, /*fresh=*/false);
+  return take(std::max(bytes, min_bytes()), 0, stream, /*fresh=*/false);
+}
+
+void ArenaDeviceAllocator::set_min_bytes(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->min_bytes = bytes;
+}
+
+std::size_t ArenaDeviceAllocator::min_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->min_bytes;
 }
 
 void* ArenaDeviceAllocator::allocate_growable(std::size_t bytes, std::size_t capacity,

@@ -147,6 +147,20 @@ void WeightStore::declare_cycle() {
   if (!order.empty()) scheduler_->declare_order(std::move(order));
 }
 
+// The cycle's first streamed layers, as many as the slots hold (each taking its device buffer's
+// bytes: ArenaDeviceAllocator::set_min_bytes).
+void WeightStore::prefetch_cycle_start() {
+  if (slots_ == 0) return;
+  const std::size_t room = budget_for(slots_) - budget_for(0);  // the slots' bytes
+  const std::size_t least = allocator_->min_bytes();
+  std::size_t queued = 0;
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    if (resident_[i]) continue;
+    queued += std::max(options_.layer_bytes[i], least);
+    if (queued > room || !manager_->prefetch(blocks_[i])) break;
+  }
+}
+
 void WeightStore::set_residency(const std::vector<int>& resident, int slots, int prefetch_layers,
                                 const Stream& compute) {
   check_open("set_residency");
@@ -190,15 +204,7 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
   // resident layers: the copy stream is FIFO, and a first streamed layer queued behind every
   // resident layer's fill would hold the call's first layer up for all of them (Note [Streamed
   // weights]). Resident layers are needed only when compute reaches them.
-  if (slots_ > 0) {
-    const std::size_t room = budget_for(slots_) - budget_for(0);  // the slots' bytes
-    std::size_t queued = 0;
-    for (std::size_t i = 0; i < blocks_.size(); ++i) {
-      if (wanted[i]) continue;
-      queued += options_.layer_bytes[i];
-      if (queued > room || !manager_->prefetch(blocks_[i])) break;
-    }
-  }
+  prefetch_cycle_start();
   // The store holds them through the copy stream, not compute: compute is ordered after a
   // resident layer's fill only when it acquires that layer (WeightStore::acquire). Held through
   // compute, the call's first synchronization waited for every fill (the H200, 32B shape at
@@ -227,6 +233,38 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
   }
   declare_cycle();
   allocator_->trim();  // the memory of layers that left goes back to the arena
+}
+
+void WeightStore::set_slot_bytes(std::size_t bytes, std::size_t block_bytes) {
+  check_open("set_slot_bytes");
+  for (std::size_t i = 0; i < acquired_.size(); ++i)
+    REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::set_slot_bytes: layer ", i,
+                     " is acquired");
+  const std::size_t largest =
+      *std::max_element(options_.layer_bytes.begin(), options_.layer_bytes.end());
+  REVIVA_CHECK_ARG(bytes == 0 || bytes >= largest, "WeightStore::set_slot_bytes: slot_bytes ",
+                   bytes, " cannot hold the largest layer (", largest, " bytes)");
+  std::size_t streamed = 0;
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (!resident_[i]) streamed = std::max(streamed, options_.layer_bytes[i]);
+  REVIVA_CHECK_ARG(block_bytes == 0 || block_bytes >= streamed,
+                   "WeightStore::set_slot_bytes: block_bytes ", block_bytes,
+                   " cannot hold the largest streamed layer (", streamed, " bytes)");
+  if (bytes == options_.slot_bytes && block_bytes == allocator_->min_bytes()) return;
+  options_.slot_bytes = bytes;
+  allocator_->set_min_bytes(block_bytes);
+  if (slots_ == 0) return;  // (nothing streams: the budget is the resident layers')
+  // The streamed layers on the device leave (none is acquired: their last use was released, and
+  // their memory is reused after it, in stream order; prefetched for a use that has not come,
+  // they are clean: no copy), and the cycle starts again from its first streamed layer under
+  // the new budget.
+  scheduler_.reset();
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (!resident_[i]) manager_->offload(blocks_[i]);
+  manager_->set_budget_bytes(budget_for(slots_));
+  declare_cycle();
+  allocator_->trim();  // the memory they held goes back to the arena
+  prefetch_cycle_start();
 }
 
 void* WeightStore::acquire(int layer, const Stream& compute) {

@@ -57,6 +57,13 @@ class REVIVA_API ArenaDeviceAllocator final : public DeviceAllocator {
   // mapped after deallocate, e.g. while a view of it lives.
   std::shared_ptr<ArenaBuffer> buffer_of(void* ptr) const;
 
+  // Allocations (not growable ones) of fewer bytes map this many from now on (0: each its own
+  // size). Blocks of different sizes used in turn (a decoder layer's attention, then its MLP's
+  // projections) then leave buffers of one size in the cache, each of which serves the next
+  // allocation: a smaller buffer cached could not serve a larger request, and a new one would be
+  // mapped beside it.
+  void set_min_bytes(std::size_t bytes);
+  std::size_t min_bytes() const;
   // Gives every cached buffer back to the arena (unmapped once its streams pass).
   void trim();
   ArenaAllocatorStats stats() const;

@@ -39,9 +39,9 @@ struct WeightStoreOptions {
   std::size_t timeline_capacity = 0;     // copy and stall events kept for timeline() (0: none)
   // The room of one slot. 0: the largest streamed layer. A caller that splits each of its layers
   // into consecutive blocks used one after the other (a decoder layer's attention, then its MLP:
-  // Note [Layers in two parts]) gives the largest whole layer here, so that one slot holds a
-  // layer and the next block's copy goes into the memory its predecessor just freed. At least the
-  // largest layer (block) of the store.
+  // Note [Layers in parts] in python/reviva/weights.py) gives the largest whole layer here, so that
+  // one slot holds a layer and the next block's copy goes into the memory its predecessor just
+  // freed. At least the largest layer (block) of the store.
   std::size_t slot_bytes = 0;
 };
 
@@ -91,6 +91,18 @@ class REVIVA_API WeightStore {
   // store is then left with every layer streamed and no slots: call again with less).
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers,
                      const Stream& compute);
+  // The room of one slot from now on (WeightStoreOptions::slot_bytes; 0: the largest streamed
+  // layer), e.g. a caller whose layers are split into blocks used one after the other needs a whole
+  // layer's room where it acquires all of a layer's blocks at once (a prefill) and only the
+  // largest two consecutive blocks' where it takes them one at a time (a decode step: Note
+  // [Layers in parts] in python/reviva/weights.py). Lowered, the streamed layers held beyond the
+  // new budget leave (clean: no copy; one in flight is waited for), the cycle starts again from its
+  // first streamed layer and the memory freed goes back to the arena. Not while a layer is
+  // acquired. `block_bytes` (> 0): every streamed layer's device buffer takes that many bytes (at
+  // least the largest streamed layer; ArenaDeviceAllocator::set_min_bytes), so that a slot of two
+  // such buffers holds any two consecutive layers and the store maps no more than its slots.
+  void set_slot_bytes(std::size_t bytes, std::size_t block_bytes = 0);
+  std::size_t slot_bytes() const noexcept { return options_.slot_bytes; }
   bool resident(int layer) const;
   // A resident layer's device address, valid while it stays resident (to lay views out over it).
   // Its fill may still be in flight: compute reads it only after acquire(), which orders compute
@@ -124,6 +136,7 @@ class REVIVA_API WeightStore {
   BlockId block_at(int layer, const char* what) const;
   void check_open(const char* what) const;
   void declare_cycle();
+  void prefetch_cycle_start();
   std::size_t budget_for(int slots) const;
 
   std::shared_ptr<TransferEngine> engine_;

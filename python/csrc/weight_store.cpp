@@ -140,6 +140,17 @@ void bind_weight_store(py::module_& m) {
       .def("release", &PyWeightStore::release, py::arg("layer"))
       .def("set_residency", &PyWeightStore::set_residency, py::arg("resident"), py::arg("slots"),
            py::arg("prefetch_layers"))
+      .def(
+          "set_slot_bytes",
+          [](PyWeightStore& s, std::size_t bytes, std::size_t block_bytes) {
+            py::gil_scoped_release release;
+            s.store().set_slot_bytes(bytes, block_bytes);
+          },
+          py::arg("slot_bytes"), py::arg("block_bytes") = 0,
+          "The room of one slot from now on (0: the largest streamed layer), and the bytes every "
+          "streamed layer's device buffer takes (0: its own); lowered, streamed layers on the "
+          "device leave and the cycle starts again. Not while a layer is acquired")
+      .def_property_readonly("slot_bytes", [](PyWeightStore& s) { return s.store().slot_bytes(); })
       .def("resident", [](PyWeightStore& s, int layer) { return s.store().resident(layer); })
       .def("acquired", [](PyWeightStore& s, int layer) { return s.store().acquired(layer); })
       .def("layer_bytes", [](PyWeightStore& s, int layer) { return s.store().layer_bytes(layer); })

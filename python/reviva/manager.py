@@ -331,11 +331,13 @@ class RevivaManager:
             if weights is None:
                 return run(hidden_states, *args, **kwargs)
             # (Note [Streamed weights]: its parameters on the device; a decode step's layer
-            # takes its MLP's part when the MLP starts, Note [Layers in two parts])
+            # takes them one block at a time, Note [Layers in parts])
             cache = kwargs.get("past_key_values")
             prompt = hidden_states is self._placeholder or (
                 hidden_states.shape[1] > 1 and (cache is None or cache.get_seq_length(i) == 0)
             )
+            if i == 0 and not prompt and cache is self._cache and cache is not None:
+                self._prefill_over()  # (before the first decode layer takes its weights)
             weights.acquire(i, whole=prompt)
             try:
                 return run(hidden_states, *args, **kwargs)
@@ -612,13 +614,25 @@ class RevivaManager:
         return time.perf_counter()
 
     def _mark_decode_step(self) -> None:
-        if "prefill_end" not in self._phase:
-            self._phase["prefill_end"] = self._event()
-            self._phase["prefill_peak"] = self._phase_peak()
-            if "pin_go" in self._phase:  # (a prompt too short for a layered prefill)
-                self._phase["pin_go"].set()
-            self._promote_after_prefill()
+        self._prefill_over()
         self._phase["decode_steps"] = self._phase.get("decode_steps", 0) + 1
+
+    def _prefill_over(self) -> None:
+        """The call's first decode step starts (once per call, before its first layer): decode's
+        smaller fp8 blocks, streamed weights taken one block at a time in a smaller room (Note
+        [Layers in parts]), then what prefill's working set and that room leave promoted."""
+        if "prefill_end" in self._phase:
+            return
+        self._phase["prefill_end"] = self._event()
+        self._phase["prefill_peak"] = self._phase_peak()
+        if "pin_go" in self._phase:  # (a prompt too short for a layered prefill)
+            self._phase["pin_go"].set()
+        plan, cache = self._plan, self._cache
+        if cache is not None and plan is not None and cache.fp8 and plan.kv_decode_block_tokens:
+            cache.block_tokens = plan.kv_decode_block_tokens
+        if self.weights is not None:
+            self._phase["weight_bytes_given_back"] = self.weights.enter_decode()
+        self._promote_after_prefill()
 
     def _phase_peak(self) -> int | None:
         """The device bytes a phase (prefill, then decode) held at most: torch's peak plus the
@@ -664,6 +678,7 @@ class RevivaManager:
             host=host,
             weight_layers=w.num_layers if w is not None else 0,
             weight_layer_bytes=max(w.layer_device_bytes) if w is not None else 0,
+            weight_decode_slot_bytes=w.decode_slot_bytes if w is not None else 0,
         )
 
     def budget_for(
@@ -1130,7 +1145,11 @@ class RevivaManager:
             "weight_streamed_layers": now["streamed_layers"],
             "weight_slots": now["slots"],
             "weight_prefetch_layers": plan.weight_prefetch_layers,
-            "weight_prefetch_blocks": now["prefetch_blocks"],  # (Note [Layers in two parts])
+            "weight_prefetch_blocks": now["prefetch_blocks"],  # (Note [Layers in parts])
+            # decode's room for streamed weights (Note [Layers in parts]), and what lowering the
+            # slot to it gave back for K/V promotions
+            "weight_slot_mb": w.store.slot_bytes / _MiB,
+            "weight_bytes_given_back": self._phase.get("weight_bytes_given_back", 0),
             "weight_host_mb": now["host_bytes"] / _MiB,
             "weight_resident_mb": now["resident_bytes"] / _MiB,
             "weight_bytes_to_device": now["bytes_to_device"] - before["bytes_to_device"],

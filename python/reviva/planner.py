@@ -57,11 +57,19 @@ class MemoryModel:
     # keep the copy stream busy (a fill waits only for the release of the layer two streamed
     # layers back), so a third slot's memory makes one more layer resident instead.
     decode_slots: int = 2
+    # ... and when the weights stream too: their copies keep the copy stream busy, so a streamed
+    # layer's K/V can wait for the release of the one before it (its copy queues behind the
+    # weights' blocks already in flight), and one slot less is a layer more resident.
+    decode_slots_with_streamed_weights: int = 1
     chunk_target_fraction: float = 1 / 10  # a chunk's transients take this part of the room
     chunk_min_bytes: int = 32 * _MiB
     chunk_max_bytes: int = 4096 * _MiB
     chunk_multiple: int = 256
     kv_block_bytes: int = 128 * _MiB  # fp8 K/V: a block's dequantized K and V with temporaries
+    # ... in a decode step, whose one query per sequence makes a block's attention cheap beside
+    # its copy: smaller blocks free decode's working set for K/V kept resident (8B shape, 32k, 8 GB
+    # card: 128 MiB of blocks was two layers' fp8 K/V streamed per step, at 045f1c0).
+    kv_decode_block_bytes: int = 16 * _MiB
     # Streamed weights (Note [Streamed weights] in reviva/weights.py): room for at most this many
     # streamed layers' weights on the device beside the resident ones: the one compute uses and
     # the next being copied. Where a layer more can stay resident instead, the plan takes one
@@ -177,6 +185,7 @@ class Plan:
     # Note [fp8 K/V rows] (kv_fp8.py): K/V as e4m3 rows, attended by blocks of this many tokens.
     kv_fp8: bool = False
     kv_block_tokens: int = 0
+    kv_decode_block_tokens: int = 0  # the same in decode steps (MemoryModel.kv_decode_block_bytes)
     # Note [Paged layers] (src/kv_store.cpp): streamed layers' K/V in pages of page_tokens
     # tokens; the staging room is page_slots pages of page_bytes (and `slots` is 0).
     page_tokens: int = 0
@@ -190,6 +199,9 @@ class Plan:
     weight_resident_layers: tuple[int, ...] = ()
     weight_slots: int = 0
     weight_prefetch_layers: int = 0
+    # decode's room for streamed weights (Note [Layers in parts] in reviva/weights.py: one block at
+    # a time, two of the largest block), at most the weight slots' (0: theirs)
+    weight_decode_slot_bytes: int = 0
 
     @property
     def streamed_weight_layers(self) -> int:
@@ -199,6 +211,14 @@ class Plan:
     def weight_device_bytes(self) -> int:
         """Device bytes of the weights that the call holds: resident layers and slots."""
         return (len(self.weight_resident_layers) + self.weight_slots) * self.weight_layer_bytes
+
+    @property
+    def weight_decode_device_bytes(self) -> int:
+        """Device bytes of the weights in decode: resident layers and decode's room."""
+        if self.streamed_weight_layers == 0 or self.weight_decode_slot_bytes == 0:
+            return self.weight_device_bytes
+        room = min(self.weight_decode_slot_bytes, self.weight_slots * self.weight_layer_bytes)
+        return len(self.weight_resident_layers) * self.weight_layer_bytes + room
 
     @property
     def residual_host_bytes(self) -> int:
@@ -223,9 +243,9 @@ class Plan:
 
     def promotable_layers(self) -> int:
         """Streamed layers that fit once prefill's working set is gone and the slots beyond
-        `decode_slots` are given up."""
+        `decode_slots` are given up, and streamed weights need only decode's room."""
         held = (len(self.resident_layers) + self.decode_slots) * self.layer_kv_bytes
-        held += self.page_slots * self.page_bytes + self.weight_device_bytes
+        held += self.page_slots * self.page_bytes + self.weight_decode_device_bytes
         room = self.budget - self.baseline - self.decode_working_set - held
         return min(max(room, 0) // self.layer_kv_bytes, self.streamed_layers)
 
@@ -252,6 +272,7 @@ def make_plan(
     host: HostState | None = None,
     weight_layers: int = 0,
     weight_layer_bytes: int = 0,
+    weight_decode_slot_bytes: int = 0,
 ) -> Plan:
     """How a generate call of this shape uses the budget; raises RevivaOutOfMemoryError naming
     the numbers when the weights, the minimum working set and one layer's K/V do not fit, or
@@ -275,7 +296,11 @@ def make_plan(
             f"plan: weight_layers must be 0 or the model's {layout.num_layers} layers, got "
             f"{weight_layers!r}"
         )
-    weights = (weight_layers, _round_up(weight_layer_bytes, state.granularity))
+    weights = (
+        weight_layers,
+        _round_up(weight_layer_bytes, state.granularity),
+        _round_up(weight_decode_slot_bytes, state.granularity),
+    )
     args = (layout, config, state, batch, prompt_tokens, new_tokens, padded, model, host, weights)
     mode = config.prefill_residual
     if mode == "host":
@@ -298,7 +323,7 @@ def _make_plan(
     padded: bool,
     model: MemoryModel,
     host: HostState | None,
-    weights: tuple[int, int],
+    weights: tuple[int, int, int],
     host_residual: bool,
 ) -> Plan:
     lay = layout
@@ -361,7 +386,7 @@ def _make_plan(
     # fp8 K/V: one block of K and V dequantized at a time, and the merge's fp32 accumulators for
     # a chunk's queries. In 16 bits the core's kernel writes the block and nothing else
     # (kv_fp8.dequantize); otherwise torch's ops hold an fp32 copy beside it.
-    block_tokens = 0
+    block_tokens = decode_block_tokens = 0
     blocks = 0
     if fp8:
         sixteen = lay.dtype in (torch.bfloat16, torch.float16)
@@ -371,6 +396,9 @@ def _make_plan(
         )
         accumulators = 3 * batch * lay.num_heads * lay.head_dim * 4
         blocks = block_tokens * per_block_token + chunk * accumulators
+        decode_block_tokens = config.kv_block_tokens or min(
+            block_tokens, max(256, model.kv_decode_block_bytes // per_block_token)
+        )
     paged = config.kv_page_tokens > 0
     page_bytes = _round_up(min(config.kv_page_tokens, capacity) * kv_token, state.granularity)
     if paged and not fp8:  # the merge's fp32 accumulators of a chunk's queries across pages
@@ -379,7 +407,7 @@ def _make_plan(
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     n = lay.num_layers
     window = min(config.prefetch_layers, n)
-    weight_layers, weight_bytes = weights
+    weight_layers, weight_bytes, weight_decode_slot = weights
     # the least room streamed weights need beside the K/V: their slots (or all of them resident)
     weight_least = min(weight_layers, model.weight_slots) * weight_bytes
     if host_residual or fp8:  # a chunk's queries at a time (fp8: K/V by blocks, never whole)
@@ -401,7 +429,7 @@ def _make_plan(
         prefill = base + score * chunk * prompt_tokens
     decode = logits + batch * capacity * 8 + per_token + model.decode_fixed
     if fp8:
-        decode += block_tokens * per_block_token + accumulators
+        decode += decode_block_tokens * per_block_token + accumulators
     decode_margin = model.margin_fixed + int(budget * model.decode_margin_fraction)
     working = max(prefill + margin, decode + decode_margin)
     avail = budget - baseline - working
@@ -456,7 +484,12 @@ def _make_plan(
         working_set=working,
         decode_working_set=decode + decode_margin,
         margin=margin,
-        decode_slots=min(slots, model.decode_slots),
+        decode_slots=min(
+            slots,
+            model.decode_slots_with_streamed_weights
+            if weight_layers > weight_resident
+            else model.decode_slots,
+        ),
         resident_layers=spread(int(resident), n),
         slots=slots,
         prefetch_layers=prefetch,
@@ -464,6 +497,7 @@ def _make_plan(
         residual_on_host=host_residual,
         kv_fp8=fp8,
         kv_block_tokens=block_tokens,
+        kv_decode_block_tokens=decode_block_tokens,
         hidden_bytes_per_token=lay.hidden_size * e,
         page_tokens=config.kv_page_tokens if page_slots else 0,
         page_bytes=page_bytes if page_slots else 0,
@@ -472,6 +506,7 @@ def _make_plan(
         weight_layer_bytes=weight_bytes if weight_layers else 0,
         weight_resident_layers=spread(weight_resident, weight_layers) if weight_layers else (),
         weight_slots=weight_slots,
+        weight_decode_slot_bytes=weight_decode_slot if weight_layers else 0,
         # as wide as the slots: the last of the window comes in as a layer is released (Note
         # [Streamed weights] in src/weight_store.cpp)
         weight_prefetch_layers=min(window, weight_slots),

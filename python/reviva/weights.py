@@ -72,25 +72,63 @@ def _round_up(n: int, unit: int) -> int:
 # What a decoder layer runs from its MLP's start on (Gemma 2/3 normalize the MLP's output too).
 _MLP_PART = ("mlp.", "post_feedforward_layernorm.")
 
+# MLPs whose projections are used one after the other, in this order, each once per forward
+# (HF's gated MLPs: down(act(gate(x)) * up(x)), Phi-3's gate_up then down): each projection is a
+# block of its own (Note [Layers in parts]).
+_MLP_PIECES = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"))
 
-def _part_of(name: str) -> int:
-    """Note [Layers in two parts]: 1 for a parameter of the layer's MLP (or of what runs after
-    it: _MLP_PART), 0 for the rest."""
-    return 1 if name.startswith(_MLP_PART) else 0
+
+def _mlp_pieces(layer: nn.Module) -> tuple[str, ...]:
+    """The names of the layer's MLP projections that are blocks of their own, in the order the
+    MLP uses them (Note [Layers in parts]); () when the MLP is one block (experts, or any other
+    MLP: what it runs, and in which order, is not known here)."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None or any(True for _ in mlp.parameters(recurse=False)):
+        return ()
+    owners = tuple(n for n, m in mlp.named_children() if any(True for _ in m.parameters()))
+    if owners not in _MLP_PIECES:
+        return ()
+    if not all(type(getattr(mlp, n)) is nn.Linear for n in owners):
+        return ()
+    return owners
 
 
-def _pack(layer: nn.Module) -> list[list[tuple[str, _Slot]]]:
-    """The layer's packing (Note [Layers in two parts]): its parameters by part, the attention's
-    (and the norms') then the MLP's, empty parts left out; each (name, slot) at its offset in its
-    part's block, aligned to _ALIGN, in module order."""
-    parts: list[list[tuple[str, _Slot]]] = [[], []]
-    ends = [0, 0]
+def _part_of(name: str, pieces: tuple[str, ...]) -> int:
+    """Note [Layers in parts]: the block of a parameter: 0 for the attention's (and the norms'),
+    then the MLP's: one block, or one per projection in `pieces` (what runs after the MLP,
+    _MLP_PART's norm, goes with the last)."""
+    if not name.startswith(_MLP_PART):
+        return 0
+    for k, piece in enumerate(pieces):
+        if name.startswith(f"mlp.{piece}."):
+            return 1 + k
+    return max(len(pieces), 1)
+
+
+def _pack(layer: nn.Module, granularity: int = 1) -> list[list[tuple[str, _Slot]]]:
+    """The layer's packing (Note [Layers in parts]): its parameters by block, the attention's
+    (and the norms') then the MLP's, empty blocks left out; each (name, slot) at its offset in
+    its block, aligned to _ALIGN, in module order. The MLP's projections are blocks of their own
+    only where two of the largest block (each rounded to `granularity`, the arena's granule) are
+    less than the whole layer; else the MLP is one block."""
+    pieces = _mlp_pieces(layer)
+    parts = _pack_by(layer, pieces)
+    if pieces:
+        sizes = [_round_up(_block_bytes([slot for _, slot in p]), granularity) for p in parts]
+        if 2 * max(sizes) >= sum(sizes):
+            parts = _pack_by(layer, ())
+    return parts
+
+
+def _pack_by(layer: nn.Module, pieces: tuple[str, ...]) -> list[list[tuple[str, _Slot]]]:
+    parts: list[list[tuple[str, _Slot]]] = [[] for _ in range(1 + max(len(pieces), 1))]
+    ends = [0] * len(parts)
     for prefix, module in layer.named_modules():
         for key, p in module._parameters.items():
             if p is None:
                 continue
             name = f"{prefix}.{key}" if prefix else key
-            k = _part_of(name)
+            k = _part_of(name, pieces)
             offset = _round_up(ends[k], _ALIGN)
             nbytes = p.numel() * p.element_size()
             parts[k].append((name, _Slot(module, key, offset, nbytes)))
@@ -103,25 +141,43 @@ def _block_bytes(slots: list[_Slot]) -> int:
 
 
 def layer_weight_bytes(layer: nn.Module, granularity: int = 1) -> int:
-    """Device bytes of a decoder layer's packed weights: its parts (Note [Layers in two parts]),
-    parameters aligned as StreamedWeights packs them, each part rounded up to `granularity` (the
-    arena's mapping granule: each part is a buffer of its own)."""
+    """Device bytes of a decoder layer's packed weights: its blocks (Note [Layers in parts]),
+    parameters aligned as StreamedWeights packs them, each block rounded up to `granularity` (the
+    arena's mapping granule: each block is a buffer of its own)."""
     return sum(
-        _round_up(_block_bytes([slot for _, slot in part]), granularity) for part in _pack(layer)
+        _round_up(_block_bytes([slot for _, slot in part]), granularity)
+        for part in _pack(layer, granularity)
     )
 
 
-# Note [Layers in two parts]
-# A decoder layer's weights are two blocks of the WeightStore: its attention (and norms), then its
-# MLP (with what runs after it: Gemma's post-MLP norm, _MLP_PART). With one slot of a whole layer
-# (WeightStoreOptions::slot_bytes), a decode step acquires the attention part, and at the MLP's
-# start (a forward pre-hook on layer.mlp) releases it and acquires the MLP part: the next layer's
-# attention part is then copied into the memory just freed while the MLP computes, and its MLP part
-# while its own attention computes. With the layer whole in one block, one slot left the copy engine
-# idle while each streamed layer computed (the next layer's copy waits for that memory): 0.97 of the
-# roofline on the H200 at 067decd, the 3% being about the streamed layers' compute time. A prefill
-# runs the MLP once per chunk, so it acquires both parts at the layer's start, as before; so does
-# any call that is not a decode step.
+def decode_slot_bytes(layers: list[nn.Module], granularity: int = 1) -> int:
+    """The room streamed weights need in a decode step (Note [Layers in parts]): two of the
+    largest block (rounded to `granularity`), or the largest whole layer where that is less."""
+    blocks = [
+        _round_up(_block_bytes([slot for _, slot in part]), granularity)
+        for layer in layers
+        for part in _pack(layer, granularity)
+    ]
+    whole = max(layer_weight_bytes(layer, granularity) for layer in layers)
+    return min(2 * max(blocks), whole)
+
+
+# Note [Layers in parts]
+# A decoder layer's weights are several blocks of the WeightStore: its attention (and norms),
+# then its MLP, as one block, or, for the gated MLPs whose projections run one after the other
+# (_MLP_PIECES: gate, up, down; Phi-3's gate_up, down), one block per projection (what runs after
+# the MLP, Gemma's post-MLP norm, goes with the last). A prefill runs the MLP once per chunk, so
+# it acquires every block at the layer's start, and the store's slot holds a whole layer; so
+# does any call that is not a decode step. A decode step acquires the attention's block, and at
+# each next block's first use (a forward pre-hook on layer.mlp, or on each projection) releases
+# the one before and acquires it: the next block is copied into the memory just freed while
+# this one computes. So decode needs room for two blocks, not a whole layer
+# (StreamedWeights.enter_decode lowers the store's slot to two of the largest block, each
+# streamed block's buffer of that one size: ArenaDeviceAllocator::set_min_bytes), and what that
+# frees keeps more K/V resident: Llama-3-8B's layer is 416 MiB (attention 80, each projection
+# 112), its decode room 224 MiB. With the layer whole in one block, one slot left the copy engine
+# idle while each streamed layer computed (the next layer's copy waits for that memory): 0.97 of
+# the roofline on the H200 at 067decd, the 3% being about the streamed layers' compute time.
 
 
 class StreamedWeights:
@@ -141,7 +197,7 @@ class StreamedWeights:
         self._slots: list[list[_Slot]] = []  # per block (a layer's parts, in order)
         self._parts: list[list[int]] = []  # per layer: its blocks
         for i, layer in enumerate(layers):
-            parts = _pack(layer)
+            parts = _pack(layer, int(arena.granularity))
             for name, slot in (entry for part in parts for entry in part):
                 p = slot.param
                 if id(p) in seen:
@@ -219,7 +275,8 @@ class StreamedWeights:
             log.info("reviva: %d decoder layers filled by fill_layer", len(meta))
         self._acquired: dict[int, torch.Tensor] = {}  # streamed blocks acquired, by block
         self._held: dict[int, list[int]] = {}  # acquired layers: their blocks acquired now
-        self._next_part: dict[int, int] = {}  # layers split in this use: the part the MLP takes
+        # layers taken one block at a time in this use (a decode step): the blocks still to come
+        self._next_parts: dict[int, list[int]] = {}
         self.in_call = False  # RevivaManager's wrappers are installed: they acquire each layer
         # A layer run outside RevivaManager's calls (model(...) or model.generate without the
         # manager) while its parameters are views of the host copy would fail inside its first
@@ -228,9 +285,19 @@ class StreamedWeights:
             layer.register_forward_pre_hook(self._outside_a_call(i))
             for i, layer in enumerate(layers)
         ]
-        for i, layer in enumerate(layers):  # Note [Layers in two parts]
-            if len(self._parts[i]) == 2:
-                self._hooks.append(layer.mlp.register_forward_pre_hook(self._mlp_starts(i)))
+        for i, layer in enumerate(layers):  # Note [Layers in parts]: where each block starts
+            parts = self._parts[i]
+            if len(parts) < 2:
+                continue
+            pieces = _mlp_pieces(layer) if len(parts) > 2 else ()
+            starts = [getattr(layer.mlp, n) for n in pieces] if pieces else [layer.mlp]
+            for b, module in zip(parts[1:], starts, strict=True):
+                self._hooks.append(module.register_forward_pre_hook(self._block_starts(i, b)))
+        granule = int(arena.granularity)
+        # Note [Layers in parts]: decode's room for streamed weights, and each block's buffer there
+        self.decode_slot_bytes = decode_slot_bytes(layers, granule)
+        largest = max(_round_up(b, granule) for b in block_bytes)
+        self._decode_block_bytes = largest if self.decode_slot_bytes == 2 * largest else 0
 
     def _outside_a_call(self, i: int) -> Callable[..., None]:
         ref = weakref.ref(self)  # (the model's hooks must not keep the weights' owner alive)
@@ -248,24 +315,33 @@ class StreamedWeights:
 
         return hook
 
-    def _mlp_starts(self, i: int) -> Callable[..., None]:
+    def _block_starts(self, i: int, b: int) -> Callable[..., None]:
         ref = weakref.ref(self)
 
         def hook(module: nn.Module, args: object) -> None:
             weights = ref()
-            if weights is not None and i in weights._next_part:
-                weights._switch(i)
+            if weights is not None and i in weights._next_parts:
+                weights._switch(i, b)
 
         return hook
 
-    def _switch(self, i: int) -> None:
-        """The MLP of layer i starts: its attention part goes, its MLP part comes."""
-        first, second = self._parts[i]
-        del self._next_part[i]
-        self._release_block(first)
-        self._held[i].remove(first)
-        self._acquire_block(second)
-        self._held[i].append(second)
+    def _switch(self, i: int, b: int) -> None:
+        """Block b of layer i starts (Note [Layers in parts]): the block before it goes, b comes."""
+        coming = self._next_parts[i]
+        if not coming or coming[0] != b:
+            raise RuntimeError(
+                f"decoder layer {i}: block {b} of its weights started out of the order a decode "
+                f"step streams them in (expected {coming[0] if coming else 'none'}): its MLP "
+                "runs its projections in another order than Note [Layers in parts] assumes"
+            )
+        coming.pop(0)
+        if not coming:
+            del self._next_parts[i]
+        for held in self._held[i]:
+            self._release_block(held)
+        self._held[i] = []
+        self._acquire_block(b)
+        self._held[i] = [b]
 
     @property
     def num_layers(self) -> int:
@@ -273,7 +349,7 @@ class StreamedWeights:
 
     @property
     def parts(self) -> list[list[int]]:
-        """Each layer's blocks in the store (Note [Layers in two parts])."""
+        """Each layer's blocks in the store (Note [Layers in parts])."""
         return self._parts
 
     @property
@@ -305,7 +381,9 @@ class StreamedWeights:
         layers) and window (WeightStore.set_residency, in blocks: a layer's parts). Layers that
         stop being resident point at their host copy again; new resident layers at their device
         copy, whose fill compute waits for only when it acquires the layer (so not at the
-        call's first work that does not read it)."""
+        call's first work that does not read it). A call starts with a prefill: the slots hold
+        whole layers again (Note [Layers in parts]; enter_decode lowers them)."""
+        self.store.set_slot_bytes(max(self.layer_device_bytes), 0)
         wanted = {b for i in resident for b in self._parts[i]}
         for b in list(self._device_views):
             if b not in wanted:
@@ -321,6 +399,20 @@ class StreamedWeights:
             self._device_views[b] = block
             self._point(b, block)
 
+    def enter_decode(self) -> int:
+        """The call's prefill is over: from here on each streamed layer is taken one block at a
+        time, so the slot is lowered to decode's room (Note [Layers in parts]); streamed blocks
+        on the device leave and the cycle starts again. Returns the device bytes given back
+        (0 when nothing streams or the room stays a whole layer). Not while a layer is held."""
+        whole = max(self.layer_device_bytes)
+        st = self.store.stats()
+        if st["streamed_layers"] == 0 or self.decode_slot_bytes >= whole:
+            return 0
+        self.store.set_slot_bytes(self.decode_slot_bytes, self._decode_block_bytes)
+        if st["slots"] > 1:  # (one room of two blocks: decode's window is one block)
+            self.store.set_residency(sorted(self._device_views), 1, 1)
+        return int(st["slots"]) * whole - self.decode_slot_bytes
+
     def _acquire_block(self, b: int) -> None:
         block = self.store.acquire(b)
         if b not in self._device_views:
@@ -335,10 +427,11 @@ class StreamedWeights:
 
     def acquire(self, i: int, whole: bool = True) -> None:
         """Layer i's parameters are on the device for compute on the current stream, until
-        release(i). `whole=False` (a decode step, whose layer runs its MLP once): the MLP's part
-        comes when the MLP starts, and the attention's then goes (Note [Layers in two parts])."""
+        release(i). `whole=False` (a decode step, whose layer runs its MLP once): the attention's
+        block now, each of the MLP's when it starts, the one before it then given back (Note
+        [Layers in parts])."""
         parts = self._parts[i]
-        split = not whole and len(parts) == 2 and not self.resident(i)
+        split = not whole and len(parts) > 1 and not self.resident(i)
         take = parts[:1] if split else parts
         held: list[int] = []
         try:
@@ -351,10 +444,10 @@ class StreamedWeights:
             raise
         self._held[i] = held
         if split:
-            self._next_part[i] = parts[1]
+            self._next_parts[i] = list(parts[1:])
 
     def release(self, i: int) -> None:
-        self._next_part.pop(i, None)
+        self._next_parts.pop(i, None)
         for b in self._held.pop(i, []):
             self._release_block(b)
 

@@ -77,6 +77,36 @@ TEST_P(ArenaAllocatorTest, BestFitWithinTwiceTheSizeAndTrimGivesTheCacheBack) {
   alloc_->deallocate(fresh, 2 * g_, s.handle());
 }
 
+TEST_P(ArenaAllocatorTest, AMinimumSizeMakesBuffersOfDifferentSizesServeEachOther) {
+  // Blocks of 1 and 2 granules used in turn, two live at a time: each in its own size, the
+  // 1-granule buffer cached cannot serve the next 2-granule block and a third buffer is mapped;
+  // with a minimum of 2 granules two buffers serve them all.
+  Stream s(backend_);
+  auto cycle = [&] {
+    std::size_t most = 0;
+    void* prev = alloc_->allocate(g_, s.handle());
+    const std::size_t sizes[] = {2 * g_, 2 * g_, 2 * g_, g_, 2 * g_, 2 * g_, 2 * g_, g_};
+    std::size_t prev_bytes = g_;
+    for (std::size_t bytes : sizes) {
+      void* next = alloc_->allocate(bytes, s.handle());
+      const ArenaAllocatorStats st = alloc_->stats();
+      most = std::max(most, st.live_bytes + st.cached_bytes);
+      alloc_->deallocate(prev, prev_bytes, s.handle());
+      prev = next;
+      prev_bytes = bytes;
+    }
+    alloc_->deallocate(prev, prev_bytes, s.handle());
+    alloc_->trim();
+    return most;
+  };
+  EXPECT_EQ(cycle(), 5 * g_) << "each its own size: a third buffer beside the cached small one";
+  alloc_->set_min_bytes(2 * g_);
+  EXPECT_EQ(alloc_->min_bytes(), 2 * g_);
+  EXPECT_EQ(cycle(), 4 * g_) << "one size: two buffers";
+  alloc_->set_min_bytes(0);
+  s.synchronize();
+}
+
 TEST_P(ArenaAllocatorTest, AFullArenaGivesTheCacheBackBeforeFailing) {
   arena_->set_limit_bytes(6 * g_);
   Stream s(backend_);

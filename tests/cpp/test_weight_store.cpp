@@ -134,10 +134,11 @@ TEST_P(WeightStoreTest, OneSlotWithAWindowOfOnePrefetchesIntoTheMemoryJustReleas
 }
 
 TEST_P(WeightStoreTest, LayersInTwoPartsShareOneSlotOfAWholeLayer) {
-  // Note [Layers in two parts]: 4 layers of a small part (1 granule) then a large one (3), one
-  // slot of a whole layer (4 granules) and a window of one block. The next part's copy goes into
-  // the memory its predecessor just freed: every fill but the first is a prefetch, and the store
-  // never holds more than one layer's bytes (two slots of the largest block would be 6).
+  // Note [Layers in parts] (python/reviva/weights.py): 4 layers of a small part (1 granule) then a
+  // large one (3), one slot of a whole layer (4 granules) and a window of one block. The next
+  // part's copy goes into the memory its predecessor just freed: every fill but the first is a
+  // prefetch, and the store never holds more than one layer's bytes (two slots of the largest block
+  // would be 6).
   const std::size_t g = DeviceArena::create(backend_, {})->granularity();
   std::vector<std::size_t> sizes;
   for (int l = 0; l < 4; ++l) {
@@ -154,6 +155,47 @@ TEST_P(WeightStoreTest, LayersInTwoPartsShareOneSlotOfAWholeLayer) {
       << "every block prefetched (the first layer's at set_residency)";
   EXPECT_LE(st.peak_device_bytes, 4 * g) << "one slot of a whole layer";
   EXPECT_EQ(st.bytes_to_host, 0u);
+}
+
+TEST_P(WeightStoreTest, ASlotLoweredToTwoConsecutiveBlocksHoldsNoMoreThanThem) {
+  // Note [Layers in parts] (python/reviva/weights.py): layers of a small block (1 granule) then
+  // three larger ones (2 each), as a decoder layer's attention then its MLP's three projections.
+  // A prefill takes a whole layer at once (a slot of 7 granules); a decode step takes one block at
+  // a time, so the slot is lowered to two blocks of the largest (4), every streamed block's
+  // buffer of that one size: the store then maps no more than that (with each block in its own
+  // size, a 1-granule buffer cached beside two of 2 made 5), every fill after the change is a
+  // prefetch, and each use reads its exact bytes.
+  const std::size_t g = DeviceArena::create(backend_, {})->granularity();
+  std::vector<std::size_t> sizes;
+  for (int l = 0; l < 4; ++l) {
+    sizes.push_back(g);
+    for (int k = 0; k < 3; ++k) sizes.push_back(2 * g);
+  }
+  WeightRig rig(backend_, sizes, 0, 7 * g);
+  rig.store->set_residency({}, 1, 1, *rig.compute);
+  rig.pass();
+  EXPECT_EQ(rig.store->slot_bytes(), 7 * g);
+  rig.store->set_slot_bytes(4 * g, 2 * g);
+  EXPECT_EQ(rig.store->slot_bytes(), 4 * g);
+  const WeightStoreStats before = rig.store->stats();
+  EXPECT_LE(before.device_bytes, 2 * g) << "what was held beyond the new slot went back";
+  std::size_t most = 0;
+  const int passes = scaled(5);
+  for (int s = 0; s < passes; ++s) {
+    rig.pass();
+    most = std::max(most, rig.store->stats().device_bytes);
+  }
+  rig.store->synchronize();
+  const WeightStoreStats st = rig.store->stats();
+  EXPECT_LE(most, 4 * g) << "the store maps no more than two consecutive blocks (live and cached)";
+  EXPECT_EQ(st.fills - st.prefetched_fills, before.fills - before.prefetched_fills)
+      << "every fill after the change prefetched";
+  EXPECT_EQ(st.bytes_to_host, 0u);
+  // Raised again (the next call's prefill), a whole layer is held at once.
+  rig.store->set_slot_bytes(7 * g);
+  for (int l = 0; l < 4; ++l) rig.store->acquire(l, *rig.compute);
+  for (int l = 0; l < 4; ++l) rig.store->release(l, *rig.compute);
+  rig.pass();
 }
 
 TEST_P(WeightStoreTest, TheFirstStreamedLayerIsCopiedBeforeTheResidentOnes) {
@@ -304,6 +346,8 @@ TEST_P(WeightStoreTest, MisuseIsRefusedNamingTheValues) {
             }).find("layer 0 is acquired"),
             std::string::npos);
   EXPECT_NE(message([&] { rig.store->trim(); }).find("layer 0 is acquired"), std::string::npos);
+  EXPECT_NE(message([&] { rig.store->set_slot_bytes(0); }).find("layer 0 is acquired"),
+            std::string::npos);
   EXPECT_NE(message([&] { rig.store->release(1, *rig.compute); }).find("layer 1 is not acquired"),
             std::string::npos);
   EXPECT_NE(message([&] { rig.store->resident_data(1); }).find("layer 1 is not resident"),
@@ -311,6 +355,12 @@ TEST_P(WeightStoreTest, MisuseIsRefusedNamingTheValues) {
   EXPECT_NE(message([&] { rig.store->buffer(1); }).find("layer 1 is neither acquired nor resident"),
             std::string::npos);
   rig.store->release(0, *rig.compute);
+  EXPECT_NE(message([&] { rig.store->set_slot_bytes(1000); }).find("slot_bytes 1000 cannot hold"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              rig.store->set_slot_bytes(0, 1000);
+            }).find("block_bytes 1000 cannot hold the largest streamed layer"),
+            std::string::npos);
   rig.store->close();
   EXPECT_NE(message([&] { rig.store->acquire(0, *rig.compute); }).find("closed"),
             std::string::npos);
