@@ -243,7 +243,9 @@ def contender_spec(name: str, card: str | None) -> dict[str, Any]:
 # --- the model ------------------------------------------------------------------------------------
 
 
-def build_model(layers: int, dry_run: bool = False) -> Any:
+def build_model(layers: int, dry_run: bool = False, dtype: Any = None) -> Any:
+    """The benchmark's Llama-shaped model with random weights: bf16 on the GPU (or `dtype`), or a
+    tiny fp32 one on the CPU (dry_run)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -254,7 +256,7 @@ def build_model(layers: int, dry_run: bool = False) -> Any:
     if dry_run:
         return AutoModelForCausalLM.from_config(cfg).eval()
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.bfloat16)
     return model.eval()
 
 

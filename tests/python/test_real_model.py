@@ -112,7 +112,8 @@ def test_greedy_256_new_tokens_identical_with_weights_streamed(smollm2) -> None:
     new, got = ref[0, ids.shape[1] :], out[0, ids.shape[1] :]
     first = next((j for j in range(len(new)) if j >= len(got) or got[j] != new[j]), None)
     assert first is None and out.shape == ref.shape, (first, tok.decode(got[first or 0 :]))
-    assert st["streamed_layers"] >= 10 and st["weight_streamed_layers"] >= 20, st
+    # (after prefill, decode's smaller rooms, Note [Layers in parts], may hold every layer's K/V)
+    assert st["resident_layers_in_prefill"] <= 20 and st["weight_streamed_layers"] >= 20, st
 
 
 def test_pass_key_retrieved_with_fp8_kv(smollm2) -> None:  # noqa: ANN001
