@@ -137,7 +137,7 @@ def _plan(args: argparse.Namespace) -> int:
     from reviva.adapters import inspect_model
     from reviva.forecast import CUDA_CONTEXT_BYTES, forecast
     from reviva.planner import DeviceState, HostState, make_plan
-    from reviva.weights import layer_weight_bytes
+    from reviva.weights import decode_slot_bytes, layer_weight_bytes
 
     if args.model in PRESETS:
         fields = dict(PRESETS[args.model])
@@ -175,6 +175,7 @@ def _plan(args: argparse.Namespace) -> int:
     weight_layers = layout.num_layers if stream else 0
     granule = 2 << 20  # (the arena's mapping granule on CUDA: each layer part is a buffer)
     layer_bytes = max(layer_weight_bytes(lay, granule) for lay in layout.layers) if stream else 0
+    decode_room = decode_slot_bytes(layout.layers, granule) if stream else 0
     on_device = weights
     host_embedding = False
     if stream:
@@ -211,6 +212,7 @@ def _plan(args: argparse.Namespace) -> int:
             host=host,
             weight_layers=weight_layers,
             weight_layer_bytes=layer_bytes,
+            weight_decode_slot_bytes=decode_room,
         )
     except reviva.RevivaOutOfMemoryError as e:
         if args.json:
