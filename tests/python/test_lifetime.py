@@ -44,6 +44,8 @@ def streaming_manager(model: torch.nn.Module, prompt: int, new: int) -> RevivaMa
     """A manager whose budget holds 3 of the 5 layers' K/V buffers: 2 layers stream. (The
     budget comes from the device's state now: earlier tests' garbage is collected first.)"""
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # (earlier tests' cached blocks out of the device's state)
     probe = RevivaManager(model, RevivaConfig())
     budget = smallest_budget(
         probe.layout,
@@ -116,7 +118,10 @@ def test_repeated_calls_leave_nothing_behind(device: str) -> None:
                 RevivaCache.__init__ = original
             assert torch.equal(out, ref)
             st = manager.get_memory_stats()
-            assert st["streamed_layers"] > 0, {
+            # Layers streamed in prefill (at the end of the call decode's promotions may have
+            # made them all resident: on the H200 at f6651f0, after the GPU suite's earlier
+            # tests, this test's budget was 803 MB and all 5 layers were promoted in decode).
+            assert st["resident_layers_in_prefill"] < 5, {
                 k: st.get(k)
                 for k in (
                     "budget_mb",
