@@ -8,10 +8,11 @@
 // read it pass: lifetime rule 2, the arena allocator's stream-ordered reuse) and comes back with
 // one H2D of its bytes, which compute waits for at acquire (rule 3). The host copy is read by
 // every fetch and released only when the store closes, after its copies (rule 4). Resident layers
-// are acquired once by the store itself (set_residency), through the copy stream, and stay
-// pinned in the manager, so no eviction can take them; compute waits for a resident layer's fill
-// only at its own acquire (held through compute, every fill delayed the call's first work); they
-// take no place in the prefetch window, whose cycle lists the
+// are acquired once by the store itself, through the copy stream, and stay pinned in the manager,
+// so no eviction can take them; compute waits for a resident layer's fill only at its own acquire
+// (held through compute, every fill delayed the call's first work). A new resident layer's fill is
+// issued as compute comes near it (Note [Resident fills as compute nears]); they take no place in
+// the prefetch window, whose cycle lists the
 // streamed layers alone (a decode step needs each once, in order; so does a prefill, where each
 // layer's compute over a long prompt hides its copy). The budget is each resident layer's bytes
 // plus `slots` times the largest streamed layer (or the caller's slot_bytes): the one compute
@@ -28,6 +29,19 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+
+// Note [Resident fills as compute nears]
+// set_residency used to fill every new resident layer at once: ~15.6 GB for the 32B shape on a
+// 24 GB card, ~0.28 s on the copy stream. The first call of a process loads each kernel at its
+// first launch (CUDA's lazy module loading), and a load waits for the work in flight on the
+// device: the H200 at 60c6625 (torch.profiler of call 1) shows HF's first kernel of the call
+// (generate's isin) launched at 107 ms and returning at 366 ms, the moment the copy stream drained,
+// for ~0.26 s of call 1's 0.6 s before its first layer (a resident run's is ~0.23 s). So a new
+// resident layer's fill is issued when compute acquires a layer within kFillAheadLayers whole
+// layers' bytes before it (or at its own acquire), in layer order: what is in flight when a kernel
+// loads is the prefetch window and those few fills, and the fill still lands long before compute
+// reaches the layer. Its device address is known from its fill on (resident_data).
+constexpr std::size_t kFillAheadLayers = 2;
 
 namespace reviva {
 
@@ -78,7 +92,7 @@ void WeightStore::close() {
   const Stream& h2d = engine_->stream(Direction::HostToDevice);
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     if (acquired_[i] != nullptr) manager_->release(blocks_[i], h2d);
-    if (resident_[i]) manager_->release(blocks_[i], h2d);
+    if (resident_at_[i] != nullptr) manager_->release(blocks_[i], h2d);
   }
   manager_.reset();  // waits for its copies; every block's memory and host copy go back
   allocator_->trim();
@@ -114,7 +128,12 @@ bool WeightStore::resident(int layer) const {
 void* WeightStore::resident_data(int layer) const {
   block_at(layer, "resident_data");
   void* ptr = resident_at_[static_cast<std::size_t>(layer)];
-  REVIVA_CHECK_ARG(ptr != nullptr, "WeightStore::resident_data: layer ", layer, " is not resident");
+  REVIVA_CHECK_ARG(resident_[static_cast<std::size_t>(layer)], "WeightStore::resident_data: layer ",
+                   layer, " is not resident");
+  REVIVA_CHECK_ARG(ptr != nullptr, "WeightStore::resident_data: layer ", layer,
+                   " is resident but its fill has not been issued yet (Note [Resident fills as "
+                   "compute nears]: it is issued as compute comes near it, at the latest at its "
+                   "acquire)");
   return ptr;
 }
 
@@ -188,40 +207,33 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
   scheduler_.reset();  // (a new cycle below)
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     if (wanted[i]) continue;
-    if (resident_[i]) {  // the store's hold ends
+    if (resident_at_[i] != nullptr) {  // the store's hold ends
       manager_->release(blocks_[i], compute);
-      resident_[i] = false;
       resident_at_[i] = nullptr;
     }
+    resident_[i] = false;
     manager_->offload(blocks_[i]);
   }
-  std::vector<bool> before = resident_;
-  resident_ = wanted;  // the budget holds the resident layers and the slots ...
+  resident_ = wanted;  // the budget holds the resident layers and the slots
   slots_ = streams ? slots : 0;
   prefetch_layers_ = streams ? prefetch_layers : 0;
   manager_->set_budget_bytes(budget_for(slots_));
-  // The cycle's first streamed layers are copied first, as much as the slots hold, then the new
-  // resident layers: the copy stream is FIFO, and a first streamed layer queued behind every
-  // resident layer's fill would hold the call's first layer up for all of them (Note [Streamed
-  // weights]). Resident layers are needed only when compute reaches them.
-  prefetch_cycle_start();
-  // The store holds them through the copy stream, not compute: compute is ordered after a
-  // resident layer's fill only when it acquires that layer (WeightStore::acquire). Held through
-  // compute, the call's first synchronization waited for every fill (the H200, 32B shape at
-  // 10ddabe: 0.27 s of call 1 before its first layer, behind ~15.6 GB of fills).
+  // The cycle's first streamed layers are copied first, as much as the slots hold, then the
+  // resident layers among the first (Note [Resident fills as compute nears]): the copy stream is
+  // FIFO, and a first streamed layer queued behind resident fills would hold the call's first
+  // layer up for them (Note [Streamed weights]).
   const Stream& h2d = engine_->stream(Direction::HostToDevice);
+  allocator_->trim();  // the memory of layers that left goes back to the arena
   try {
-    for (std::size_t i = 0; i < blocks_.size(); ++i) {  // ... then the new ones come in
-      if (!wanted[i] || before[i]) continue;
-      resident_at_[i] = manager_->acquire(blocks_[i], h2d, Access::ReadOnly);
-    }
+    reserve_unfilled(h2d);
+    prefetch_cycle_start();
+    fill_resident_near(0);
   } catch (...) {
     // Every layer streamed, no slots: the caller plans again with less.
     for (std::size_t i = 0; i < blocks_.size(); ++i) {
-      if (resident_at_[i] == nullptr) continue;
-      manager_->release(blocks_[i], h2d);
-      manager_->offload(blocks_[i]);
+      if (resident_at_[i] != nullptr) manager_->release(blocks_[i], h2d);
       resident_at_[i] = nullptr;
+      manager_->offload(blocks_[i]);
     }
     resident_.assign(blocks_.size(), false);
     slots_ = 0;
@@ -232,7 +244,44 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
     throw;
   }
   declare_cycle();
-  allocator_->trim();  // the memory of layers that left goes back to the arena
+}
+
+// Note [Resident fills as compute nears]: the memory of the resident layers whose fills are to
+// come is mapped now, so that an arena too small for them is found here (OutOfMemory, before the
+// call's compute), not at an acquire in the middle of a call: each buffer is allocated and freed
+// at once, and stays mapped in the allocator's cache, from which the fills take it.
+void WeightStore::reserve_unfilled(const Stream& stream) {
+  std::vector<std::pair<void*, std::size_t>> held;
+  try {
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
+      if (!resident_[i] || resident_at_[i] != nullptr) continue;
+      const std::size_t n = options_.layer_bytes[i];
+      held.emplace_back(allocator_->allocate(n, stream.handle()), n);
+    }
+  } catch (...) {
+    for (const auto& [ptr, n] : held) allocator_->deallocate(ptr, n, stream.handle());
+    throw;
+  }
+  for (const auto& [ptr, n] : held) allocator_->deallocate(ptr, n, stream.handle());
+}
+
+// Note [Resident fills as compute nears]: the fills of the resident layers from `layer` on whose
+// start lies within kFillAheadLayers whole layers' bytes of it, in order. The store holds them
+// through the copy stream, not compute: compute is ordered after a resident layer's fill only
+// when it acquires that layer (held through compute, the call's first synchronization waited for
+// every fill: the H200, 32B shape at 10ddabe, 0.27 s of call 1 before its first layer). A fill
+// the arena cannot give memory for throws OutOfMemory; the layer stays resident and unfilled.
+void WeightStore::fill_resident_near(int layer) {
+  const std::size_t largest =
+      *std::max_element(options_.layer_bytes.begin(), options_.layer_bytes.end());
+  const std::size_t reach = kFillAheadLayers * std::max(options_.slot_bytes, largest);
+  const Stream& h2d = engine_->stream(Direction::HostToDevice);
+  std::size_t ahead = 0;
+  for (auto i = static_cast<std::size_t>(layer); i < blocks_.size() && ahead <= reach; ++i) {
+    if (resident_[i] && resident_at_[i] == nullptr)
+      resident_at_[i] = manager_->acquire(blocks_[i], h2d, Access::ReadOnly);
+    ahead += options_.layer_bytes[i];
+  }
 }
 
 void WeightStore::set_slot_bytes(std::size_t bytes, std::size_t block_bytes) {
@@ -272,8 +321,9 @@ void* WeightStore::acquire(int layer, const Stream& compute) {
   const auto i = static_cast<std::size_t>(layer);
   REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::acquire: layer ", layer,
                    " is already acquired");
+  fill_resident_near(layer);  // (Note [Resident fills as compute nears]; this one's, if resident)
   if (resident_[i]) {
-    // (pinned since set_residency; acquiring again orders `compute` after its first fill)
+    // (pinned since its fill; acquiring again orders `compute` after that fill)
     acquired_[i] = manager_->acquire(id, compute, Access::ReadOnly);
     return acquired_[i];
   }
@@ -303,7 +353,7 @@ std::shared_ptr<ArenaBuffer> WeightStore::buffer(int layer) const {
   const auto i = static_cast<std::size_t>(layer);
   void* ptr = acquired_[i] != nullptr ? acquired_[i] : resident_at_[i];
   REVIVA_CHECK_ARG(ptr != nullptr, "WeightStore::buffer: layer ", layer,
-                   " is neither acquired nor resident");
+                   " is neither acquired nor resident with its fill issued");
   return allocator_->buffer_of(ptr);
 }
 

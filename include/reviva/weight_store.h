@@ -84,10 +84,11 @@ class REVIVA_API WeightStore {
   // (`slots`: at least 1 while a layer streams) and how many streamed layers are brought in
   // ahead of use (`prefetch_layers` <= slots: with as many as the slots, the last of the window
   // comes in when a layer is released, into its memory: Note [Streamed weights]). Layers made
-  // resident are fetched now (compute waits for a layer's fill only when it acquires it: not at
-  // this call, nor at work that does not use the layer), layers no longer resident
-  // leave after the work queued on `compute` so far. Not while a layer is acquired. Throws
-  // OutOfMemory naming the numbers when the arena cannot give the resident layers' memory (the
+  // resident are fetched as compute comes near them (Note [Resident fills as compute nears] in
+  // weight_store.cpp: the first ones now, each at the latest at its acquire; compute waits for a
+  // layer's fill only when it acquires it), layers no longer resident leave after the work
+  // queued on `compute` so far. Not while a layer is acquired. Throws OutOfMemory naming the
+  // numbers when the arena cannot give a resident layer's memory, here or at an acquire (the
   // store is then left with every layer streamed and no slots: call again with less).
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers,
                      const Stream& compute);
@@ -104,9 +105,9 @@ class REVIVA_API WeightStore {
   void set_slot_bytes(std::size_t bytes, std::size_t block_bytes = 0);
   std::size_t slot_bytes() const noexcept { return options_.slot_bytes; }
   bool resident(int layer) const;
-  // A resident layer's device address, valid while it stays resident (to lay views out over it).
-  // Its fill may still be in flight: compute reads it only after acquire(), which orders compute
-  // after the fill.
+  // A resident layer's device address, valid while it stays resident (to lay views out over it),
+  // from its fill's issue on (throws before). Its fill may still be in flight: compute reads it
+  // only after acquire(), which orders compute after the fill.
   void* resident_data(int layer) const;
 
   // Compute is about to use `layer`: returns its device address, holding its weights for work
@@ -137,6 +138,8 @@ class REVIVA_API WeightStore {
   void check_open(const char* what) const;
   void declare_cycle();
   void prefetch_cycle_start();
+  void fill_resident_near(int layer);
+  void reserve_unfilled(const Stream& stream);
   std::size_t budget_for(int slots) const;
 
   std::shared_ptr<TransferEngine> engine_;
@@ -149,7 +152,7 @@ class REVIVA_API WeightStore {
   std::vector<void*> host_;         // each layer's host copy
   std::vector<bool> resident_;      // held on the device by the store (pinned in the manager)
   std::vector<void*> acquired_;     // the address of an acquired layer, null otherwise
-  std::vector<void*> resident_at_;  // the address of a resident layer, null otherwise
+  std::vector<void*> resident_at_;  // a resident layer's address once its fill is issued, or null
   int slots_ = 0;
   int prefetch_layers_ = 0;
   std::uint64_t slot_hits_ = 0;

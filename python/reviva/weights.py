@@ -10,10 +10,11 @@ writes their values there (from a checkpoint, or random).
 Each layer is one block of the store, or two (its attention, then its MLP: Note [Layers in two
 parts]). Around a layer's use the manager calls `acquire(i)` and `release(i)`: the parameters then
 point at the layer's device copy, and back at the host copy after. Resident layers (set_residency,
-from each call's plan) point at their device copy from then on (compute waits for a new resident
-layer's fill at its first acquire, not before), and their addresses stay fixed, so the decode graphs
-of Note [Decode graphs] stay valid across calls; streamed layers run eagerly (their device address
-changes with each use).
+from each call's plan) point at their device copy from their first acquire on (their fills are
+issued as compute comes near them: Note [Resident fills as compute nears] in
+src/weight_store.cpp; compute waits for a fill at the layer's acquire, not before), and their
+addresses stay fixed, so the decode graphs of Note [Decode graphs] stay valid across calls;
+streamed layers run eagerly (their device address changes with each use).
 
     weights = StreamedWeights(layout.layers, engine, arena, device)
     weights.set_residency([0, 5, 10], slots=2, prefetch_layers=1)
@@ -231,7 +232,9 @@ class StreamedWeights:
             engine, arena, block_bytes, timeline_capacity, slot_bytes=max(self.layer_device_bytes)
         )
         self._host_views: list[list[torch.Tensor]] = []  # per block
-        self._device_views: dict[int, torch.Tensor] = {}  # resident blocks' device copies
+        self._resident_blocks: set[int] = set()  # the blocks set_residency keeps on the device
+        # resident blocks' device copies, from their first acquire (their fill's issue) on
+        self._device_views: dict[int, torch.Tensor] = {}
         meta = []
         with torch.no_grad():
             for i, layer in enumerate(layers):
@@ -357,7 +360,8 @@ class StreamedWeights:
         return sum(self.layer_bytes)
 
     def resident(self, i: int) -> bool:
-        return all(b in self._device_views for b in self._parts[i])
+        """Whether layer i's weights stay on the device (set_residency), filled yet or not."""
+        return all(b in self._resident_blocks for b in self._parts[i])
 
     def on_host(self, i: int) -> bool:
         """Whether layer i's parameters are views of its pinned host copy now."""
@@ -379,10 +383,11 @@ class StreamedWeights:
     def set_residency(self, resident: list[int], slots: int, prefetch_layers: int) -> None:
         """Which layers' weights stay on the device from now on, and the streamed ones' room (in
         layers) and window (WeightStore.set_residency, in blocks: a layer's parts). Layers that
-        stop being resident point at their host copy again; new resident layers at their device
-        copy, whose fill compute waits for only when it acquires the layer (so not at the
-        call's first work that does not read it). A call starts with a prefill: the slots hold
-        whole layers again (Note [Layers in parts]; enter_decode lowers them)."""
+        stop being resident point at their host copy again; new resident layers point at their
+        device copy from their first acquire on (the store issues their fills as compute comes
+        near them, and compute waits for a fill only when it acquires the layer). A call starts
+        with a prefill: the slots hold whole layers again (Note [Layers in parts]; enter_decode
+        lowers them)."""
         self.store.set_slot_bytes(max(self.layer_device_bytes), 0)
         wanted = {b for i in resident for b in self._parts[i]}
         for b in list(self._device_views):
@@ -391,13 +396,9 @@ class StreamedWeights:
                 del self._device_views[b]
         most = max(len(p) for p in self._parts)
         window = min(prefetch_layers * most, slots)
+        self._resident_blocks = set()  # (set_residency may raise: then nothing stays)
         self.store.set_residency(sorted(wanted), slots, window if slots else 0)
-        for b in sorted(wanted):
-            if b in self._device_views:
-                continue
-            block = self.store.resident_view(b)  # (its fill may be in flight: acquire waits)
-            self._device_views[b] = block
-            self._point(b, block)
+        self._resident_blocks = wanted
 
     def enter_decode(self) -> int:
         """The call's prefill is over: from here on each streamed layer is taken one block at a
@@ -410,12 +411,17 @@ class StreamedWeights:
             return 0
         self.store.set_slot_bytes(self.decode_slot_bytes, self._decode_block_bytes)
         if st["slots"] > 1:  # (one room of two blocks: decode's window is one block)
-            self.store.set_residency(sorted(self._device_views), 1, 1)
+            self.store.set_residency(sorted(self._resident_blocks), 1, 1)
         return int(st["slots"]) * whole - self.decode_slot_bytes
 
     def _acquire_block(self, b: int) -> None:
         block = self.store.acquire(b)
-        if b not in self._device_views:
+        if b in self._resident_blocks:
+            if b not in self._device_views:  # (its first acquire: its address is fixed now)
+                view = self.store.resident_view(b)
+                self._device_views[b] = view
+                self._point(b, view)
+        else:
             self._acquired[b] = block
             self._point(b, block)
 
