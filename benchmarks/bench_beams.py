@@ -8,8 +8,8 @@ Two parts, each in a fresh worker process:
   RevivaConfig(vram_budget="24GB"), a --prompt-token prompt: a greedy call, then a call with 4
   beams, in one process. Each decode step's time is taken at the step's logits processor (once a
   step, after the step's forward); the check compares the beams' median step with the greedy
-  run's: <= 4.5x (4 beams read 4x the K/V; a reorder that copied every row would add a whole
-  cache's copy per step).
+  run's: <= 4.5x (a reorder that copied every row would add a whole cache's copy per step; the
+  beams share the prompt's K/V, Note [Shared prompt K/V] in python/reviva/kv_cache.py).
 - identity: the same shape without a card at --identity-prompt tokens, in fp32 with a peaked
   output head (bf16 beams flip on any kernel's rounding): plain HF's 4-beam sequences against
   Reviva's (no budget: what fits stays on the device).
@@ -165,6 +165,10 @@ def analyse(card: dict[str, Any], identity: dict[str, Any], prompt: int) -> dict
             "step_ratio": ratio,
             "beams_prefill_s": beams.get("prefill_s"),
             "beams_card_peak_gb": (beams.get("card_peak_bytes") or 0) / 1e9 or None,
+            # Note [Shared prompt K/V]: the rows holding the prompt's K/V once (1: a copy each)
+            "beams_shared_prompt_rows": beams.get("stats", {}).get("shared_prompt_rows"),
+            "beams_streamed_layers": beams.get("stats", {}).get("streamed_layers"),
+            "greedy_streamed_layers": greedy.get("stats", {}).get("streamed_layers"),
             "errors": {k: v["error"] for k, v in calls.items() if "error" in v}
             or card.get("error"),
             "limit": f"completes on a 24 GB card; a 4-beam decode step <= {STEP_LIMIT}x a greedy "

@@ -29,7 +29,23 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from reviva import kv_fp8 as fp8rows
 from reviva._C import DeviceArena, KVStore, Runtime, TransferEngine
+from reviva.block_attention import attention_with_lse, merge
 
+# Note [Shared prompt K/V]
+# Beam search and several sequences per prompt run batch x n rows that share each prompt's
+# tokens: HF repeats each prompt's row n times before prefill. Kept as n rows, a prompt's K/V
+# is n identical copies: at 64k with 4 beams of the 8B shape, 32 GB where 8 GB hold it, and on
+# a 24 GB card 28 of 32 layers streamed a step 11.8x greedy's (the H200 at f6651f0). So, when
+# the rows need nothing per row in the prompt (no padding, full K/V, not fp8 or paged: the
+# manager decides, RevivaManager._share_rows), the cache holds each prompt's K/V once (the
+# store's batch is the prompts) and each row's generated tokens in device buffers of their own
+# (`generated rows`, a few tokens per row); the manager runs prefill over one row per prompt
+# (its layer wrappers keep every n-th row) and hands HF's head the last token's row repeated.
+# A decode step's queries attend to their prompt's K/V with the n rows' queries as one batch of
+# queries (grouped heads read in place: one read of the prompt per step, not n), and to their
+# own generated rows, the two merged by log-sum-exp (attend_shared). A beam's reorder gathers its
+# generated rows only, at once (they are on the device), never the prompt's.
+#
 # Note [Beams]
 # Beam search (HF's) runs batch x num_beams rows: generate repeats each prompt's row num_beams
 # times before prefill, and after each step reorders the cache's rows by beam_idx, each new row
@@ -123,8 +139,24 @@ class RevivaCache(Cache):
         runtime: Runtime | None = None,
         page_tokens: int = 0,
         attention_kernel: str = "flash",
+        share: int = 1,
     ) -> None:
         super().__init__(layers=[RevivaCacheLayer(self, i) for i in range(num_layers)])
+        # Note [Shared prompt K/V]: `batch` rows, every `share` of them one prompt's; the store
+        # holds batch // share rows (the prompts) and the rows' generated tokens live apart.
+        if share < 1 or batch % share:
+            raise ValueError(
+                f"RevivaCache: share={share} must be >= 1 and divide the batch ({batch})"
+            )
+        if share > 1 and (kv_fp8 or page_tokens):
+            raise ValueError(
+                "RevivaCache: a shared prompt (share > 1) needs whole layers of bf16/fp32 K/V, "
+                f"got kv_fp8={kv_fp8}, page_tokens={page_tokens}"
+            )
+        self.share = share
+        self._generated: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._generated_len: dict[int, int] = {}
+        self.generated_bytes = 0
         # Prefill's attention calls on CUDA: "flash" or "cudnn" (Note [Prefill attention kernel]
         # in block_attention.py).
         self.attention_kernel = attention_kernel
@@ -143,7 +175,7 @@ class RevivaCache(Cache):
             engine,
             arena,
             num_layers,
-            batch,
+            batch // share,
             kv_heads,
             fp8rows.row_bytes(head_dim) if kv_fp8 else head_dim,
             torch.uint8 if kv_fp8 else dtype,
@@ -176,6 +208,8 @@ class RevivaCache(Cache):
         """Waits for the cache's copies and gives its device memory and pinned host copies back
         (device memory after compute's last use). Idempotent; the cache is unusable after."""
         self._acquired.clear()
+        self._generated.clear()
+        self._generated_len.clear()
         self.store.close()
 
     @property
@@ -211,6 +245,14 @@ class RevivaCache(Cache):
                 f"RevivaCache.reorder: beam_idx of shape {tuple(beam_idx.shape)}, expected "
                 f"({self.batch},)"
             )
+        if self.share > 1:  # Note [Shared prompt K/V]: the generated rows alone, now
+            n = self._generated_len.get(layer_idx, 0)
+            if n:
+                k, v = self._generated[layer_idx]
+                rows = beam_idx.to(device=k.device, dtype=torch.long)
+                k[:, :, :n] = k[rows, :, :n]
+                v[:, :, :n] = v[rows, :, :n]
+            return
         self._beam_prefix.setdefault(layer_idx, self.store.length(layer_idx))
         earlier = self._pending_rows.get(layer_idx)
         beam_idx = beam_idx.to(torch.long)
@@ -273,7 +315,12 @@ class RevivaCache(Cache):
     def write(self, layer_idx: int, first: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Writes tokens [first, first + n) of key/value ([batch, kv_heads, n, head_dim]); raises
         naming the numbers when they exceed the capacity planned for the call. fp8 K/V: as
-        e4m3 rows with their scales (the first write of a layer also measures the error)."""
+        e4m3 rows with their scales (the first write of a layer also measures the error). With
+        a shared prompt (Note [Shared prompt K/V]): the prompt's tokens one row per prompt,
+        the tokens after it one row per sequence (into the generated rows)."""
+        if self.share > 1 and key.shape[0] == self.batch:
+            self._write_generated(layer_idx, first, key, value)
+            return
         if not self.fp8:
             self.store.write(layer_idx, first, key, value)
             return
@@ -286,9 +333,73 @@ class RevivaCache(Cache):
             )
         self.store.write(layer_idx, first, k_rows, v_rows)
 
+    def _write_generated(
+        self, layer_idx: int, first: int, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Note [Shared prompt K/V]: tokens [first, first + n) of every row, after the prompt."""
+        prompt = self.store.length(layer_idx)
+        n = key.shape[2]
+        have = self._generated_len.get(layer_idx, 0)
+        if first != prompt + have:
+            raise ValueError(
+                f"RevivaCache: layer {layer_idx}'s rows are written at token {first}, where "
+                f"{prompt + have} tokens are held (a prompt of {prompt} shared by {self.share} "
+                "rows): tokens after a shared prompt are written in order"
+            )
+        room = self.capacity - prompt
+        if have + n > room:
+            raise ValueError(
+                f"RevivaCache: {have + n} tokens after the prompt exceed the {room} planned for "
+                "the call"
+            )
+        if layer_idx not in self._generated:
+            shape = (self.batch, key.shape[1], room, key.shape[3])
+            k = torch.empty(shape, dtype=key.dtype, device=key.device)
+            self._generated[layer_idx] = (k, torch.empty_like(k))
+            self.generated_bytes += 2 * k.numel() * k.element_size()
+        k, v = self._generated[layer_idx]
+        k[:, :, have : have + n] = key
+        v[:, :, have : have + n] = value
+        self._generated_len[layer_idx] = have + n
+
+    def attend_shared(
+        self, layer_idx: int, q: torch.Tensor, first: int, last: int, scale: float
+    ) -> torch.Tensor:
+        """Note [Shared prompt K/V]: attention of the queries of tokens [first, last) of every
+        row ([batch, heads, n, D]) to their prompt's K/V (the `share` rows' queries of a prompt
+        as one batch of queries: non-causal, the prompt precedes them) and to their own tokens
+        after it up to `last` (bottom-right causal), merged by log-sum-exp; [batch, heads, n, D]
+        in q's dtype."""
+        prompt = self.store.length(layer_idx)
+        if first < prompt:
+            raise ValueError(
+                f"RevivaCache: queries from token {first} of layer {layer_idx}, inside its shared "
+                f"prompt of {prompt} tokens"
+            )
+        rows, heads, n, dim = q.shape
+        s, b = self.share, rows // self.share
+        k_p, v_p = self.store.kv(layer_idx, prompt)  # [b, kv_heads, prompt, D]
+        q_p = q.reshape(b, s, heads, n, dim).transpose(1, 2).reshape(b, heads, s * n, dim)
+        o_p, l_p = attention_with_lse(q_p, k_p, v_p, False, scale)
+        o_p = o_p.reshape(b, heads, s, n, dim).transpose(1, 2).reshape(rows, heads, n, dim)
+        l_p = l_p.reshape(b, heads, s, n).transpose(1, 2).reshape(rows, heads, n)
+        k_g, v_g = self._generated[layer_idx]
+        after = last - prompt
+        o_g, l_g = attention_with_lse(q, k_g[:, :, :after], v_g[:, :, :after], True, scale)
+        out, lse = merge(None, None, o_p, l_p)
+        out, _ = merge(out, lse, o_g, l_g)
+        return out.to(q.dtype)
+
     def truncate(self, layer_idx: int, tokens: int) -> None:
         """Keeps the layer's first `tokens` tokens (a rollback: rejected candidates of assisted
         decoding); the next write continues from there. Not while the layer is acquired."""
+        if self.share > 1:
+            prompt = self.store.length(layer_idx)
+            if tokens >= prompt:
+                have = self._generated_len.get(layer_idx, 0)
+                self._generated_len[layer_idx] = min(have, tokens - prompt)
+                return
+            self._generated_len[layer_idx] = 0
         self.store.truncate(layer_idx, tokens)
 
     def view(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,10 +430,11 @@ class RevivaCache(Cache):
                 f"RevivaCache: layer {layer_idx} was updated outside RevivaManager's layer "
                 "wrappers (use the cache through manager.generate)"
             )
-        if self.fp8 or self.paged(layer_idx):
+        if self.fp8 or self.paged(layer_idx) or self.share > 1:
             raise RuntimeError(
-                "RevivaCache: with fp8 or paged K/V the layers attend through Reviva's own path; "
-                "HF's attention would need each layer's K/V whole"
+                "RevivaCache: with fp8 or paged K/V, or a prompt shared by several rows (Note "
+                "[Shared prompt K/V]), the layers attend through Reviva's own path; HF's "
+                "attention would need each layer's K/V whole, one copy per row"
             )
         if key.shape[0] != self.batch:
             raise ValueError(
@@ -335,7 +447,7 @@ class RevivaCache(Cache):
     # --- HF Cache interface ----------------------------------------------------------------------
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.store.length(layer_idx)
+        return self.store.length(layer_idx) + self._generated_len.get(layer_idx, 0)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.capacity
@@ -346,6 +458,7 @@ class RevivaCache(Cache):
 
     def reset(self) -> None:
         self.store.clear()
+        self._generated_len.clear()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         # (several sequences per prompt repeat the prompt's rows before prefill, when the cache

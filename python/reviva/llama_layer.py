@@ -382,6 +382,10 @@ def attend_cache(
     attention]). A paged layer (Note [Paged layers] in src/kv_store.cpp): its pages up to
     `first`, then the queries' own keys and values k and v ([B, kv_heads, n, D], written to the
     cache after this call; fp8: before quantization), merged the same way."""
+    if cache.share > 1 and q.shape[0] == cache.batch:  # Note [Shared prompt K/V] (kv_cache.py)
+        if mask is not None:
+            raise ValueError("RevivaManager: a shared prompt with a padding mask is not supported")
+        return cache.attend_shared(i, q, first, last, scale)
     if window is not None and window < last and (cache.paged(i) or cache.fp8):
         raise ValueError(
             f"RevivaManager: layer {i} attends within a sliding window of {window} tokens, which "

@@ -152,6 +152,9 @@ class RevivaManager:
         # Layers return new tensors instead of updating the hidden states in place, when HF
         # records each layer's output (output_hidden_states): else every entry aliases one.
         self._copy_hidden = False
+        # Note [Shared prompt K/V] (kv_cache.py): this call's rows per prompt whose prompt K/V
+        # is held once (1: every row its own).
+        self._share = 1
         # Decode with Reviva's own attention call where a fused kernel reads the cache's layout
         # in place (CUDA, half precision); elsewhere HF's layers run unchanged (exact numbers).
         self._own_decode = device.type == "cuda" and self.layout.dtype in (
@@ -363,6 +366,8 @@ class RevivaManager:
             if self._copy_hidden:
                 hidden_states = hidden_states.clone()
             if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
+                if self._share > 1:  # Note [Shared prompt K/V]: one row per prompt
+                    hidden_states, kwargs = self._prompt_rows(hidden_states, kwargs)
                 self._prefill_layer_starts(i, kwargs, hidden_states)
                 return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
             if i == 0:
@@ -370,13 +375,14 @@ class RevivaManager:
             # (without padding, a mask HF passes is the causal one, which the own path applies
             # itself: several candidate tokens verified at once in assisted decoding)
             if (
-                (self._own_decode or cache.fp8 or cache.page_tokens > 0)
+                (self._own_decode or cache.fp8 or cache.page_tokens > 0 or cache.share > 1)
                 and (kwargs.get("attention_mask") is None or not self._phase.get("padded", True))
                 and "position_embeddings" in kwargs
             ):
                 if i == 0:
                     self._phase["own_decode_steps"] = self._phase.get("own_decode_steps", 0) + 1
-                graphs = None if self._copy_hidden else self._graphs
+                # (a shared prompt is attended in two parts: Note [Shared prompt K/V])
+                graphs = None if self._copy_hidden or cache.share > 1 else self._graphs
                 return self.layers.decode(cache, i, layer, hidden_states, kwargs, graphs)
             cache.acquire(i)
             try:
@@ -386,11 +392,45 @@ class RevivaManager:
 
         return forward
 
+    def _prompt_rows(
+        self, hidden_states: torch.Tensor, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Note [Shared prompt K/V]: a prefill's input and its per-row arguments, every
+        `share`-th row (one per prompt: HF repeated each prompt's row), when they have every row."""
+        s, rows = self._share, self._cache.batch if self._cache is not None else 0
+
+        def one_per_prompt(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == rows:
+                return x[::s]
+            return x
+
+        if hidden_states.shape[0] == rows:
+            hidden_states = hidden_states[::s].contiguous()
+        kwargs = dict(kwargs)
+        for key in ("attention_mask", "position_ids", "cache_position"):
+            if key in kwargs:
+                kwargs[key] = one_per_prompt(kwargs[key])
+        if "position_embeddings" in kwargs:
+            kwargs["position_embeddings"] = tuple(
+                one_per_prompt(x) for x in kwargs["position_embeddings"]
+            )
+        return hidden_states, kwargs
+
     def _make_embed_forward(self, embed: nn.Module) -> Any:
         original = embed.forward
 
         def forward(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             plan, cache = self._plan, self._cache
+            if (
+                self._share > 1
+                and cache is not None
+                and input_ids.dim() == 2
+                and input_ids.shape[0] == cache.batch
+                and input_ids.shape[1] > 1
+                and cache.get_seq_length(0) == 0
+            ):
+                # Note [Shared prompt K/V]: the prompt's rows are repeats; embed one per prompt
+                return original(input_ids[:: self._share], *args, **kwargs)
             if (
                 cache is None
                 or plan is None
@@ -452,6 +492,18 @@ class RevivaManager:
                 return out.expand(hidden_states.shape[0], hidden_states.shape[1], out.shape[2])
             if hidden_states.shape[1] > 1 and "layers_end" not in self._phase:
                 self._phase["layers_end"] = self._event()  # every layer of prefill issued
+            if (
+                self._share > 1
+                and cache is not None
+                and hidden_states.dim() == 3
+                and hidden_states.shape[1] > 1
+                and hidden_states.shape[0] * self._share == cache.batch
+            ):
+                # Note [Shared prompt K/V]: prefill ran one row per prompt; the head reads the
+                # last token's row alone (logits_to_keep=1, checked), one per sequence, broadcast
+                # to the prompt's shape
+                out = original(hidden_states[:, -1:]).repeat_interleave(self._share, dim=0)
+                return out.expand(cache.batch, hidden_states.shape[1], out.shape[2])
             if self._graphs is not None and cache is not None and plan is not None:
                 left = plan.capacity - cache.get_seq_length(0)  # decode steps still to come
                 if hidden_states.shape[1] > 1:
@@ -801,7 +853,8 @@ class RevivaManager:
         # that many times before prefill, so the cache holds that many rows (Note [Beams] in
         # kv_cache.py).
         beams = gen.num_beams or 1
-        batch *= max(beams, gen.num_return_sequences or 1)
+        rows = max(beams, gen.num_return_sequences or 1)
+        batch *= rows
         if gen.max_new_tokens is not None:
             new_tokens = gen.max_new_tokens
         else:
@@ -810,7 +863,11 @@ class RevivaManager:
         padded = mask is not None and not bool(mask.all())
         cuda = self.layout.device.type == "cuda"
         self.arena.reclaim(True)  # memory a previous call gave back is free before planning
-        plan = self.plan(batch, tokens, new_tokens, padded=padded)
+        share = self._share_rows(rows, tokens + new_tokens, padded, gen, kwargs)
+        plan = self.plan(batch // share, tokens, new_tokens, padded=padded)
+        if share > 1 and (plan.kv_fp8 or plan.page_tokens or plan.residual_on_host):
+            share = 1  # (K/V attended by blocks or pages, or a prefill from the host: per row)
+            plan = self.plan(batch, tokens, new_tokens, padded=padded)
         log.info(
             "reviva plan: %d of %d layers resident, %d slots, chunk %d tokens, K/V %.1f MB/layer",
             len(plan.resident_layers),
@@ -909,11 +966,13 @@ class RevivaManager:
                 runtime=self.runtime,
                 page_tokens=plan.page_tokens,
                 attention_kernel=self._call_kernel,
+                share=share,
             )
             if plan.page_slots:
                 cache.store.set_page_slots(plan.page_slots)
             setup["cache_made"] = (time.perf_counter() - t_setup) * 1e3
             self._cache, self._plan = cache, plan
+            self._share = share
             with self:
                 out = model.generate(inputs, past_key_values=cache, **kwargs)
         finally:
@@ -925,6 +984,7 @@ class RevivaManager:
                 thread.join()  # no helper thread outlives its call
             self._phase["end"] = self._event()
             self._copy_hidden = False
+            self._share = 1
             self._cache, self._plan = None, None
             try:
                 if cache is not None:
@@ -937,6 +997,27 @@ class RevivaManager:
                     self.weights.trim()  # streamed layers' device memory back; resident stay
             self.arena.reclaim(True)
         return out
+
+    def _share_rows(
+        self, rows: int, capacity: int, padded: bool, gen: Any, kwargs: dict[str, Any]
+    ) -> int:
+        """Note [Shared prompt K/V] (kv_cache.py): how many rows share each prompt's K/V in this
+        call: `rows` (beams, or sequences per prompt) when nothing in the prompt differs between
+        them and HF's head reads the last position only; else 1. REVIVA_SHARE_PROMPT=0 keeps a
+        copy per row (to compare)."""
+        if rows == 1 or os.environ.get("REVIVA_SHARE_PROMPT", "1") == "0":
+            return 1
+        short_window = any(w is not None and w < capacity for w in self.layout.windows)
+        keep = kwargs.get("logits_to_keep")
+        if (
+            padded
+            or short_window
+            or gen.output_hidden_states
+            or keep not in (None, 1)
+            or not self.layout.model._supports_logits_to_keep()
+        ):
+            return 1
+        return rows
 
     def _check_host_residual(self, gen: Any, kwargs: dict[str, Any], padded: bool) -> None:
         """Refuses, by name, what the prompt's hidden states on the host cannot give (Note
@@ -1091,6 +1172,9 @@ class RevivaManager:
             "kv_dtype": "fp8" if plan.kv_fp8 else str(self.layout.dtype).replace("torch.", ""),
             "kv_fp8_rel_error": cache.fp8_error if plan.kv_fp8 else None,
             "kv_block_tokens": plan.kv_block_tokens,
+            # Note [Shared prompt K/V]: rows per prompt holding its K/V once (1: a copy per row)
+            "shared_prompt_rows": cache.share,
+            "generated_rows_mb": cache.generated_bytes / _MiB,
             "residual_host_mb": plan.residual_host_bytes / _MiB,
             "layer_kv_mb": layer_kv / _MiB,
             "prompt_tokens": plan.prompt_tokens,

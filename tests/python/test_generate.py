@@ -284,29 +284,37 @@ def test_logits_match_hf_with_peaked_attention(family: str) -> None:
     "family,layers",
     [(f, 1) for f in FAMILIES + ["mistral_sliding"]] + [("llama", 99), ("llama", 3)],
 )
-def test_beam_search_identical(family: str, layers: int) -> None:
-    """Note [Beams] (kv_cache.py): 4 beams and 2 returned sequences for each of 2 prompts, every
-    family with every layer streamed through one slot (Llama also all resident, and some),
-    HF's decode path and Reviva's own: plain HF's sequences. With every layer
-    streamed through one slot, the bytes sent to the host are the prompt's rows once and, per
-    step, the new token's row and the generated rows a reorder rewrote: a reorder never moves
-    the prompt's rows (HF's caches copy every row per step)."""
+def test_beam_search_identical(family: str, layers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Beams] and Note [Shared prompt K/V] (kv_cache.py): 4 beams and 2 returned sequences
+    for each of 2 prompts, every family with every layer streamed through one slot (Llama also
+    all resident, and some), HF's decode path and Reviva's own: plain HF's sequences, the
+    prompt's K/V held once per prompt (shared) and one copy per row (REVIVA_SHARE_PROMPT=0).
+    With every layer streamed through one slot, the bytes sent to the host are the prompt's rows
+    once and, per row copies, per step the new token's row and the generated rows a reorder
+    rewrote (a reorder never moves the prompt's rows; HF's caches copy every row per step);
+    shared, the generated rows stay on the device: the prompts' rows alone go to the host."""
     model = tiny_model(family, seed=3)
     ids = torch.randint(1, 211, (2, 60), generator=torch.Generator().manual_seed(4))
     kw = dict(max_new_tokens=20, do_sample=False, num_beams=4, num_return_sequences=2)
     ref = model.generate(ids, **kw)
-    budget = budget_for(model, 8, 60, 20, layers)
-    for own in (False, True):
-        manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
-        manager._own_decode = own  # (the CUDA half-precision path's decode, here on the CPU)
-        out = manager.generate(ids, **kw)
-        st = manager.get_memory_stats()
-        assert out.shape == ref.shape and torch.equal(out, ref), f"own decode: {own}"
-    if layers == 1:
-        assert st["streamed_layers"] == 5 and st["resident_layers_in_prefill"] == 0, st
-        row = 8 * 2 * 2 * 16 * 4  # 8 rows (2 prompts x 4 beams), K and V, 2 heads x 16, fp32
-        steps = range(1, 20)  # step s writes its token and rewrites the s - 1 generated before
-        assert st["bytes_to_host"] == 5 * row * (60 + sum(steps)), st["bytes_to_host"]
+    sliding = family == "mistral_sliding"  # (a window shorter than the call: a copy per row)
+    for shared in (True, False):
+        monkeypatch.setenv("REVIVA_SHARE_PROMPT", "1" if shared else "0")
+        rows = 2 if shared and not sliding else 8  # what the plan holds K/V for
+        budget = budget_for(model, rows, 60, 20, layers)
+        for own in (False, True):
+            manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+            manager._own_decode = own  # (the CUDA half-precision path's decode, here on the CPU)
+            out = manager.generate(ids, **kw)
+            st = manager.get_memory_stats()
+            assert out.shape == ref.shape and torch.equal(out, ref), f"own {own} shared {shared}"
+            assert st["shared_prompt_rows"] == (4 if rows == 2 else 1), st["shared_prompt_rows"]
+        if layers == 1:
+            assert st["streamed_layers"] == 5 and st["resident_layers_in_prefill"] == 0, st
+            row = rows * 2 * 2 * 16 * 4  # the rows held, K and V, 2 heads x 16, fp32
+            steps = range(1, 20)  # step s writes its token and rewrites the s - 1 generated before
+            per_step = 0 if rows == 2 else sum(steps)
+            assert st["bytes_to_host"] == 5 * row * (60 + per_step), st["bytes_to_host"]
     if layers == 99 and family == "llama":
         # fp8 rows reordered the same way: every residency gives the same (lossy) sequences
         runs = []
@@ -323,6 +331,62 @@ def test_beam_search_identical(family: str, layers: int) -> None:
         manager = RevivaManager(model, dataclasses.replace(paged, vram_budget=b))
         with pytest.raises(ValueError, match=r"num_beams=4 with RevivaConfig\(kv_page_tokens"):
             manager.generate(ids, **kw)
+
+
+def test_sequences_per_prompt_share_the_prompts_kv_across_calls_and_a_failure() -> None:
+    """Note [Shared prompt K/V]: three sampled sequences per prompt (a seed) give plain HF's
+    sequences with the prompt's K/V held once (the plan's K/V is the prompts' rows); calls in
+    a row (greedy, shared, a padded batch, which keeps a copy per row) each give HF's tokens;
+    a streamer that raises in the middle of a shared call leaves the next call exact."""
+    from transformers.generation.streamers import BaseStreamer
+
+    model = tiny_model("llama", seed=6)
+    ids = torch.randint(1, 211, (2, 40), generator=torch.Generator().manual_seed(7))
+    sample = dict(max_new_tokens=16, do_sample=True, top_k=20, num_return_sequences=3)
+    budget = budget_for(model, 6, 40, 16, 1)  # (the padded call's 6 rows, one layer's K/V)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+
+    for _ in range(2):
+        torch.manual_seed(11)
+        ref = model.generate(ids, **sample)
+        torch.manual_seed(11)
+        out = manager.generate(ids, **sample)
+        st = manager.get_memory_stats()
+        assert torch.equal(out, ref)
+        assert st["shared_prompt_rows"] == 3 and st["streamed_layers"] >= 1, st
+        assert st["kv_cache_mb"] * 2**20 == 5 * 2 * 56 * 2 * 2 * 16 * 4, st["kv_cache_mb"]
+        greedy = manager.generate(ids, max_new_tokens=8)
+        assert torch.equal(greedy, model.generate(ids, max_new_tokens=8))
+        assert manager.get_memory_stats()["shared_prompt_rows"] == 1
+
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: the rows of a prompt are alike, but HF's mask is per row
+    beams = dict(max_new_tokens=10, num_beams=3, attention_mask=mask)
+    ref = model.generate(ids, **beams)
+    out = manager.generate(ids, **beams)
+    assert torch.equal(out, ref) and manager.get_memory_stats()["shared_prompt_rows"] == 1
+
+    class Raises(BaseStreamer):
+        def __init__(self) -> None:
+            self.n = 0
+
+        def put(self, value: torch.Tensor) -> None:
+            self.n += 1
+            if self.n == 4:
+                raise RuntimeError("streamer failed")
+
+        def end(self) -> None:
+            pass
+
+    with pytest.raises(RuntimeError, match="streamer failed"):
+        manager.generate(
+            ids[:1], max_new_tokens=10, do_sample=True, num_return_sequences=2, streamer=Raises()
+        )
+    torch.manual_seed(11)
+    ref = model.generate(ids, **sample)
+    torch.manual_seed(11)
+    assert torch.equal(manager.generate(ids, **sample), ref)
+    assert manager._share == 1 and manager._cache is None
 
 
 @pytest.mark.parametrize("n", [1, 5, 48])
