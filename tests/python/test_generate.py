@@ -476,21 +476,23 @@ def test_sampling_with_seed_identical(family: str) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "phi3"])
 def test_several_sequences_per_prompt_identical(family: str) -> None:
-    """num_return_sequences with sampling: generate repeats each prompt's row; the cache is
-    planned for that many rows, streamed, and the tokens are plain HF's under the same seed."""
+    """num_return_sequences with sampling: generate repeats each prompt's row; the cache holds
+    each prompt's K/V once (Note [Shared prompt K/V]: planned for the prompts' rows), streamed,
+    and the tokens are plain HF's under the same seed."""
     model = tiny_model(family, seed=5)
     ids = torch.randint(1, 211, (2, 40), generator=torch.Generator().manual_seed(6))
     kwargs = dict(max_new_tokens=12, do_sample=True, top_k=20, num_return_sequences=3)
     torch.manual_seed(321)
     ref = model.generate(ids, **kwargs)
     assert ref.shape[0] == 6
-    budget = budget_for(model, 6, 40, 12, 3)
+    budget = budget_for(model, 2, 40, 12, 3)
     manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
     torch.manual_seed(321)
     out = manager.generate(ids, **kwargs)
     assert torch.equal(out, ref)
     st = manager.get_memory_stats()
-    assert st["resident_layers_in_prefill"] < 5 and st["decode_steps"] == 11
+    assert st["resident_layers_in_prefill"] < 5 and st["decode_steps"] == 11, st
+    assert st["shared_prompt_rows"] == 3
 
 
 @pytest.mark.parametrize("with_ids", [False, True])
