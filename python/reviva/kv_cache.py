@@ -46,6 +46,19 @@ from reviva.block_attention import attention_with_lse, merge
 # own generated rows, the two merged by log-sum-exp (attend_shared). A beam's reorder gathers its
 # generated rows only, at once (they are on the device), never the prompt's.
 #
+# Note [A returned cache]
+# generate(..., return_dict_in_generate=True) returns the call's cache (past_key_values), which a
+# later call may continue from (a chat's next turn: the new call's input_ids start with the
+# tokens the cache holds). A cache holds device memory only within its call, so at the end of
+# such a call its K/V is parked: each layer's tokens are copied into pinned host memory of its
+# own (the pool's), one row per sequence (a shared prompt's rows repeated), and the store's
+# device memory and host copies go back as after any call. The parked cache answers
+# get_seq_length and holds that host memory until it is dropped. A call continuing from it
+# (RevivaManager.generate(..., past_key_values=cache), or from any HF cache whose layers hold
+# keys and values, e.g. DynamicCache) plans for every token, writes the parked K/V into its own
+# cache (load_parked) and runs the tokens after them as a prefill from that offset; its own cache
+# is parked in turn when it returns one. The parked cache itself is never written again.
+#
 # Note [Beams]
 # Beam search (HF's) runs batch x num_beams rows: generate repeats each prompt's row num_beams
 # times before prefill, and after each step reorders the cache's rows by beam_idx, each new row
@@ -140,6 +153,7 @@ class RevivaCache(Cache):
         page_tokens: int = 0,
         attention_kernel: str = "flash",
         share: int = 1,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__(layers=[RevivaCacheLayer(self, i) for i in range(num_layers)])
         # Note [Shared prompt K/V]: `batch` rows, every `share` of them one prompt's; the store
@@ -154,9 +168,15 @@ class RevivaCache(Cache):
                 f"got kv_fp8={kv_fp8}, page_tokens={page_tokens}"
             )
         self.share = share
+        self.device = device if device is not None else torch.device("cpu")  # compute's
         self._generated: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._generated_len: dict[int, int] = {}
         self.generated_bytes = 0
+        # Note [A returned cache]: each layer's (K, V) in pinned host memory once parked
+        self.parked: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.parked_length = 0
+        self.parked_bytes = 0
+        self.num_kv_heads, self.head_dim = kv_heads, head_dim
         # Prefill's attention calls on CUDA: "flash" or "cudnn" (Note [Prefill attention kernel]
         # in block_attention.py).
         self.attention_kernel = attention_kernel
@@ -215,6 +235,78 @@ class RevivaCache(Cache):
     @property
     def closed(self) -> bool:
         return self.store.closed
+
+    def park(self, pool: object) -> None:
+        """Note [A returned cache]: every layer's tokens into pinned host memory of its own
+        ([batch, kv_heads, tokens, D]: bf16/fp32 values, or fp8 rows as they are), then the
+        store closes (its device memory and host copies go back). Waits for the copies."""
+        if self.page_tokens:
+            raise RuntimeError(
+                "RevivaCache: a cache with paged layers (kv_page_tokens) cannot be returned for a "
+                "later call yet; use kv_page_tokens=0"
+            )
+        length = self.get_seq_length(0)
+        parked = []
+        for i in range(len(self.layers)):
+            if self.get_seq_length(i) != length:
+                raise RuntimeError(
+                    f"RevivaCache: layer {i} holds {self.get_seq_length(i)} tokens, layer 0 "
+                    f"{length}: only a cache whose layers hold one length can be parked"
+                )
+            self.acquire(i)
+            try:
+                prompt = self.store.length(i)
+                k, v = self.store.kv(i, prompt)
+                if self.share > 1:  # (one row per sequence: the prompt's rows repeated)
+                    k_g, v_g = self._generated.get(i, (k[:, :, :0], v[:, :, :0]))
+                    g = self._generated_len.get(i, 0)
+                    k = torch.cat([k.repeat_interleave(self.share, 0), k_g[:, :, :g]], dim=2)
+                    v = torch.cat([v.repeat_interleave(self.share, 0), v_g[:, :, :g]], dim=2)
+                pair = []
+                for x in (k, v):
+                    host = pool.tensor(list(x.shape), x.dtype)
+                    host.copy_(x, non_blocking=x.is_cuda)
+                    pair.append(host)
+                parked.append((pair[0], pair[1]))
+            finally:
+                self.release(i)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.parked = parked
+        self.parked_length = length
+        self.parked_bytes = sum(2 * k.numel() * k.element_size() for k, _ in parked)
+        self.close()
+
+    def load_parked(self, parked: list[tuple[torch.Tensor, torch.Tensor]], fp8: bool) -> None:
+        """Note [A returned cache]: writes a parked cache's tokens ([batch, kv_heads, tokens, D]
+        per layer; fp8 rows when `fp8`) into this empty cache, layer by layer."""
+        if len(parked) != len(self.layers):
+            raise ValueError(
+                f"RevivaCache: the cache to continue from has {len(parked)} layers, the model "
+                f"{len(self.layers)}"
+            )
+        for i, (k, v) in enumerate(parked):
+            if k.shape[0] != self.batch:
+                raise ValueError(
+                    f"RevivaCache: the cache to continue from holds {k.shape[0]} rows, the call "
+                    f"runs {self.batch}"
+                )
+            k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
+            if fp8 and not self.fp8:
+                k = fp8rows.dequantize(k, self.dtype, self.runtime)
+                v = fp8rows.dequantize(v, self.dtype, self.runtime)
+            if fp8 and self.fp8:  # (rows as they are: no second rounding)
+                writer = self.store.write
+            else:
+                writer = self.write
+            self.acquire(i)
+            try:
+                self.reserve(i, k.shape[2])
+                if not fp8 and not self.fp8:
+                    k, v = k.to(self.dtype), v.to(self.dtype)
+                writer(i, 0, k, v)
+            finally:
+                self.release(i)
 
     # --- used by the layer wrappers --------------------------------------------------------------
 
@@ -447,6 +539,8 @@ class RevivaCache(Cache):
     # --- HF Cache interface ----------------------------------------------------------------------
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.parked is not None:
+            return self.parked_length
         return self.store.length(layer_idx) + self._generated_len.get(layer_idx, 0)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:

@@ -46,12 +46,15 @@ class LlamaLayerPath:
         layer: nn.Module,
         h: torch.Tensor,
         kwargs: dict[str, Any],
+        past: int = 0,
     ) -> torch.Tensor:
-        """One decoder layer over the whole prompt, by token chunks, in place on `h`."""
+        """One decoder layer over the whole prompt, by token chunks, in place on `h`. `past` >
+        0: the prompt's tokens after the `past` the cache holds already (Note [A returned
+        cache] in kv_cache.py; without padding: bottom-right causal attention, no mask)."""
         if torch.is_grad_enabled():
             raise RuntimeError("RevivaManager prefill runs under torch.no_grad() (generate does)")
         attn = layer.self_attn
-        mask = kwargs.get("attention_mask")
+        mask = kwargs.get("attention_mask") if past == 0 else None
         if "position_embeddings" not in kwargs:
             raise ValueError(
                 "RevivaManager: the decoder layer was called without position_embeddings "
@@ -68,8 +71,10 @@ class LlamaLayerPath:
         cache.acquire(i)
         try:
             # All of the prompt's K/V is written in this call: map it at once, not by chunks.
-            cache.reserve(i, h.shape[1])
-            if whole or not plan.whole_attention or cache.paged(i):  # (pages: by chunks)
+            cache.reserve(i, past + h.shape[1])
+            if past:
+                self._prefill_fused(cache, plan, i, layer, h, cos, sin, None, None, past)
+            elif whole or not plan.whole_attention or cache.paged(i):  # (pages: by chunks)
                 with cache.prefill_order(i, h.shape[1], plan.chunk_tokens):
                     self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, interface)
             else:
@@ -279,15 +284,16 @@ class LlamaLayerPath:
         )
         return out
 
-    def _prefill_fused(self, cache, plan, i, layer, h, cos, sin, mask, interface) -> None:  # noqa: ANN001
+    def _prefill_fused(self, cache, plan, i, layer, h, cos, sin, mask, interface, past=0) -> None:  # noqa: ANN001
         """Chunk by chunk: a chunk's queries attend to the keys of all tokens up to its end, which
-        this and earlier chunks have written, so one pass suffices and a chunk's input rows are
-        dead once its output is written."""
+        this and earlier chunks have written (and the `past` tokens before h's), so one pass
+        suffices and a chunk's input rows are dead once its output is written."""
         tokens, chunk = h.shape[1], plan.chunk_tokens
         for s in range(0, tokens, chunk):
             e = min(tokens, s + chunk)
-            whole = s == 0 and e == tokens
-            self._rows(cache, i, layer, h, s, e, s, cos, sin, mask, interface if whole else None)
+            whole = s == 0 and e == tokens and past == 0
+            hf = interface if whole else None
+            self._rows(cache, i, layer, h, s, e, past + s, cos, sin, mask, hf)
 
     def _rows(self, cache, i, layer, h, s, e, first, cos, sin, mask, interface) -> None:  # noqa: ANN001
         """Rows [s, e) of h are tokens [first, first + e - s): their projections, their K/V into

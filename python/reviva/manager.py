@@ -31,11 +31,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from reviva.adapters import DecoderLayout, inspect_model
 from reviva.block_attention import call_kernel, resolve_kernel
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
+from reviva.kv_fp8 import row_bytes as fp8rows_width
 from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
 from reviva.planner import Plan, budget_for, device_state, host_state, make_plan, spread
 from reviva.resources import device_resources
@@ -155,6 +157,9 @@ class RevivaManager:
         # Note [Shared prompt K/V] (kv_cache.py): this call's rows per prompt whose prompt K/V
         # is held once (1: every row its own).
         self._share = 1
+        # Note [A returned cache] (kv_cache.py): the tokens this call's cache took from the cache
+        # it continues from (its prefill starts after them); 0 for a call from an empty cache.
+        self._prefix = 0
         # Decode with Reviva's own attention call where a fused kernel reads the cache's layout
         # in place (CUDA, half precision); elsewhere HF's layers run unchanged (exact numbers).
         self._own_decode = device.type == "cuda" and self.layout.dtype in (
@@ -337,7 +342,8 @@ class RevivaManager:
             # takes them one block at a time, Note [Layers in parts])
             cache = kwargs.get("past_key_values")
             prompt = hidden_states is self._placeholder or (
-                hidden_states.shape[1] > 1 and (cache is None or cache.get_seq_length(i) == 0)
+                hidden_states.shape[1] > 1
+                and (cache is None or cache.get_seq_length(i) == self._prefix)
             )
             if i == 0 and not prompt and cache is self._cache and cache is not None:
                 self._prefill_over()  # (before the first decode layer takes its weights)
@@ -365,11 +371,14 @@ class RevivaManager:
                 return hidden_states
             if self._copy_hidden:
                 hidden_states = hidden_states.clone()
-            if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == 0:
+            if hidden_states.shape[1] > 1 and cache.get_seq_length(i) == self._prefix:
                 if self._share > 1:  # Note [Shared prompt K/V]: one row per prompt
                     hidden_states, kwargs = self._prompt_rows(hidden_states, kwargs)
                 self._prefill_layer_starts(i, kwargs, hidden_states)
-                return self.layers.prefill(cache, self._plan, i, layer, hidden_states, kwargs)
+                # (after a returned cache's tokens: Note [A returned cache] in kv_cache.py)
+                return self.layers.prefill(
+                    cache, self._plan, i, layer, hidden_states, kwargs, self._prefix
+                )
             if i == 0:
                 self._mark_decode_step()
             # (without padding, a mask HF passes is the causal one, which the own path applies
@@ -828,9 +837,9 @@ class RevivaManager:
                 f"RevivaManager.generate: the prompt has shape {shape}; batch and prompt length "
                 "must both be >= 1"
             )
-        for unsupported in ("past_key_values",):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(f"RevivaManager.generate does not support {unsupported}=")
+        # Note [A returned cache] (kv_cache.py): a cache to continue from, as parked K/V
+        past = kwargs.pop("past_key_values", None)
+        continued = None if past is None else self._parked_of(past, shape, embeds is not None)
         if kwargs.get("cache_implementation") is not None:
             # (transformers takes cache_implementation from a fixed list, with no registry to
             # add one to: the manager supplies its cache itself, as past_key_values)
@@ -863,11 +872,33 @@ class RevivaManager:
         padded = mask is not None and not bool(mask.all())
         cuda = self.layout.device.type == "cuda"
         self.arena.reclaim(True)  # memory a previous call gave back is free before planning
-        share = self._share_rows(rows, tokens + new_tokens, padded, gen, kwargs)
+        if continued is not None and (rows > 1 or padded):
+            raise ValueError(
+                "RevivaManager.generate: continuing from a returned cache (past_key_values) "
+                + (
+                    f"with {rows} sequences per prompt (num_beams / num_return_sequences)"
+                    if rows > 1
+                    else "with a padded batch"
+                )
+                + " is not supported yet: continue with one sequence per prompt, unpadded"
+            )
+        share = 1 if continued else self._share_rows(rows, tokens + new_tokens, padded, gen, kwargs)
         plan = self.plan(batch // share, tokens, new_tokens, padded=padded)
         if share > 1 and (plan.kv_fp8 or plan.page_tokens or plan.residual_on_host):
             share = 1  # (K/V attended by blocks or pages, or a prefill from the host: per row)
             plan = self.plan(batch, tokens, new_tokens, padded=padded)
+        if continued is not None and (plan.page_tokens or plan.residual_on_host):
+            raise ValueError(
+                "RevivaManager.generate: continuing from a returned cache (past_key_values) with "
+                "a plan that "
+                + (
+                    f"pages layers (kv_page_tokens={plan.page_tokens})"
+                    if plan.page_tokens
+                    else "keeps the prompt's hidden states on the host"
+                )
+                + " is not supported yet: raise vram_budget, or use kv_page_tokens=0 / "
+                "prefill_residual='device'"
+            )
         log.info(
             "reviva plan: %d of %d layers resident, %d slots, chunk %d tokens, K/V %.1f MB/layer",
             len(plan.resident_layers),
@@ -967,7 +998,11 @@ class RevivaManager:
                 page_tokens=plan.page_tokens,
                 attention_kernel=self._call_kernel,
                 share=share,
+                device=self.layout.device,
             )
+            if continued is not None:
+                cache.load_parked(continued[0], continued[1])
+                self._prefix = continued[2]
             if plan.page_slots:
                 cache.store.set_page_slots(plan.page_slots)
             setup["cache_made"] = (time.perf_counter() - t_setup) * 1e3
@@ -985,10 +1020,13 @@ class RevivaManager:
             self._phase["end"] = self._event()
             self._copy_hidden = False
             self._share = 1
+            prefix, self._prefix = self._prefix, 0
             self._cache, self._plan = None, None
             try:
                 if cache is not None:
-                    self._finish_call(cache, plan)
+                    # (a cache generate returns is parked: Note [A returned cache])
+                    park = bool(gen.return_dict_in_generate) and "end" in self._phase
+                    self._finish_call(cache, plan, park=park, prefix=prefix)
             finally:
                 if self._residual is not None and cuda:  # its copies end before it goes back
                     torch.cuda.synchronize(self.layout.device)
@@ -1090,18 +1128,95 @@ class RevivaManager:
         thread.start()
         return time.perf_counter() - t
 
-    def _finish_call(self, cache: RevivaCache, plan: Plan) -> None:
+    def _finish_call(
+        self, cache: RevivaCache, plan: Plan, park: bool = False, prefix: int = 0
+    ) -> None:
         """Waits for the call's work, collects its statistics, and closes the cache: its device
-        memory goes back to the arena (and from there to the device)."""
+        memory goes back to the arena (and from there to the device). With `park` (a call that
+        returns its cache) the cache's K/V is first parked in pinned host memory (Note [A
+        returned cache] in kv_cache.py)."""
         try:
             if self.layout.device.type == "cuda":
                 torch.cuda.synchronize(self.layout.device)
             cache.store.synchronize()
             self._last_stats = self._collect(cache, plan)
+            self._last_stats["continued_tokens"] = prefix
             if self._timeline_capacity:
                 self._last_timeline = cache.store.timeline()
+            if park:
+                cache.park(self.pool)
+            self._last_stats["returned_cache_host_mb"] = cache.parked_bytes / _MiB
         finally:
             cache.close()
+
+    def _parked_of(
+        self, past: Any, shape: tuple[int, ...], embeds: bool
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool, int]:
+        """Note [A returned cache] (kv_cache.py): the K/V of a cache to continue from, per layer
+        [batch, kv_heads, tokens, D] (fp8 rows for an fp8 RevivaCache), whether fp8, and its
+        tokens; raises naming what does not fit the model or the call."""
+        lay = self.layout
+        if embeds:
+            raise ValueError(
+                "RevivaManager.generate: past_key_values with inputs_embeds is not supported; "
+                "continue from the cache with token ids"
+            )
+        if isinstance(past, RevivaCache):
+            if past.parked is None:
+                raise ValueError(
+                    "RevivaManager.generate: the RevivaCache passed as past_key_values holds no "
+                    "K/V: a call's cache is kept (parked in pinned host memory) only when the "
+                    "call returns it, with return_dict_in_generate=True"
+                )
+            parked, fp8, length = past.parked, past.fp8, past.parked_length
+        elif isinstance(past, Cache) and getattr(past, "layers", None):
+            length = past.get_seq_length()
+            parked = []
+            for i, layer in enumerate(past.layers):
+                keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+                    raise ValueError(
+                        f"RevivaManager.generate: layer {i} of the {type(past).__name__} passed "
+                        "as past_key_values holds no keys and values"
+                    )
+                if keys.shape[2] < length:  # (a sliding layer keeps its window only)
+                    raise ValueError(
+                        f"RevivaManager.generate: layer {i} of the {type(past).__name__} passed "
+                        f"as past_key_values holds {keys.shape[2]} of its {length} tokens (a "
+                        "sliding window's cache); continue from a cache that holds every token"
+                    )
+                parked.append((keys[:, :, :length], values[:, :, :length]))
+            fp8 = False
+        else:
+            raise ValueError(
+                "RevivaManager.generate: past_key_values must be a cache a RevivaManager call "
+                "returned (return_dict_in_generate=True) or an HF Cache with keys and values per "
+                f"layer (e.g. DynamicCache), got {type(past).__name__}"
+            )
+        if len(parked) != lay.num_layers:
+            raise ValueError(
+                f"RevivaManager.generate: the cache passed as past_key_values has {len(parked)} "
+                f"layers, the model {lay.num_layers}"
+            )
+        k = parked[0][0]
+        width = fp8rows_width(lay.head_dim) if fp8 else lay.head_dim
+        if k.dim() != 4 or k.shape[1] != lay.num_kv_heads or k.shape[3] != width:
+            raise ValueError(
+                "RevivaManager.generate: the cache passed as past_key_values holds K/V of shape "
+                f"{tuple(k.shape)}, the model's is [batch, {lay.num_kv_heads}, tokens, {width}]"
+            )
+        if k.shape[0] != shape[0]:
+            raise ValueError(
+                f"RevivaManager.generate: the cache passed as past_key_values holds {k.shape[0]} "
+                f"rows, the call's prompt {shape[0]}"
+            )
+        if length < 1 or shape[1] <= length:
+            raise ValueError(
+                f"RevivaManager.generate: the prompt ({shape[1]} tokens) must extend the {length} "
+                "tokens the cache passed as past_key_values holds (the tokens it holds, then "
+                "at least one more)"
+            )
+        return parked, fp8, length
 
     # --- statistics ------------------------------------------------------------------------------
 

@@ -983,3 +983,119 @@ def test_gpu_bf16_every_family_close_to_an_fp32_run(family: str) -> None:
     assert err_rv <= factor * err_hf, (family, err_rv, err_hf)
     same = int((ref.sequences[0, 512:] == out.sequences[0, 512:]).cumprod(0).sum())
     assert same >= 1, "the first greedy token already differs"
+
+
+def test_a_chat_continues_from_the_returned_cache_turn_after_turn() -> None:
+    """Note [A returned cache] (kv_cache.py): a call with return_dict_in_generate=True returns
+    its cache, parked in pinned host memory; the next turn (its tokens, then the user's new
+    ones) continues from it with layers streamed and gives plain HF's tokens (HF continuing from
+    its own DynamicCache, and HF recomputing every token); a parked cache is read, never
+    written, so it serves twice; Reviva continues from HF's DynamicCache too; what cannot be
+    continued is refused by name."""
+    import copy
+
+    model = tiny_model("llama", seed=8)
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(1, 211, (2, 30), generator=g)
+    turns = [torch.randint(1, 211, (2, n), generator=g) for n in (7, 12)]
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    budget = budget_for(model, 2, 30 + 6 + 7 + 6 + 12, 6, 1)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+
+    ref = model.generate(ids, **kw)
+    out = manager.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    st = manager.get_memory_stats()
+    assert st["continued_tokens"] == 0 and st["returned_cache_host_mb"] > 0, st
+    assert out.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length() == 35
+    for user in turns:
+        prompt = torch.cat([out.sequences, user], dim=1)
+        hf_cache = copy.deepcopy(ref.past_key_values)
+        ref = model.generate(prompt, past_key_values=ref.past_key_values, **kw)
+        assert torch.equal(ref.sequences, model.generate(prompt, max_new_tokens=6))
+        first = manager.generate(prompt, past_key_values=out.past_key_values, **kw)
+        st = manager.get_memory_stats()
+        assert torch.equal(first.sequences, ref.sequences)
+        assert st["continued_tokens"] == out.past_key_values.get_seq_length(), st
+        assert st["streamed_layers"] >= 3, st
+        again = manager.generate(prompt, past_key_values=out.past_key_values, **kw)
+        assert torch.equal(again.sequences, ref.sequences), "a parked cache is never written"
+        from_hf = manager.generate(prompt, past_key_values=hf_cache, **kw)
+        assert torch.equal(from_hf.sequences, ref.sequences)
+        out = first
+
+    prompt = torch.cat([out.sequences, turns[0]], dim=1)
+    hf_cache = copy.deepcopy(ref.past_key_values)
+    ref = model.generate(prompt, past_key_values=ref.past_key_values, **kw)
+    own = RevivaManager(model, RevivaConfig(vram_budget=budget))
+    own._own_decode = True  # (the CUDA half-precision path's decode, here on the CPU)
+    assert torch.equal(
+        own.generate(prompt, past_key_values=hf_cache, **kw).sequences, ref.sequences
+    )
+    with pytest.raises(ValueError, match="must extend the"):
+        manager.generate(out.sequences[:, :20], past_key_values=out.past_key_values, **kw)
+    with pytest.raises(ValueError, match="num_beams / num_return_sequences"):
+        manager.generate(prompt, past_key_values=out.past_key_values, num_beams=2, **kw)
+    with pytest.raises(ValueError, match="holds 2 rows, the call's prompt 1"):
+        manager.generate(prompt[:1], past_key_values=out.past_key_values, **kw)
+    with pytest.raises(ValueError, match="must be a cache a RevivaManager call returned"):
+        manager.generate(prompt, past_key_values=[(prompt, prompt)], **kw)
+    plain = manager.generate(ids, max_new_tokens=4)  # (no cache returned: nothing parked)
+    assert torch.equal(plain, model.generate(ids, max_new_tokens=4))
+    assert manager.get_memory_stats()["returned_cache_host_mb"] == 0
+
+
+def test_continuing_a_fp8_cache() -> None:
+    """Note [A returned cache]: an fp8 cache parks its rows as they are and a call continuing
+    from it writes them unchanged (no second rounding): continuing gives the tokens a single
+    fp8 call over the whole conversation gives, in this tiny model; a bf16/fp32 call may
+    continue from fp8 rows too (dequantized)."""
+    model = tiny_model("llama", seed=10)
+    ids = torch.randint(1, 211, (1, 40), generator=torch.Generator().manual_seed(11))
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    manager = RevivaManager(model, RevivaConfig(kv_dtype="fp8"))
+    out = manager.generate(ids, **kw)
+    assert manager.get_memory_stats()["kv_dtype"] == "fp8"
+    prompt = torch.cat([out.sequences, ids[:, :9]], dim=1)
+    cont = manager.generate(prompt, past_key_values=out.past_key_values, **kw)
+    assert cont.sequences.shape == (1, 40 + 5 + 9 + 5)
+    assert manager.get_memory_stats()["continued_tokens"] == 44
+    other = RevivaManager(model, RevivaConfig())
+    plain = other.generate(prompt, past_key_values=out.past_key_values, **kw)
+    assert plain.sequences.shape == cont.sequences.shape
+
+
+@pytest.mark.gpu
+def test_gpu_chat_turns_and_beams_on_cuda() -> None:
+    """On CUDA in bf16 with a peaked head (decode through Reviva's own attention call and its
+    graphs, layers streamed): a second turn continuing from the first's returned cache (Note [A
+    returned cache]) gives HF's tokens continuing from its own DynamicCache, and 3 beams sharing
+    the prompt's K/V (Note [Shared prompt K/V]) HF's beams."""
+    import copy
+
+    model = gpu_llama(8, 8192, torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    ids = torch.randint(1, 32000, (1, 1024), device="cuda", generator=g)
+    user = torch.randint(1, 32000, (1, 300), device="cuda", generator=g)
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    budget = budget_for(model, 1, 1024 + 12 + 300 + 12, 12, 4)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+    ref = model.generate(ids, **kw)
+    out = manager.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    prompt = torch.cat([out.sequences, user], dim=1)
+    hf_cache = copy.deepcopy(ref.past_key_values)
+    ref2 = model.generate(prompt, past_key_values=ref.past_key_values, **kw)
+    out2 = manager.generate(prompt, past_key_values=out.past_key_values, **kw)
+    st = manager.get_memory_stats()
+    assert st["continued_tokens"] == 1035 and st["streamed_layers"] >= 2, st
+    assert torch.equal(out2.sequences, ref2.sequences)
+    from_hf = manager.generate(prompt, past_key_values=hf_cache, **kw)
+    assert torch.equal(from_hf.sequences, ref2.sequences)
+    beams = dict(max_new_tokens=10, do_sample=False, num_beams=3)
+    ref_b = model.generate(ids, **beams)
+    out_b = manager.generate(ids, **beams)
+    assert manager.get_memory_stats()["shared_prompt_rows"] == 3
+    assert torch.equal(out_b, ref_b)
