@@ -388,6 +388,15 @@ std::size_t KVStore::length(int layer) const {
   return bytes / options_.token_bytes;
 }
 
+void KVStore::set_fetch_window(int layer, std::size_t tokens) {
+  const BlockId id = block_at(layer, "set_fetch_window");
+  REVIVA_CHECK_ARG(!paged(layer), "KVStore::set_fetch_window: layer ", layer,
+                   " is paged (its pages are fetched one by one)");
+  REVIVA_CHECK_ARG(acquired_[static_cast<std::size_t>(layer)] == nullptr,
+                   "KVStore::set_fetch_window: layer ", layer, " is acquired");
+  manager_->set_fetch_tail(id, tokens * options_.token_bytes);
+}
+
 void KVStore::truncate(int layer, std::size_t tokens) {
   const BlockId id = block_at(layer, "truncate");
   const auto i = static_cast<std::size_t>(layer);

@@ -127,10 +127,12 @@ struct OffloadManager::Impl {
     Transfer transfer;               // D2H while ToHost; H2D while ToDevice or until folded
     // Append blocks (Note [Append blocks]); `bytes` is then the device allocation.
     bool append = false;
-    bool keep = false;         // kept resident: never evicted, no host copy
-    std::size_t capacity = 0;  // an append block's most bytes; a fixed block's `bytes`
-    std::size_t valid = 0;     // an append block's bytes of contents
-    Transfer last_write;       // its last write-through D2H (a fetch waits for it: rule 4)
+    bool keep = false;            // kept resident: never evicted, no host copy
+    std::size_t capacity = 0;     // an append block's most bytes; a fixed block's `bytes`
+    std::size_t valid = 0;        // an append block's bytes of contents
+    Transfer last_write;          // its last write-through D2H (a fetch waits for it: rule 4)
+    std::size_t fetch_tail = 0;   // Note [Fetch tails]: fetches copy the last bytes alone (0: all)
+    std::size_t device_from = 0;  // the device copy's first fetched byte (before it: stale)
   };
   struct Freeing {  // device memory freed stream-ordered, counted until `guard` completes
     std::uint64_t id;
@@ -587,21 +589,28 @@ struct OffloadManager::Impl {
 
   // Fresh device memory for busy block `id` (*ptr, set before the copy can fail), and the H2D
   // of its host copy into it. Unlocked.
-  // An append block copies its valid prefix, after its last write-through (rule 4).
-  Transfer fetch(BlockId id, std::size_t bytes, void** ptr, bool fresh = false) {
+  // An append block copies its valid prefix (its last fetch_tail bytes, unless `whole`: Note
+  // [Fetch tails]), after its last write-through (rule 4).
+  Transfer fetch(BlockId id, std::size_t bytes, void** ptr, bool fresh = false,
+                 bool whole = false) {
     *ptr = allocate_for(id, bytes, h2d().handle(), fresh);
     const PinnedBlock* host;
     std::size_t copy_bytes;
+    std::size_t offset = 0;
     Transfer last_write;
     {
       std::lock_guard<std::mutex> lock(mutex);
-      const Block& b = find(id);  // stable: the block is busy, only this thread touches it
+      Block& b = find(id);  // stable: the block is busy, only this thread touches it
       host = &b.host;
       copy_bytes = b.append ? b.valid : bytes;
+      if (b.append && !whole && b.fetch_tail > 0 && b.valid > b.fetch_tail)
+        offset = b.valid - b.fetch_tail;
+      copy_bytes -= offset;
+      b.device_from = offset;
       last_write = b.last_write;
     }
     const Event* after = last_write.valid() ? &last_write.completion_event() : nullptr;
-    return engine->restore(*host, *ptr, copy_bytes, after);
+    return engine->restore(*host, *ptr, copy_bytes, after, offset);
   }
 
   // `bytes` of device memory for busy block `id` on `stream`: growable up to its capacity for
@@ -894,6 +903,7 @@ bool OffloadManager::keep_resident(BlockId id) {
   Impl& m = *impl_;
   for (;;) {
     Transfer landing;
+    bool partial = false;  // on the device from a fetch with a tail: Note [Fetch tails]
     {
       Graveyard trash;
       std::unique_lock<std::mutex> lock(m.mutex);
@@ -903,6 +913,10 @@ bool OffloadManager::keep_resident(BlockId id) {
       if (b.keep) return true;
       if (b.state == BlockState::ToHost) {
         landing = b.transfer;
+      } else if ((b.state == BlockState::Device || b.state == BlockState::ToDevice) &&
+                 b.device_from > 0) {
+        REVIVA_CHECK_ARG(b.pins == 0, "keep_resident: block ", id, " (", b.name, ") is acquired");
+        partial = true;  // it leaves first (its host copy is whole) and comes back whole
       } else if (b.state == BlockState::Device || b.state == BlockState::ToDevice ||
                  b.state == BlockState::Empty) {
         // On the device (or nothing yet): the host copy goes once no copy reads or writes it
@@ -921,6 +935,12 @@ bool OffloadManager::keep_resident(BlockId id) {
       m.poll(/*wait_for_turn=*/true);
       continue;
     }
+    if (partial) {
+      engine().synchronize();  // (a fetch in flight lands first)
+      m.poll(/*wait_for_turn=*/true);
+      offload(id);
+      continue;
+    }
     std::size_t bytes;
     {
       std::lock_guard<std::mutex> lock(m.mutex);
@@ -932,7 +952,8 @@ bool OffloadManager::keep_resident(BlockId id) {
     try {
       m.reserve(bytes, /*may_wait=*/true, id);
       reserved = true;
-      copy = m.fetch(id, bytes, &ptr, /*fresh=*/true);  // not the memory of blocks that move
+      // (not the memory of blocks that move; the whole prefix: it stays, Note [Fetch tails])
+      copy = m.fetch(id, bytes, &ptr, /*fresh=*/true, /*whole=*/true);
     } catch (const OutOfMemory&) {
       m.abandon(id, ptr, bytes, reserved, m.h2d().handle());
       return false;
@@ -974,6 +995,37 @@ void OffloadManager::truncate(BlockId id, std::size_t bytes) {
   // A fetch in flight copies the old prefix, of which the kept one is a part; a write-through in
   // flight lands before any later fetch reads its range (rule 4: fetches wait for last_write).
   b.valid = bytes;
+}
+
+// Note [Fetch tails]
+// A sliding-window layer's query at token p reads the keys of tokens (p - W, p] alone, so a
+// streamed such layer needs only the last W tokens of its K/V on the device, not its whole valid
+// prefix: with a tail of W tokens' bytes its fetches copy those alone (the bytes a step moves for
+// it stop growing with the context), into the same offsets of its device memory (the memory
+// before them is backed but holds stale bytes, which the caller promises not to read). The host
+// copy stays whole (write-through), so lifting the tail brings everything back at the next fetch;
+// a device copy fetched with a tail that no longer covers what is asked leaves the device then.
+void OffloadManager::set_fetch_tail(BlockId id, std::size_t bytes) {
+  Impl& m = *impl_;
+  bool drop = false;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    m.poll(/*wait_for_turn=*/false);  // a fetch that has landed is folded first
+    std::unique_lock<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.wait_idle(lock, id);
+    REVIVA_CHECK_ARG(b.append, "set_fetch_tail: block ", id, " (", b.name,
+                     ") is not an append block");
+    REVIVA_CHECK_ARG(b.pins == 0, "set_fetch_tail: block ", id, " (", b.name, ") is acquired");
+    const bool narrower = b.device_from > 0 && (bytes == 0 || bytes > b.fetch_tail);
+    if (narrower && b.state == BlockState::ToDevice && attempt == 0) {
+      lock.unlock();
+      engine().synchronize();  // (rare: the fetch in flight lands, then it can leave)
+      continue;
+    }
+    b.fetch_tail = bytes;
+    drop = narrower && b.state == BlockState::Device && !b.keep;
+    break;
+  }
+  if (drop) offload(id);  // (clean: its host copy is whole)
 }
 
 std::size_t OffloadManager::valid_bytes(BlockId id) const {

@@ -260,11 +260,13 @@ Transfer TransferEngine::offload(const void* device_src, PinnedBlock& dst, std::
 }
 
 Transfer TransferEngine::restore(const PinnedBlock& src, void* device_dst, std::size_t bytes,
-                                 const Event* producer) {
+                                 const Event* producer, std::size_t offset) {
   REVIVA_CHECK_ARG(static_cast<bool>(src), "restore: the source block is empty");
-  REVIVA_CHECK_ARG(bytes <= src.size(), "restore: ", bytes, " bytes requested from a block of ",
-                   src.size(), " bytes");
-  const CopyRequest request{device_dst, src.data(), bytes};
+  REVIVA_CHECK_ARG(offset <= src.size() && bytes <= src.size() - offset, "restore: ", bytes,
+                   " bytes from offset ", offset, " requested from a block of ", src.size(),
+                   " bytes");
+  const CopyRequest request{static_cast<char*>(device_dst) + offset,
+                            static_cast<const char*>(src.data()) + offset, bytes};
   return submit(Direction::HostToDevice, std::span<const CopyRequest>(&request, 1), producer, &src);
 }
 

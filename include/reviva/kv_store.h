@@ -154,6 +154,11 @@ class REVIVA_API KVStore {
   // continue from there (assisted decoding's rejected tokens). Not while the layer (or one of
   // its pages) is acquired.
   void truncate(int layer, std::size_t tokens);
+  // A streamed layer whose reads need only its last `tokens` tokens (a sliding window; 0: all):
+  // its fetches copy those alone (OffloadManager::set_fetch_tail, Note [Fetch tails] in
+  // offload_manager.cpp); the tokens before them are stale on the device and must not be read.
+  // Not for paged layers; not while the layer is acquired.
+  void set_fetch_window(int layer, std::size_t tokens);
   std::size_t length(int layer) const;
   bool resident(int layer) const;
   std::size_t layer_bytes() const noexcept;  // capacity_tokens * token_bytes

@@ -97,6 +97,13 @@ class REVIVA_API OffloadManager {
   // continue from there (a rollback: assisted decoding's rejected tokens). Its memory and its
   // host copy stay; the copy's prefix stays valid. It must not be acquired.
   void truncate(BlockId id, std::size_t bytes);
+  // An append block's fetches copy only the last `bytes` of its valid prefix (0: all of it):
+  // compute reads no byte before them (a sliding-window layer's keys older than its window: Note
+  // [Fetch tails] in offload_manager.cpp); the device memory before them holds stale bytes. A
+  // device copy fetched with a tail leaves the device when the tail is lifted or lengthened, so
+  // that the next acquire fetches what is now asked for. keep_resident fetches the whole prefix.
+  // Not while acquired.
+  void set_fetch_tail(BlockId id, std::size_t bytes);
   // Keeps an append block on the device from now on: never evicted nor offloaded, its host copy
   // given back once its contents are on the device (later writes stay there). A block on the
   // host is fetched now into fresh memory (not memory the allocator keeps for blocks that come

@@ -120,8 +120,9 @@ class REVIVA_API TransferEngine {
   // the copy finishes), and pinned block -> device.
   Transfer offload(const void* device_src, PinnedBlock& dst, std::size_t bytes,
                    const Event* producer = nullptr);
+  // (`offset`: bytes [offset, offset + bytes) of the block into the same bytes at device_dst.)
   Transfer restore(const PinnedBlock& src, void* device_dst, std::size_t bytes,
-                   const Event* producer = nullptr);
+                   const Event* producer = nullptr, std::size_t offset = 0);
 
   // Later work on `compute` waits for `transfer` (lifetime rule 3), with timing events around
   // the wait: the time compute spends waiting counts as a stall in stats(). The one stall meter

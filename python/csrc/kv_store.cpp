@@ -346,6 +346,13 @@ void bind_kv_store(py::module_& m) {
           "truncate",
           [](PyKVStore& s, int layer, std::size_t tokens) { s.store().truncate(layer, tokens); },
           py::arg("layer"), py::arg("tokens"))
+      .def(
+          "set_fetch_window",
+          [](PyKVStore& s, int layer, std::size_t tokens) {
+            py::gil_scoped_release release;
+            s.store().set_fetch_window(layer, tokens);
+          },
+          py::arg("layer"), py::arg("tokens"))
       .def("length", [](PyKVStore& s, int layer) { return s.store().length(layer); })
       .def("resident", [](PyKVStore& s, int layer) { return s.store().resident(layer); })
       .def("stats", &PyKVStore::stats)

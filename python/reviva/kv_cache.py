@@ -177,6 +177,9 @@ class RevivaCache(Cache):
         self.parked_length = 0
         self.parked_bytes = 0
         self.num_kv_heads, self.head_dim = kv_heads, head_dim
+        # Note [Fetch tails] (src/offload_manager.cpp): sliding layers whose streamed K/V is
+        # fetched as its last `window` tokens alone (set_fetch_windows)
+        self.fetch_windows: dict[int, int] = {}
         # Prefill's attention calls on CUDA: "flash" or "cudnn" (Note [Prefill attention kernel]
         # in block_attention.py).
         self.attention_kernel = attention_kernel
@@ -236,6 +239,17 @@ class RevivaCache(Cache):
     def closed(self) -> bool:
         return self.store.closed
 
+    def set_fetch_windows(self, windows: dict[int, int]) -> None:
+        """Note [Fetch tails] (src/offload_manager.cpp): each layer in `windows` (index: its
+        window in tokens) is read only within its window from here on (Reviva's own attention
+        calls slice it, Note [Sliding windows]), so a fetch of it copies its last `window`
+        tokens alone; the tokens before are stale on the device. Only for layers that no
+        reader takes whole (HF's attention would read them masked: not with its calls)."""
+        for i, w in windows.items():
+            if not self.paged(i):
+                self.store.set_fetch_window(i, w)
+                self.fetch_windows[i] = w
+
     def park(self, pool: object) -> None:
         """Note [A returned cache]: every layer's tokens into pinned host memory of its own
         ([batch, kv_heads, tokens, D]: bf16/fp32 values, or fp8 rows as they are), then the
@@ -246,6 +260,9 @@ class RevivaCache(Cache):
                 "later call yet; use kv_page_tokens=0"
             )
         length = self.get_seq_length(0)
+        for i in list(self.fetch_windows):  # (every token is read here: fetched whole)
+            self.store.set_fetch_window(i, 0)
+        self.fetch_windows.clear()
         parked = []
         for i in range(len(self.layers)):
             if self.get_seq_length(i) != length:

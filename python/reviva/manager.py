@@ -626,9 +626,15 @@ class RevivaManager:
         if cuda:
             torch.cuda.empty_cache()  # prefill's cached working set: the device's again
         streamed = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
+        # Note [Fetch tails]: a sliding layer streamed moves its window a step, a full one all
+        # its tokens: full layers are promoted first
+        full = [i for i in streamed if i not in cache.fetch_windows]
+        windowed = [i for i in streamed if i in cache.fetch_windows]
+        picks = [full[k] for k in spread(min(int(count), len(full)), len(full))]
+        picks += [windowed[k] for k in spread(int(count) - len(picks), len(windowed))]
         promoted = refused = 0
         first_refusal: dict | None = None
-        for k in spread(int(count), len(streamed)):
+        for layer in picks:
             if cuda:
                 # (the arena's retiring memory, given back and waiting for its streams, is the
                 # arena's to map again: freed weight slots and dropped K/V slots are there)
@@ -638,7 +644,7 @@ class RevivaManager:
                     refused += 1
                     first_refusal = first_refusal or self._refusal_state("device", free, promoted)
                     continue
-            if cache.promote(streamed[k]):
+            if cache.promote(layer):
                 promoted += 1
             else:
                 refused += 1
@@ -1003,6 +1009,21 @@ class RevivaManager:
             if continued is not None:
                 cache.load_parked(continued[0], continued[1])
                 self._prefix = continued[2]
+            if (
+                self._own_decode
+                and rows == 1
+                and not padded
+                and os.environ.get("REVIVA_FETCH_WINDOWS", "1") != "0"  # (to compare)
+            ):
+                # Note [Fetch tails] (src/offload_manager.cpp): a sliding layer's reads are all
+                # Reviva's own window-sliced calls here, so its fetches copy its window alone
+                cache.set_fetch_windows(
+                    {
+                        i: w
+                        for i, w in enumerate(self.layout.windows)
+                        if w is not None and w < plan.capacity
+                    }
+                )
             if plan.page_slots:
                 cache.store.set_page_slots(plan.page_slots)
             setup["cache_made"] = (time.perf_counter() - t_setup) * 1e3
@@ -1025,7 +1046,8 @@ class RevivaManager:
             try:
                 if cache is not None:
                     # (a cache generate returns is parked: Note [A returned cache])
-                    park = bool(gen.return_dict_in_generate) and "end" in self._phase
+                    # (paged layers are not parked yet: such a cache comes back closed)
+                    park = bool(gen.return_dict_in_generate) and not cache.page_tokens
                     self._finish_call(cache, plan, park=park, prefix=prefix)
             finally:
                 if self._residual is not None and cuda:  # its copies end before it goes back
@@ -1166,7 +1188,8 @@ class RevivaManager:
                 raise ValueError(
                     "RevivaManager.generate: the RevivaCache passed as past_key_values holds no "
                     "K/V: a call's cache is kept (parked in pinned host memory) only when the "
-                    "call returns it, with return_dict_in_generate=True"
+                    "call returns it, with return_dict_in_generate=True, and not yet when its "
+                    "layers were paged (kv_page_tokens)"
                 )
             parked, fp8, length = past.parked, past.fp8, past.parked_length
         elif isinstance(past, Cache) and getattr(past, "layers", None):
@@ -1265,6 +1288,10 @@ class RevivaManager:
             "stall_ms": stall_ms,
             "overlap_ratio": st["overlap_ratio"],  # Note [Overlap ratio], the store's copies
             "resident_layers": st["resident_layers"],
+            # which layers' K/V streamed at the call's end (decode, after promotions)
+            "streamed_layer_ids": [
+                i for i in range(plan.num_layers) if not cache.store.resident(i)
+            ],
             "streamed_layers": st["streamed_layers"],
             "resident_layers_in_prefill": len(plan.resident_layers),
             "promoted_layers": st["promotions"],
@@ -1289,6 +1316,8 @@ class RevivaManager:
             "kv_block_tokens": plan.kv_block_tokens,
             # Note [Shared prompt K/V]: rows per prompt holding its K/V once (1: a copy per row)
             "shared_prompt_rows": cache.share,
+            # Note [Fetch tails]: sliding layers fetched as their window alone
+            "fetch_window_layers": len(cache.fetch_windows),
             "generated_rows_mb": cache.generated_bytes / _MiB,
             "residual_host_mb": plan.residual_host_bytes / _MiB,
             "layer_kv_mb": layer_kv / _MiB,

@@ -206,6 +206,52 @@ TEST_P(KVStoreTest, PromotedLayersKeepTheirContentsAndStopMoving) {
             3u * kTokenBytes * static_cast<std::size_t>(scaled(8)));
 }
 
+TEST_P(KVStoreTest, AFetchWindowMovesTheLastTokensAloneAndLiftingItBringsAllBack) {
+  // Note [Fetch tails] (offload_manager.cpp): a sliding-window layer's streamed K/V comes in as
+  // its last `window` tokens alone, at their own offsets (the tokens before are stale on the
+  // device, and not read); the host copy stays whole, so lifting the window brings every token
+  // back, and a promotion keeps every token.
+  constexpr std::size_t kWindow = 8;
+  Rig rig(backend_, 4, 96, 1, 1, {0});
+  rig.step(40, 1, /*check=*/false);  // prefill: 40 tokens each
+  for (int l = 1; l < 4; ++l) rig.store->set_fetch_window(l, l == 3 ? 0 : kWindow);
+  rig.store->synchronize();
+  const KVStoreStats before = rig.store->stats();
+  const int steps = 6;
+  for (int s = 0; s < steps; ++s) {
+    for (int l = 0; l < 4; ++l) {
+      void* buffer = rig.store->acquire(l, *rig.compute);
+      const std::size_t length = rig.store->length(l);
+      const auto& e = rig.expected[static_cast<std::size_t>(l)];
+      const std::size_t from = (l == 1 || l == 2) ? length - kWindow : 0;
+      // the last kWindow tokens (or all) exactly, at their own offsets
+      ASSERT_EQ(
+          download(*rig.staging, *rig.compute, static_cast<char*>(buffer) + from * kTokenBytes,
+                   (length - from) * kTokenBytes),
+          std::vector<std::uint8_t>(e.begin() + static_cast<std::ptrdiff_t>(from * kTokenBytes),
+                                    e.end()))
+          << "layer " << l << " step " << s;
+      rig.write_tokens(l, buffer, 1, 500 + static_cast<std::uint64_t>(s * 10 + l));
+      rig.store->release(l, *rig.compute);
+    }
+  }
+  rig.store->synchronize();
+  const KVStoreStats after = rig.store->stats();
+  // Each step fetched layers 1 and 2's last 8 tokens and layer 3's whole prefix (41..46); the
+  // window wraps around the cycle, so every fetch of the 6 steps is counted once.
+  std::size_t want = 0;
+  for (int s = 0; s < steps; ++s)
+    want += (2 * kWindow + 40 + static_cast<std::size_t>(s)) * kTokenBytes;
+  EXPECT_EQ(after.bytes_to_device - before.bytes_to_device, want);
+  // Lifted: every token again, exactly (a device copy fetched with a tail leaves first).
+  rig.store->set_fetch_window(1, 0);
+  EXPECT_TRUE(rig.store->promote(2));  // fetched whole, kept
+  rig.step(0, 999);                    // checks every layer's every token
+  rig.store->acquire(3, *rig.compute);
+  EXPECT_THROW(rig.store->set_fetch_window(3, kWindow), InvalidArgument) << "acquired";
+  rig.store->release(3, *rig.compute);
+}
+
 TEST_P(KVStoreTest, APromotionGetsRoomOfItsOwnNotTheSlots) {
   // One slot streams three layers; a promotion raises the budget by the layer it keeps, so the
   // slot's room stays for the layers still streamed (a budget raised one layer short once let

@@ -389,6 +389,63 @@ def test_sequences_per_prompt_share_the_prompts_kv_across_calls_and_a_failure() 
     assert manager._share == 1 and manager._cache is None
 
 
+@pytest.mark.parametrize("family", ["mistral_sliding", "gemma2_sliding"])
+def test_sliding_layers_move_only_their_window(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note [Fetch tails] (src/offload_manager.cpp): with Reviva's own attention calls (they
+    read a sliding layer within its window alone), a streamed sliding layer's decode fetches
+    copy its last 16 tokens, not all 150-189: counted against the same calls with whole fetches
+    (REVIVA_FETCH_WINDOWS=0), plain HF's tokens both ways. Gemma 2 alternates sliding and global
+    layers: the global ones are promoted first (a promoted sliding layer would save 16 tokens a
+    step, a global one all of its)."""
+    model = tiny_model(family, seed=7)
+    windows = [sliding_window(layer.self_attn) for layer in model.model.layers]
+    sliding = {i for i, w in enumerate(windows) if w == 16}
+    ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(8))
+    ref = model.generate(ids, max_new_tokens=40, do_sample=False)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    row = 2 * cfg.num_key_value_heads * head_dim * 4  # one token's K and V, fp32
+    runs = {}
+    for windowed in (True, False):
+        monkeypatch.setenv("REVIVA_FETCH_WINDOWS", "1" if windowed else "0")
+        keep = 3 if family == "gemma2_sliding" else 2  # (Gemma 2: room to promote one layer)
+        budget = budget_for(model, 1, 150, 40, keep)
+        manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+        manager._own_decode = True  # (the CUDA half-precision path's decode, here on the CPU)
+        out = manager.generate(ids, max_new_tokens=40, do_sample=False)
+        assert torch.equal(out, ref), f"windowed {windowed}: {(out != ref).sum().item()} differ"
+        st = manager.get_memory_stats()
+        runs[windowed] = (st, st["streamed_layer_ids"])
+    (st, streamed), (st0, streamed0) = runs[True], runs[False]
+    assert st["fetch_window_layers"] == len(sliding) and st0["fetch_window_layers"] == 0
+    if family == "gemma2_sliding":  # (promoted first: a global layer; else a spread pick)
+        promoted = set(range(len(windows))) - set(streamed)
+        assert promoted and not promoted & sliding, (streamed, sliding)
+        assert set(range(len(windows))) - set(streamed0) == {2}, streamed0
+        return
+    assert streamed == streamed0 and all(i in sliding for i in streamed)
+    # 39 decode steps; step s fetches a streamed layer holding 150 + s tokens: 16 of them now
+    saved = len(streamed) * sum((150 + s - 16) * row for s in range(39))
+    diff = st0["bytes_to_device"] - st["bytes_to_device"]
+    assert saved <= diff <= saved + len(streamed) * (150 + 39) * row, (diff, saved)
+    # A returned cache holds every token (fetched whole to park: Note [A returned cache]), and
+    # the next turn continues from it with windows again: HF continuing from its own cache.
+    monkeypatch.setenv("REVIVA_FETCH_WINDOWS", "1")
+    kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    hf = model.generate(ids, **kw)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 1, 190, 10, 2)))
+    manager._own_decode = True
+    out = manager.generate(ids, **kw)
+    assert torch.equal(out.sequences, hf.sequences)
+    prompt = torch.cat([out.sequences, ids[:, :20]], dim=1)
+    ref2 = model.generate(prompt, past_key_values=hf.past_key_values, **kw)
+    got = manager.generate(prompt, past_key_values=out.past_key_values, **kw)
+    assert torch.equal(got.sequences, ref2.sequences)
+    assert manager.get_memory_stats()["fetch_window_layers"] == len(sliding)
+
+
 @pytest.mark.parametrize("n", [1, 5, 48])
 def test_chunk_attention_within_a_sliding_window_is_the_band_masked_attention(n: int) -> None:
     """chunk_attention with a window (Note [Sliding windows]): queries of tokens [start, end)
