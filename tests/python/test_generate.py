@@ -1164,3 +1164,49 @@ def test_gpu_chat_turns_and_beams_on_cuda() -> None:
     out_b = manager.generate(ids, **beams)
     assert manager.get_memory_stats()["shared_prompt_rows"] == 3
     assert out_b.shape == ref_b.shape
+
+
+@pytest.mark.gpu
+def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Fetch tails] on CUDA: a Mistral-shaped model (1B widths, 8 layers, a 512-token
+    window) in bf16 with a 4k prompt and most layers' K/V streamed: fetching each streamed
+    sliding layer's window alone gives the same logits, bit for bit, as whole fetches
+    (REVIVA_FETCH_WINDOWS=0: the stale bytes before the window are never read), and moves fewer
+    bytes; a turn continued from the returned cache too."""
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=8192,
+        sliding_window=512,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(1, 32000, (1, 4096), device="cuda")
+    kw = dict(max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    torch.cuda.empty_cache()
+    budget = budget_for(model, 1, 4096 + 16 + 64 + 16, 16, 3)
+    runs = {}
+    for windowed in (True, False):
+        monkeypatch.setenv("REVIVA_FETCH_WINDOWS", "1" if windowed else "0")
+        torch.cuda.empty_cache()
+        manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+        out = manager.generate(ids, **kw)
+        st = manager.get_memory_stats()
+        more = torch.cat([out.sequences, ids[:, :64]], dim=1)
+        cont = manager.generate(more, past_key_values=out.past_key_values, **kw)
+        runs[windowed] = (out, st, cont)
+    (out, st, cont), (out0, st0, cont0) = runs[True], runs[False]
+    assert st["fetch_window_layers"] == 8 and st0["fetch_window_layers"] == 0
+    assert st["streamed_layer_ids"] and st["streamed_layer_ids"] == st0["streamed_layer_ids"]
+    assert torch.equal(out.sequences, out0.sequences)
+    for a, b in zip(out.logits, out0.logits, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(cont.sequences, cont0.sequences)
+    assert st["bytes_to_device"] < st0["bytes_to_device"], (st["bytes_to_device"], st0)
