@@ -32,6 +32,11 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
   duplex). The 128k A/B of residual-streams-2026-12-02-617485d.json saved 0.84 s of the 1.25 s
   this model counts for copies on the compute stream.
 
+- sliding-window layers (Mistral, Gemma, ...; not calibrated): a query reads its window's keys
+  alone, in prefill (T*W - W^2/2 of the T^2/2 causal pairs) and in decode, and a streamed one's
+  decode fetch copies its window alone (Note [Fetch tails] in src/offload_manager.cpp; bf16 K/V,
+  not paged); full layers are promoted after prefill before sliding ones.
+
 Other GPUs differ; the figures say what they were calibrated on. An estimate, not a
 measurement: `benchmarks/bench_generate.py` measures.
 """
@@ -106,13 +111,18 @@ def forecast(
     vocab_params = 2 * layout.vocab_size * layout.hidden_size
     tokens = plan.batch * plan.prompt_tokens
     linear = 2 * max(params - vocab_params, 0) * tokens / LINEAR_FLOPS
-    attn_flops = (
-        2
-        * layout.num_layers
-        * plan.batch
-        * plan.prompt_tokens**2
-        * layout.num_heads
-        * layout.head_dim
+    # Sliding layers (Note [Sliding windows]): a query reads its window's keys alone, in prefill
+    # and in decode, and a streamed one's decode fetch copies its window alone (Note [Fetch
+    # tails] in src/offload_manager.cpp; bf16 K/V, not paged).
+    windows = [
+        w if w is not None and w < plan.capacity else None
+        for w in (layout.windows or (None,) * layout.num_layers)
+    ]
+    t = plan.prompt_tokens
+    per_head = plan.batch * layout.num_heads * layout.head_dim
+    attn_flops = sum(
+        2 * per_head * t**2 if w is None or t <= w else 4 * per_head * (t * w - w * w / 2)
+        for w in windows
     )
     if plan.whole_attention:
         rate = WHOLE_ATTENTION_FLOPS
@@ -136,12 +146,19 @@ def forecast(
     kv_read = plan.kv_token_bytes
     if plan.kv_fp8:  # the rows, then the 16-bit block written and read back
         kv_read += 2 * (2 * plan.batch * layout.num_kv_heads * layout.head_dim * e)
-    kv_bytes = layout.num_layers * mean_len * kv_read
+    read = [mean_len if w is None else min(w, mean_len) for w in windows]
+    kv_bytes = sum(read) * kv_read
     compute = weight_bytes / WEIGHT_READ_BPS + kv_bytes / KV_READ_BPS
-    streamed = plan.num_layers - min(
-        plan.num_layers, len(plan.resident_layers) + plan.promotable_layers()
-    )
-    transfer = streamed * mean_len * plan.kv_token_bytes / PCIE_BPS
+    # the layers streamed in decode: not resident in prefill, less the promotions after it
+    # (full layers first: RevivaManager._promote_after_prefill)
+    streamed_ids = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
+    promote = min(max(int(plan.promotable_layers()), 0), len(streamed_ids))
+    full = [i for i in streamed_ids if windows[i] is None]
+    windowed = [i for i in streamed_ids if windows[i] is not None]
+    promoted_ids = set((full + windowed)[:promote])
+    tails = not plan.kv_fp8 and not plan.page_tokens
+    fetched = [read[i] if tails else mean_len for i in streamed_ids if i not in promoted_ids]
+    transfer = sum(fetched) * plan.kv_token_bytes / PCIE_BPS
     weight_copies = plan.streamed_weight_layers * plan.weight_layer_bytes / PCIE_BPS
     transfer += weight_copies
     step = max(compute, transfer)
