@@ -53,11 +53,10 @@ WeightStore::WeightStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr
   REVIVA_CHECK_ARG(!options_.layer_bytes.empty(), "WeightStore: no layers");
   for (std::size_t i = 0; i < options_.layer_bytes.size(); ++i)
     REVIVA_CHECK_ARG(options_.layer_bytes[i] > 0, "WeightStore: layer ", i, " has 0 bytes");
-  const std::size_t largest =
-      *std::max_element(options_.layer_bytes.begin(), options_.layer_bytes.end());
-  REVIVA_CHECK_ARG(options_.slot_bytes == 0 || options_.slot_bytes >= largest,
+  largest_ = *std::max_element(options_.layer_bytes.begin(), options_.layer_bytes.end());
+  REVIVA_CHECK_ARG(options_.slot_bytes == 0 || options_.slot_bytes >= largest_,
                    "WeightStore: slot_bytes ", options_.slot_bytes,
-                   " cannot hold the largest layer (", largest, " bytes)");
+                   " cannot hold the largest layer (", largest_, " bytes)");
   allocator_ = std::make_shared<ArenaDeviceAllocator>(arena_);
   OffloadManagerOptions mo;
   mo.budget_bytes = 1;  // set_residency() sets it
@@ -215,6 +214,9 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
     manager_->offload(blocks_[i]);
   }
   resident_ = wanted;  // the budget holds the resident layers and the slots
+  unfilled_ = 0;
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (resident_[i] && resident_at_[i] == nullptr) ++unfilled_;
   slots_ = streams ? slots : 0;
   prefetch_layers_ = streams ? prefetch_layers : 0;
   manager_->set_budget_bytes(budget_for(slots_));
@@ -236,6 +238,7 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
       manager_->offload(blocks_[i]);
     }
     resident_.assign(blocks_.size(), false);
+    unfilled_ = 0;
     slots_ = 0;
     prefetch_layers_ = 0;
     manager_->set_budget_bytes(1);
@@ -272,14 +275,15 @@ void WeightStore::reserve_unfilled(const Stream& stream) {
 // every fill: the H200, 32B shape at 10ddabe, 0.27 s of call 1 before its first layer). A fill
 // the arena cannot give memory for throws OutOfMemory; the layer stays resident and unfilled.
 void WeightStore::fill_resident_near(int layer) {
-  const std::size_t largest =
-      *std::max_element(options_.layer_bytes.begin(), options_.layer_bytes.end());
-  const std::size_t reach = kFillAheadLayers * std::max(options_.slot_bytes, largest);
+  if (unfilled_ == 0) return;  // (every acquire asks: after a call's first pass, none is left)
+  const std::size_t reach = kFillAheadLayers * std::max(options_.slot_bytes, largest_);
   const Stream& h2d = engine_->stream(Direction::HostToDevice);
   std::size_t ahead = 0;
   for (auto i = static_cast<std::size_t>(layer); i < blocks_.size() && ahead <= reach; ++i) {
-    if (resident_[i] && resident_at_[i] == nullptr)
+    if (resident_[i] && resident_at_[i] == nullptr) {
       resident_at_[i] = manager_->acquire(blocks_[i], h2d, Access::ReadOnly);
+      --unfilled_;
+    }
     ahead += options_.layer_bytes[i];
   }
 }
@@ -289,10 +293,8 @@ void WeightStore::set_slot_bytes(std::size_t bytes, std::size_t block_bytes) {
   for (std::size_t i = 0; i < acquired_.size(); ++i)
     REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::set_slot_bytes: layer ", i,
                      " is acquired");
-  const std::size_t largest =
-      *std::max_element(options_.layer_bytes.begin(), options_.layer_bytes.end());
-  REVIVA_CHECK_ARG(bytes == 0 || bytes >= largest, "WeightStore::set_slot_bytes: slot_bytes ",
-                   bytes, " cannot hold the largest layer (", largest, " bytes)");
+  REVIVA_CHECK_ARG(bytes == 0 || bytes >= largest_, "WeightStore::set_slot_bytes: slot_bytes ",
+                   bytes, " cannot hold the largest layer (", largest_, " bytes)");
   std::size_t streamed = 0;
   for (std::size_t i = 0; i < blocks_.size(); ++i)
     if (!resident_[i]) streamed = std::max(streamed, options_.layer_bytes[i]);

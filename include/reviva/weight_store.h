@@ -153,6 +153,8 @@ class REVIVA_API WeightStore {
   std::vector<bool> resident_;      // held on the device by the store (pinned in the manager)
   std::vector<void*> acquired_;     // the address of an acquired layer, null otherwise
   std::vector<void*> resident_at_;  // a resident layer's address once its fill is issued, or null
+  std::size_t unfilled_ = 0;        // resident layers whose fill is not issued yet
+  std::size_t largest_ = 0;         // the largest layer's bytes
   int slots_ = 0;
   int prefetch_layers_ = 0;
   std::uint64_t slot_hits_ = 0;

@@ -74,6 +74,11 @@ class DecoderLayout:
     # each layer's sliding window in tokens, None for full attention (Note [Sliding windows])
     windows: tuple[int | None, ...] = ()
 
+    def windows_shorter_than(self, tokens: int) -> dict[int, int]:
+        """The layers whose sliding window leaves out some of a call's `tokens` (index: window);
+        a longer window never leaves a key out, so such a layer attends as a full one does."""
+        return {i: w for i, w in enumerate(self.windows) if w is not None and w < tokens}
+
 
 def sliding_window(attn: nn.Module) -> int | None:
     """The layer's sliding window (Note [Sliding windows] in llama_layer.py), None for full

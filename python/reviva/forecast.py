@@ -114,10 +114,8 @@ def forecast(
     # Sliding layers (Note [Sliding windows]): a query reads its window's keys alone, in prefill
     # and in decode, and a streamed one's decode fetch copies its window alone (Note [Fetch
     # tails] in src/offload_manager.cpp; bf16 K/V, not paged).
-    windows = [
-        w if w is not None and w < plan.capacity else None
-        for w in (layout.windows or (None,) * layout.num_layers)
-    ]
+    short = layout.windows_shorter_than(plan.capacity)
+    windows = [short.get(i) for i in range(layout.num_layers)]
     t = plan.prompt_tokens
     per_head = plan.batch * layout.num_heads * layout.head_dim
     attn_flops = sum(

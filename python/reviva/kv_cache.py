@@ -309,18 +309,17 @@ class RevivaCache(Cache):
                     f"runs {self.batch}"
                 )
             k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
-            if fp8 and not self.fp8:
-                k = fp8rows.dequantize(k, self.dtype, self.runtime)
-                v = fp8rows.dequantize(v, self.dtype, self.runtime)
+            writer = self.write
             if fp8 and self.fp8:  # (rows as they are: no second rounding)
                 writer = self.store.write
-            else:
-                writer = self.write
+            elif fp8:
+                k = fp8rows.dequantize(k, self.dtype, self.runtime)
+                v = fp8rows.dequantize(v, self.dtype, self.runtime)
+            elif not self.fp8:
+                k, v = k.to(self.dtype), v.to(self.dtype)
             self.acquire(i)
             try:
                 self.reserve(i, k.shape[2])
-                if not fp8 and not self.fp8:
-                    k, v = k.to(self.dtype), v.to(self.dtype)
                 writer(i, 0, k, v)
             finally:
                 self.release(i)

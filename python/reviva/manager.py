@@ -936,7 +936,7 @@ class RevivaManager:
             )
         # (a window as long as the call's tokens never leaves a key out: Gemma's 4096 or
         # Mistral's over a shorter call attend as full layers do)
-        windows = {w for w in self.layout.windows if w is not None and w < plan.capacity}
+        windows = set(self.layout.windows_shorter_than(plan.capacity).values())
         if windows and (plan.kv_fp8 or plan.page_tokens):
             raise ValueError(
                 f"RevivaManager.generate: layers with a sliding window ({min(windows)} tokens) "
@@ -1017,13 +1017,7 @@ class RevivaManager:
             ):
                 # Note [Fetch tails] (src/offload_manager.cpp): a sliding layer's reads are all
                 # Reviva's own window-sliced calls here, so its fetches copy its window alone
-                cache.set_fetch_windows(
-                    {
-                        i: w
-                        for i, w in enumerate(self.layout.windows)
-                        if w is not None and w < plan.capacity
-                    }
-                )
+                cache.set_fetch_windows(self.layout.windows_shorter_than(plan.capacity))
             if plan.page_slots:
                 cache.store.set_page_slots(plan.page_slots)
             setup["cache_made"] = (time.perf_counter() - t_setup) * 1e3
@@ -1067,7 +1061,7 @@ class RevivaManager:
         copy per row (to compare)."""
         if rows == 1 or os.environ.get("REVIVA_SHARE_PROMPT", "1") == "0":
             return 1
-        short_window = any(w is not None and w < capacity for w in self.layout.windows)
+        short_window = bool(self.layout.windows_shorter_than(capacity))
         keep = kwargs.get("logits_to_keep")
         if (
             padded
