@@ -140,7 +140,8 @@ def forecast(
         exposed = 2 * layout.num_layers * chunk_bytes / PCIE_BPS
         copies = layout.num_layers * plan.residual_host_bytes / PCIE_BPS  # in and out at once
         residual = max(copies - compute_prefill, 0.0) + exposed
-    mean_len = plan.prompt_tokens + (plan.capacity - plan.prompt_tokens) / 2
+    held = plan.past_tokens + plan.prompt_tokens  # after prefill (Note [A returned cache])
+    mean_len = held + (plan.capacity - held) / 2
     kv_read = plan.kv_token_bytes
     if plan.kv_fp8:  # the rows, then the 16-bit block written and read back
         kv_read += 2 * (2 * plan.batch * layout.num_kv_heads * layout.head_dim * e)
@@ -161,8 +162,8 @@ def forecast(
     transfer += weight_copies
     step = max(compute, transfer)
     promoted = min(plan.promotable_layers(), plan.streamed_layers)
-    first_extra = promoted * plan.prompt_tokens * plan.kv_token_bytes / PCIE_BPS
-    steps = plan.capacity - plan.prompt_tokens - 1
+    first_extra = promoted * held * plan.kv_token_bytes / PCIE_BPS
+    steps = plan.capacity - held - 1
     exposed = 0.0  # prefill's weight copies not under compute (see the module docstring)
     if plan.streamed_weight_layers and plan.weight_slots == 1:
         resident = set(plan.weight_resident_layers)

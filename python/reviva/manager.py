@@ -728,9 +728,18 @@ class RevivaManager:
 
     # --- planning --------------------------------------------------------------------------------
 
-    def plan(self, batch: int, prompt_tokens: int, new_tokens: int, padded: bool = False) -> Plan:
+    def plan(
+        self,
+        batch: int,
+        prompt_tokens: int,
+        new_tokens: int,
+        padded: bool = False,
+        past_tokens: int = 0,
+    ) -> Plan:
         """How a generate call of this shape would use the budget now (reviva.planner); raises
-        RevivaOutOfMemoryError naming the numbers when even one layer's K/V cannot fit."""
+        RevivaOutOfMemoryError naming the numbers when even one layer's K/V cannot fit.
+        past_tokens: the tokens of a returned cache the call continues from, before its
+        prompt_tokens."""
         state = device_state(self.layout, self.arena, self._streamed_param_bytes())
         host = host_state(self.pool)
         w = self.weights
@@ -746,6 +755,7 @@ class RevivaManager:
             weight_layers=w.num_layers if w is not None else 0,
             weight_layer_bytes=max(w.layer_device_bytes) if w is not None else 0,
             weight_decode_slot_bytes=w.decode_slot_bytes if w is not None else 0,
+            past_tokens=past_tokens,
         )
 
     def budget_for(
@@ -889,7 +899,9 @@ class RevivaManager:
                 + " is not supported yet: continue with one sequence per prompt, unpadded"
             )
         share = 1 if continued else self._share_rows(rows, tokens + new_tokens, padded, gen, kwargs)
-        plan = self.plan(batch // share, tokens, new_tokens, padded=padded)
+        # (a continued call's prefill runs the tokens after the returned cache's alone)
+        past_tokens = 0 if continued is None else continued[2]
+        plan = self.plan(batch // share, tokens - past_tokens, new_tokens, padded, past_tokens)
         if share > 1 and (plan.kv_fp8 or plan.page_tokens or plan.residual_on_host):
             share = 1  # (K/V attended by blocks or pages, or a prefill from the host: per row)
             plan = self.plan(batch, tokens, new_tokens, padded=padded)

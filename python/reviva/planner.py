@@ -161,8 +161,8 @@ class Plan:
     device_limit: int  # what the device can give in all (baseline + available)
     baseline: int  # held before the call (weights, buffers)
     batch: int
-    prompt_tokens: int
-    capacity: int  # prompt + new tokens
+    prompt_tokens: int  # the tokens this call's prefill runs (after past_tokens)
+    capacity: int  # past + prompt + new tokens
     chunk_tokens: int
     # Attention over the whole prompt in one call (queries and output held whole) while the
     # projections and the MLP go by chunks; else attention by query chunks too. (Paged layers
@@ -202,6 +202,9 @@ class Plan:
     # decode's room for streamed weights (Note [Layers in parts] in reviva/weights.py: one block at
     # a time, two of the largest block), at most the weight slots' (0: theirs)
     weight_decode_slot_bytes: int = 0
+    # Note [A returned cache] (kv_cache.py): tokens whose K/V a continued call starts from; its
+    # prefill runs prompt_tokens more after them, attending all of them
+    past_tokens: int = 0
 
     @property
     def streamed_weight_layers(self) -> int:
@@ -273,6 +276,7 @@ def make_plan(
     weight_layers: int = 0,
     weight_layer_bytes: int = 0,
     weight_decode_slot_bytes: int = 0,
+    past_tokens: int = 0,
 ) -> Plan:
     """How a generate call of this shape uses the budget; raises RevivaOutOfMemoryError naming
     the numbers when the weights, the minimum working set and one layer's K/V do not fit, or
@@ -289,8 +293,14 @@ def make_plan(
     The prompt's hidden states stay on the device (the measured path) unless they do not fit
     there: then, with config.prefill_residual "auto" (or always, with "host"), they live in
     pinned host memory through prefill (Note [Residual stream on the host] in llama_layer.py),
-    which takes them and the whole prompt's rotary tables out of the working set."""
+    which takes them and the whole prompt's rotary tables out of the working set.
+
+    past_tokens: a call continued from a returned cache (Note [A returned cache] in kv_cache.py)
+    holds that many tokens' K/V before its prefill of prompt_tokens: the K/V is planned for all of
+    them, the working set for the prompt_tokens' queries over every key."""
     _check_shape(batch, prompt_tokens, new_tokens)
+    if isinstance(past_tokens, bool) or not isinstance(past_tokens, int) or past_tokens < 0:
+        raise ValueError(f"plan: past_tokens must be an int >= 0, got {past_tokens!r}")
     if weight_layers and weight_layers != layout.num_layers:
         raise ValueError(
             f"plan: weight_layers must be 0 or the model's {layout.num_layers} layers, got "
@@ -301,7 +311,19 @@ def make_plan(
         _round_up(weight_layer_bytes, state.granularity),
         _round_up(weight_decode_slot_bytes, state.granularity),
     )
-    args = (layout, config, state, batch, prompt_tokens, new_tokens, padded, model, host, weights)
+    args = (
+        layout,
+        config,
+        state,
+        batch,
+        prompt_tokens,
+        new_tokens,
+        padded,
+        model,
+        host,
+        weights,
+        past_tokens,
+    )
     mode = config.prefill_residual
     if mode == "host":
         return _make_plan(*args, host_residual=True)
@@ -324,6 +346,7 @@ def _make_plan(
     model: MemoryModel,
     host: HostState | None,
     weights: tuple[int, int, int],
+    past_tokens: int,
     host_residual: bool,
 ) -> Plan:
     lay = layout
@@ -331,7 +354,8 @@ def _make_plan(
     requested = config.budget_bytes(state.total)
     budget = min(requested, state.limit)
     baseline = state.baseline
-    capacity = prompt_tokens + new_tokens
+    keys = past_tokens + prompt_tokens  # what prefill's queries attend
+    capacity = keys + new_tokens
     fp8 = config.kv_dtype == "fp8"
     if fp8:  # uint8 rows: head_dim e4m3 values and a 4-byte scale per token and head
         kv_token = 2 * batch * lay.num_kv_heads * kv_fp8.row_bytes(lay.head_dim)
@@ -361,7 +385,7 @@ def _make_plan(
             model.chunk_max_bytes,
         )
         m = model.chunk_multiple
-        chunk = max(m, target // (per_token + score * prompt_tokens) // m * m)
+        chunk = max(m, target // (per_token + score * keys) // m * m)
     chunk = min(chunk, prompt_tokens)
     # The prompt's hidden states and rotary tables: on the device for the whole prompt, or (the
     # residual on the host) a chunk's at a time, already in per_token's residual tensors.
@@ -379,9 +403,9 @@ def _make_plan(
     # it that HF's sdpa_attention_forward returns (attn_output.transpose(1, 2).contiguous()):
     # counting two, a paged plan at 64k on a 24 GB card ran out of memory in that copy (50eb01c).
     q_and_out = 3 * batch * prompt_tokens * lay.num_heads * lay.head_dim * e
-    q_and_out += score * prompt_tokens * prompt_tokens
+    q_and_out += score * prompt_tokens * keys
     # ... and a contiguous copy of the layer's keys and values (LlamaLayerPath._attend_hf).
-    kv_copy = 2 * batch * prompt_tokens * lay.num_kv_heads * lay.head_dim * e
+    kv_copy = 2 * batch * keys * lay.num_kv_heads * lay.head_dim * e
     q_and_out += kv_copy
     # fp8 K/V: one block of K and V dequantized at a time, and the merge's fp32 accumulators for
     # a chunk's queries. In 16 bits the core's kernel writes the block and nothing else
@@ -410,7 +434,9 @@ def _make_plan(
     weight_layers, weight_bytes, weight_decode_slot = weights
     # the least room streamed weights need beside the K/V: their slots (or all of them resident)
     weight_least = min(weight_layers, model.weight_slots) * weight_bytes
-    if host_residual or fp8:  # a chunk's queries at a time (fp8: K/V by blocks, never whole)
+    # a chunk's queries at a time: fp8 K/V by blocks, never whole; after a returned cache's
+    # tokens, each chunk attends the cache's buffer in place (LlamaLayerPath.prefill)
+    if host_residual or fp8 or past_tokens:
         whole_attention = False
     elif chunk >= prompt_tokens or config.prefill_attention == "whole":
         whole_attention = True
@@ -424,9 +450,9 @@ def _make_plan(
     if whole_attention and chunk < prompt_tokens:
         prefill = base + q_and_out  # whole queries and output, and the scores
     elif whole_attention:  # q and out are in per_token
-        prefill = base + score * prompt_tokens * prompt_tokens + kv_copy
+        prefill = base + score * prompt_tokens * keys + kv_copy
     else:
-        prefill = base + score * chunk * prompt_tokens
+        prefill = base + score * chunk * keys
     decode = logits + batch * capacity * 8 + per_token + model.decode_fixed
     if fp8:
         decode += decode_block_tokens * per_block_token + accumulators
@@ -510,6 +536,7 @@ def _make_plan(
         # as wide as the slots: the last of the window comes in as a layer is released (Note
         # [Streamed weights] in src/weight_store.cpp)
         weight_prefetch_layers=min(window, weight_slots),
+        past_tokens=past_tokens,
     )
     host_cap = config.host_memory_bytes()
     pinned = plan.pinned_host_bytes
