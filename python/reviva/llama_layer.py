@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -566,6 +567,29 @@ CAPTURE_MS_MAX = 200.0
 CAPTURE_ALL_STEPS = 16
 
 
+# Note [One capture stream]: torch gives each (cuBLAS handle, stream) its own workspace from the
+# caching allocator, allocated at the stream's first matmul and never given back (32 MiB or so on
+# the H200; torch.cuda.Stream() takes streams from a pool of 32 per device). A side stream per
+# manager made every new manager's first call leave that much more held on the device: a later
+# call's plan (its baseline) had less room than the first's, and a second turn under a budget
+# sized for the first was refused on the H200 (7ecc25f). One capture stream per device and
+# thread serves every manager; the workspace is taken once per process.
+_capture_streams = threading.local()
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream decode graphs are warmed up and captured on (Note [One capture
+    stream]): one per device and thread (two threads capturing at once need two streams)."""
+    streams = getattr(_capture_streams, "by_device", None)
+    if streams is None:
+        streams = _capture_streams.by_device = {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = streams.get(index)
+    if stream is None:
+        stream = streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 class DecodeGraphs:
     """CUDA graphs of the per-layer decode compute around attention (Note [Decode graphs])."""
 
@@ -588,7 +612,6 @@ class DecodeGraphs:
         self.uncaptured: dict[int, str] = {}
         self._static: dict[str, torch.Tensor] = {}
         self._pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
         self._cos: torch.Tensor | None = None
         # Parameter shapes (and dtypes) of layers warmed up since the static buffers were made.
         self._warm: set[tuple[tuple[Any, ...], ...]] = set()
@@ -748,9 +771,7 @@ class DecodeGraphs:
                 self._pool = pool
                 self._cos = None
                 self._warm.clear()
-            if self._stream is None:  # one side stream for the manager's captures
-                self._stream = torch.cuda.Stream(device=h.device)
-            stream = self._stream
+            stream = capture_stream(h.device)
             compute = torch.cuda.current_stream(h.device)
             stream.wait_stream(compute)
             shapes = _param_shapes(layer)
