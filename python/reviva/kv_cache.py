@@ -294,9 +294,14 @@ class RevivaCache(Cache):
         self.parked_bytes = sum(2 * k.numel() * k.element_size() for k, _ in parked)
         self.close()
 
-    def load_parked(self, parked: list[tuple[torch.Tensor, torch.Tensor]], fp8: bool) -> None:
+    def load_parked(
+        self, parked: list[tuple[torch.Tensor, torch.Tensor]], fp8: bool, length: int = 0
+    ) -> None:
         """Note [A returned cache]: writes a parked cache's tokens ([batch, kv_heads, tokens, D]
-        per layer; fp8 rows when `fp8`) into this empty cache, layer by layer."""
+        per layer; fp8 rows when `fp8`) into this empty cache, layer by layer. A layer holding
+        fewer than `length` tokens holds the last ones (a sliding layer's window, from HF's
+        cache): the tokens before them are written as zeros, which no query of that layer
+        reads (its attention starts at its window)."""
         if len(parked) != len(self.layers):
             raise ValueError(
                 f"RevivaCache: the cache to continue from has {len(parked)} layers, the model "
@@ -317,10 +322,15 @@ class RevivaCache(Cache):
                 v = fp8rows.dequantize(v, self.dtype, self.runtime)
             elif not self.fp8:
                 k, v = k.to(self.dtype), v.to(self.dtype)
+            first = max(length - k.shape[2], 0)
             self.acquire(i)
             try:
-                self.reserve(i, k.shape[2])
-                writer(i, 0, k, v)
+                self.reserve(i, first + k.shape[2])
+                step = min(first, 4096)  # (zeros a block at a time: no tensor of every token)
+                for s in range(0, first, max(step, 1)):
+                    zeros = k.new_zeros(k.shape[0], k.shape[1], min(step, first - s), k.shape[3])
+                    writer(i, s, zeros, zeros)
+                writer(i, first, k, v)
             finally:
                 self.release(i)
 

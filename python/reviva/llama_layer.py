@@ -48,14 +48,16 @@ class LlamaLayerPath:
         h: torch.Tensor,
         kwargs: dict[str, Any],
         past: int = 0,
+        padded: bool = False,
     ) -> torch.Tensor:
         """One decoder layer over the whole prompt, by token chunks, in place on `h`. `past` >
         0: the prompt's tokens after the `past` the cache holds already (Note [A returned
-        cache] in kv_cache.py; without padding: bottom-right causal attention, no mask)."""
+        cache] in kv_cache.py): bottom-right causal attention, and HF's mask of these tokens'
+        rows when the batch is `padded` (else HF's mask is left out: causal alone)."""
         if torch.is_grad_enabled():
             raise RuntimeError("RevivaManager prefill runs under torch.no_grad() (generate does)")
         attn = layer.self_attn
-        mask = kwargs.get("attention_mask") if past == 0 else None
+        mask = kwargs.get("attention_mask") if past == 0 or padded else None
         if "position_embeddings" not in kwargs:
             raise ValueError(
                 "RevivaManager: the decoder layer was called without position_embeddings "
@@ -74,7 +76,7 @@ class LlamaLayerPath:
             # All of the prompt's K/V is written in this call: map it at once, not by chunks.
             cache.reserve(i, past + h.shape[1])
             if past:
-                self._prefill_fused(cache, plan, i, layer, h, cos, sin, None, None, past)
+                self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, None, past)
             elif whole or not plan.whole_attention or cache.paged(i):  # (pages: by chunks)
                 with cache.prefill_order(i, h.shape[1], plan.chunk_tokens):
                     self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, interface)
@@ -310,7 +312,8 @@ class LlamaLayerPath:
         else:  # (fp8 and paged layers: by blocks or pages, never HF's call over whole K/V)
             scale = layer.self_attn.scaling
             window = self.layout.windows[i]
-            out = write_and_attend(cache, i, q, k, v, first, last, scale, mask, window)
+            rows = None if mask is None else mask[:, :, s:e]  # (its rows are h's)
+            out = write_and_attend(cache, i, q, k, v, first, last, scale, rows, window)
             out = out.transpose(1, 2)
         self._finish(layer, h, s, e, out)
 
@@ -450,13 +453,14 @@ def chunk_attention(
     """Attention of the queries of tokens [start, end) to the keys of tokens [0, end):
     causal aligned at the bottom right (query j sees keys <= start + j), and with a sliding
     `window` only keys > start + j - window (Note [Sliding windows]). [B, H, n, D] out.
+    mask: HF's 4D mask (padding) of these queries, [B, 1, n, >= end], or None.
     kernel "cudnn": the earlier keys and the chunk's own in two calls merged by log-sum-exp
     (Note [Prefill attention kernel] in block_attention.py)."""
     if window is not None and start - window + 1 > 0:
         lo = start - window + 1  # the first query's oldest key: older ones are outside every window
         n = end - start
-        if mask is not None:  # HF's sliding mask (with padding): its rows and columns
-            band = mask[:, :, start:end, lo:end]
+        if mask is not None:  # HF's sliding mask (with padding): its columns in the window
+            band = mask[:, :, :, lo:end]
         elif n == 1:
             band = None  # one query: every key from lo on is in its window
         else:
@@ -465,9 +469,9 @@ def chunk_attention(
             band = (pos_k <= pos_q) & (pos_k > pos_q - window)
         k, v = k[:, :, lo:end], v[:, :, lo:end]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scale, enable_gqa=True)
-    if mask is not None:  # HF's 4D mask (padding): its rows of this chunk
+    if mask is not None:  # HF's 4D mask (padding), this chunk's rows: its columns so far
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, :, start:end, :end], scale=scale, enable_gqa=True
+            q, k, v, attn_mask=mask[:, :, :, :end], scale=scale, enable_gqa=True
         )
     if kernel == "cudnn" and use_cudnn(q):
         return block_attention(q, [(k[:, :, :end], v[:, :, :end], 0)], start, scale, kernel)

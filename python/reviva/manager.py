@@ -377,7 +377,14 @@ class RevivaManager:
                 self._prefill_layer_starts(i, kwargs, hidden_states)
                 # (after a returned cache's tokens: Note [A returned cache] in kv_cache.py)
                 return self.layers.prefill(
-                    cache, self._plan, i, layer, hidden_states, kwargs, self._prefix
+                    cache,
+                    self._plan,
+                    i,
+                    layer,
+                    hidden_states,
+                    kwargs,
+                    self._prefix,
+                    self._phase.get("padded", False),
                 )
             if i == 0:
                 self._mark_decode_step()
@@ -888,15 +895,12 @@ class RevivaManager:
         padded = mask is not None and not bool(mask.all())
         cuda = self.layout.device.type == "cuda"
         self.arena.reclaim(True)  # memory a previous call gave back is free before planning
-        if continued is not None and (rows > 1 or padded):
+        if continued is not None and rows > 1:
             raise ValueError(
                 "RevivaManager.generate: continuing from a returned cache (past_key_values) "
-                + (
-                    f"with {rows} sequences per prompt (num_beams / num_return_sequences)"
-                    if rows > 1
-                    else "with a padded batch"
-                )
-                + " is not supported yet: continue with one sequence per prompt, unpadded"
+                f"with {rows} sequences per prompt (num_beams / num_return_sequences) is not "
+                "supported yet (nor by transformers' own caches): continue with one sequence "
+                "per prompt"
             )
         share = 1 if continued else self._share_rows(rows, tokens + new_tokens, padded, gen, kwargs)
         # (a continued call's prefill runs the tokens after the returned cache's alone)
@@ -1019,7 +1023,7 @@ class RevivaManager:
                 device=self.layout.device,
             )
             if continued is not None:
-                cache.load_parked(continued[0], continued[1])
+                cache.load_parked(continued[0], continued[1], continued[2])
                 self._prefix = continued[2]
             if (
                 self._own_decode
@@ -1208,12 +1212,21 @@ class RevivaManager:
                         f"RevivaManager.generate: layer {i} of the {type(past).__name__} passed "
                         "as past_key_values holds no keys and values"
                     )
-                if keys.shape[2] < length:  # (a sliding layer keeps its window only)
+                window = lay.windows[i]
+                if keys.shape[2] < length and (
+                    window is None or keys.shape[2] < min(length, window - 1)
+                ):
                     raise ValueError(
                         f"RevivaManager.generate: layer {i} of the {type(past).__name__} passed "
-                        f"as past_key_values holds {keys.shape[2]} of its {length} tokens (a "
-                        "sliding window's cache); continue from a cache that holds every token"
+                        f"as past_key_values holds {keys.shape[2]} of its {length} tokens"
+                        + (
+                            f", fewer than its sliding window's last {window - 1}"
+                            if window is not None
+                            else " (a full-attention layer needs every token)"
+                        )
                     )
+                # (a sliding layer of HF's cache keeps its window's last tokens alone: they are
+                # written at their positions, RevivaCache.load_parked)
                 parked.append((keys[:, :, :length], values[:, :, :length]))
             fp8 = False
         else:

@@ -1103,6 +1103,55 @@ def test_a_chat_continues_from_the_returned_cache_turn_after_turn() -> None:
     assert manager.get_memory_stats()["returned_cache_host_mb"] == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral_sliding", "gemma2_sliding"])
+def test_a_padded_batch_continues_from_its_returned_cache(family: str) -> None:
+    """Note [A returned cache]: a left-padded batch's returned cache is continued with the mask
+    of every token so far: the new tokens' prefill attends the cache under HF's mask of their
+    rows (LlamaLayerPath.prefill, past > 0 and padded), by chunks and with layers streamed, and
+    gives the tokens HF gives continuing from its own cache and recomputing every token; twice,
+    and from HF's DynamicCache too; sliding layers (a 16-token window) cut the mask to it."""
+    import copy
+
+    model = tiny_model(family, seed=12)
+    g = torch.Generator().manual_seed(13)
+    ids = torch.randint(1, 211, (2, 30), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    ids[0, :7] = 0
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    budget = budget_for(model, 2, 30 + 6 + 9 + 6 + 9, 6, 1, chunk=4)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget, chunk_tokens=4))
+    ref = model.generate(ids, attention_mask=mask, **kw)
+    out = manager.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    for turn in range(2):
+        user = torch.randint(1, 211, (2, 9), generator=g)
+        prompt = torch.cat([out.sequences, user], dim=1)
+        mask = torch.cat(
+            [mask, torch.ones(2, prompt.shape[1] - mask.shape[1], dtype=mask.dtype)], 1
+        )
+        hf_cache = copy.deepcopy(ref.past_key_values)
+        ref = model.generate(prompt, attention_mask=mask, past_key_values=ref.past_key_values, **kw)
+        fresh = model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(ref.sequences, fresh), "HF's own continuation"
+        got = manager.generate(
+            prompt, attention_mask=mask, past_key_values=out.past_key_values, **kw
+        )
+        st = manager.get_memory_stats()
+        assert st["continued_tokens"] == out.past_key_values.get_seq_length(), st
+        assert st["streamed_layers"] >= 3 and st["prompt_tokens"] == 10, st
+        assert torch.equal(got.sequences, ref.sequences), (turn, got.sequences, ref.sequences)
+        # (greedy tokens of a tiny model hide much: the first new token's logits, of both rows)
+        torch.testing.assert_close(got.logits[0], ref.logits[0], atol=1e-4, rtol=1e-4)
+        again = manager.generate(
+            prompt, attention_mask=mask, past_key_values=out.past_key_values, **kw
+        )
+        assert torch.equal(again.sequences, ref.sequences)
+        from_hf = manager.generate(prompt, attention_mask=mask, past_key_values=hf_cache, **kw)
+        assert torch.equal(from_hf.sequences, ref.sequences)
+        out = got
+
+
 def test_continuing_a_fp8_cache() -> None:
     """Note [A returned cache]: an fp8 cache parks its rows as they are and a call continuing
     from it writes them unchanged (no second rounding): continuing gives the tokens a single
