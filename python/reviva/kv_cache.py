@@ -58,6 +58,11 @@ from reviva.block_attention import attention_with_lse, merge
 # keys and values, e.g. DynamicCache) plans for every token, writes the parked K/V into its own
 # cache (load_parked) and runs the tokens after them as a prefill from that offset; its own cache
 # is parked in turn when it returns one. The parked cache itself is never written again.
+# Details: the continued call is planned for its new tokens' working set and every token's K/V
+# (Plan.past_tokens); a padded batch's new tokens attend under HF's mask of their rows; a paged
+# layer is parked page by page and loaded into pages; an HF cache's sliding layer that keeps its
+# window alone is written at its positions, zeros before (never read: its queries start at their
+# window); a call that raises parks nothing (it returns no cache).
 #
 # Note [Beams]
 # Beam search (HF's) runs batch x num_beams rows: generate repeats each prompt's row num_beams
@@ -253,12 +258,8 @@ class RevivaCache(Cache):
     def park(self, pool: object) -> None:
         """Note [A returned cache]: every layer's tokens into pinned host memory of its own
         ([batch, kv_heads, tokens, D]: bf16/fp32 values, or fp8 rows as they are), then the
-        store closes (its device memory and host copies go back). Waits for the copies."""
-        if self.page_tokens:
-            raise RuntimeError(
-                "RevivaCache: a cache with paged layers (kv_page_tokens) cannot be returned for a "
-                "later call yet; use kv_page_tokens=0"
-            )
+        store closes (its device memory and host copies go back). Waits for the copies. A
+        paged layer's pages are copied in turn into its place."""
         length = self.get_seq_length(0)
         for i in list(self.fetch_windows):  # (every token is read here: fetched whole)
             self.store.set_fetch_window(i, 0)
@@ -270,6 +271,9 @@ class RevivaCache(Cache):
                     f"RevivaCache: layer {i} holds {self.get_seq_length(i)} tokens, layer 0 "
                     f"{length}: only a cache whose layers hold one length can be parked"
                 )
+            if self.paged(i):  # (no shared prompt with pages: per-row copies, Note [Beams])
+                parked.append(self._park_pages(pool, i, length))
+                continue
             self.acquire(i)
             try:
                 prompt = self.store.length(i)
@@ -293,6 +297,21 @@ class RevivaCache(Cache):
         self.parked_length = length
         self.parked_bytes = sum(2 * k.numel() * k.element_size() for k, _ in parked)
         self.close()
+
+    def _park_pages(self, pool: object, i: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A paged layer's tokens [0, length) into pinned host memory, page by page."""
+        host = None
+        for k, v, first in self.page_blocks(i, length):
+            if host is None:
+                shape = [k.shape[0], k.shape[1], length, k.shape[3]]
+                host = (pool.tensor(shape, k.dtype), pool.tensor(shape, v.dtype))
+            n = k.shape[2]
+            host[0][:, :, first : first + n].copy_(k, non_blocking=k.is_cuda)
+            host[1][:, :, first : first + n].copy_(v, non_blocking=v.is_cuda)
+            if k.is_cuda:  # (the page goes back at the next one: its copy done first)
+                torch.cuda.current_stream(k.device).synchronize()
+        assert host is not None  # (length >= 1: one page at least)
+        return host
 
     def load_parked(
         self, parked: list[tuple[torch.Tensor, torch.Tensor]], fp8: bool, length: int = 0

@@ -909,17 +909,11 @@ class RevivaManager:
         if share > 1 and (plan.kv_fp8 or plan.page_tokens or plan.residual_on_host):
             share = 1  # (K/V attended by blocks or pages, or a prefill from the host: per row)
             plan = self.plan(batch, tokens, new_tokens, padded=padded)
-        if continued is not None and (plan.page_tokens or plan.residual_on_host):
+        if continued is not None and plan.residual_on_host:
             raise ValueError(
                 "RevivaManager.generate: continuing from a returned cache (past_key_values) with "
-                "a plan that "
-                + (
-                    f"pages layers (kv_page_tokens={plan.page_tokens})"
-                    if plan.page_tokens
-                    else "keeps the prompt's hidden states on the host"
-                )
-                + " is not supported yet: raise vram_budget, or use kv_page_tokens=0 / "
-                "prefill_residual='device'"
+                "a plan that keeps the new tokens' hidden states on the host is not supported "
+                "yet: raise vram_budget, or use prefill_residual='device'"
             )
         log.info(
             "reviva plan: %d of %d layers resident, %d slots, chunk %d tokens, K/V %.1f MB/layer",
@@ -971,6 +965,7 @@ class RevivaManager:
         self.arena.reset_peak()
         self.engine.reset_stats()
         cache: RevivaCache | None = None
+        returned = False  # (set once generate returned: only then is its cache parked)
         self._phase = {"start": self._event(), "map_ms": self.arena.stats()["map_ms"]}
         self._phase["padded"] = padded
         # the host's time from the call's start to each step of its set-up (ms): where a first
@@ -1022,6 +1017,8 @@ class RevivaManager:
                 share=share,
                 device=self.layout.device,
             )
+            if plan.page_slots:
+                cache.store.set_page_slots(plan.page_slots)
             if continued is not None:
                 cache.load_parked(continued[0], continued[1], continued[2])
                 self._prefix = continued[2]
@@ -1034,13 +1031,12 @@ class RevivaManager:
                 # Note [Fetch tails] (src/offload_manager.cpp): a sliding layer's reads are all
                 # Reviva's own window-sliced calls here, so its fetches copy its window alone
                 cache.set_fetch_windows(self.layout.windows_shorter_than(plan.capacity))
-            if plan.page_slots:
-                cache.store.set_page_slots(plan.page_slots)
             setup["cache_made"] = (time.perf_counter() - t_setup) * 1e3
             self._cache, self._plan = cache, plan
             self._share = share
             with self:
                 out = model.generate(inputs, past_key_values=cache, **kwargs)
+            returned = bool(gen.return_dict_in_generate)  # (a call that raised returns nothing)
         finally:
             thread = self._phase.get("pin_thread")
             if thread is not None:
@@ -1056,9 +1052,7 @@ class RevivaManager:
             try:
                 if cache is not None:
                     # (a cache generate returns is parked: Note [A returned cache])
-                    # (paged layers are not parked yet: such a cache comes back closed)
-                    park = bool(gen.return_dict_in_generate) and not cache.page_tokens
-                    self._finish_call(cache, plan, park=park, prefix=prefix)
+                    self._finish_call(cache, plan, park=returned, prefix=prefix)
             finally:
                 if self._residual is not None and cuda:  # its copies end before it goes back
                     torch.cuda.synchronize(self.layout.device)
@@ -1198,8 +1192,7 @@ class RevivaManager:
                 raise ValueError(
                     "RevivaManager.generate: the RevivaCache passed as past_key_values holds no "
                     "K/V: a call's cache is kept (parked in pinned host memory) only when the "
-                    "call returns it, with return_dict_in_generate=True, and not yet when its "
-                    "layers were paged (kv_page_tokens)"
+                    "call returns it, with return_dict_in_generate=True"
                 )
             parked, fp8, length = past.parked, past.fp8, past.parked_length
         elif isinstance(past, Cache) and getattr(past, "layers", None):

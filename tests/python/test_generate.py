@@ -1102,6 +1102,22 @@ def test_a_chat_continues_from_the_returned_cache_turn_after_turn() -> None:
     assert torch.equal(plain, model.generate(ids, max_new_tokens=4))
     assert manager.get_memory_stats()["returned_cache_host_mb"] == 0
 
+    class Raises(BaseStreamer):  # a call that raises returns no cache: none is parked
+        def put(self, value: torch.Tensor) -> None:
+            if value.dim() == 1 or value.shape[-1] == 1:  # (a decode step's token)
+                raise RuntimeError("streamer failed")
+
+        def end(self) -> None:
+            pass
+
+    del out, first, again, from_hf
+    gc.collect()
+    held = reviva.pinned_memory_stats()["bytes_in_use"]
+    with pytest.raises(RuntimeError, match="streamer failed"):
+        manager.generate(ids[:1], streamer=Raises(), **kw)
+    assert reviva.pinned_memory_stats()["bytes_in_use"] == held
+    assert torch.equal(manager.generate(ids, **kw).sequences, model.generate(ids, **kw).sequences)
+
 
 @pytest.mark.parametrize("family", ["llama", "mistral_sliding", "gemma2_sliding"])
 def test_a_padded_batch_continues_from_its_returned_cache(family: str) -> None:

@@ -57,7 +57,44 @@ def test_greedy_tokens_identical_with_paged_layers(
         assert st["resident_layers_in_prefill"] == resident, st
         assert st["paged_layers"] == layers - resident and st["kv_page_tokens"] == page, st
         assert st["page_slots"] >= 1 and st["slots"] == 0, st
+        # (the returned cache is parked in pinned memory until dropped: Note [A returned cache])
+        assert out.past_key_values.parked_bytes == 2 * layers * 2 * 173 * 2 * 16 * 4
+        del out
         assert reviva.pinned_memory_stats()["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize(("page", "resident"), [(7, 0), (32, 1)])
+def test_a_paged_cache_is_returned_and_continued(page: int, resident: int) -> None:
+    """Note [A returned cache] with pages: a call whose layers are paged parks them page by
+    page, and the next turn continues from it (or from HF's cache) into paged layers again:
+    HF's tokens and first logits continuing from its own cache, two turns."""
+    import copy
+
+    model = tiny_model("llama", seed=16)
+    g = torch.Generator().manual_seed(17)
+    ids = torch.randint(1, 211, (1, 60), generator=g)
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    config = RevivaConfig(chunk_tokens=16, kv_page_tokens=page)
+    budget = paged_budget(model, config, 1, 60 + 6 + 11 + 6 + 11, 6, resident)
+    manager = RevivaManager(model, dataclasses.replace(config, vram_budget=budget))
+    ref = model.generate(ids, **kw)
+    out = manager.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert manager.get_memory_stats()["paged_layers"] == manager.layout.num_layers - resident
+    for _ in range(2):
+        prompt = torch.cat([out.sequences, torch.randint(1, 211, (1, 11), generator=g)], dim=1)
+        hf_cache = copy.deepcopy(ref.past_key_values)
+        ref = model.generate(prompt, past_key_values=ref.past_key_values, **kw)
+        held = out.past_key_values.get_seq_length()  # (all but the last token generated)
+        assert held == prompt.shape[1] - 12
+        got = manager.generate(prompt, past_key_values=out.past_key_values, **kw)
+        st = manager.get_memory_stats()
+        assert st["paged_layers"] >= 1 and st["continued_tokens"] == held, st
+        assert torch.equal(got.sequences, ref.sequences)
+        torch.testing.assert_close(got.logits[0], ref.logits[0], atol=1e-4, rtol=1e-4)
+        from_hf = manager.generate(prompt, past_key_values=hf_cache, **kw)
+        assert torch.equal(from_hf.sequences, ref.sequences)
+        out = got
 
 
 def test_whole_layers_attend_whole_beside_paged_ones() -> None:
