@@ -61,7 +61,9 @@ class REVIVA_API ArenaDeviceAllocator final : public DeviceAllocator {
   // size). Blocks of different sizes used in turn (a decoder layer's attention, then its MLP's
   // projections) then leave buffers of one size in the cache, each of which serves the next
   // allocation: a smaller buffer cached could not serve a larger request, and a new one would be
-  // mapped beside it.
+  // mapped beside it. A buffer freed later whose address space is smaller than the minimum
+  // (allocated before it was raised) goes back to the arena at its free instead of the cache:
+  // no allocation could take it again.
   void set_min_bytes(std::size_t bytes);
   std::size_t min_bytes() const;
   // Gives every cached buffer back to the arena (unmapped once its streams pass).
