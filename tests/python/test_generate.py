@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import gc
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -1315,7 +1316,12 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
         st = manager.get_memory_stats()
         more = torch.cat([out.sequences, ids[:, :64]], dim=1)
         cont = manager.generate(more, past_key_values=out.past_key_values, **kw)
-        runs[windowed] = (out, st, cont)
+        # (what the comparison reads, on the host; the manager and the parked caches go before
+        # the next run plans on the device's state)
+        out = SimpleNamespace(sequences=out.sequences.cpu(), logits=[x.cpu() for x in out.logits])
+        runs[windowed] = (out, st, SimpleNamespace(sequences=cont.sequences.cpu()))
+        del manager, cont
+        gc.collect()
     (out, st, cont), (out0, st0, cont0) = runs[True], runs[False]
     assert st["fetch_window_layers"] == 8 and st0["fetch_window_layers"] == 0
     # (each run streams some layers; which ones may differ: a windowed fetch maps less, and
