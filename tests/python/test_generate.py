@@ -1305,7 +1305,9 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
         1,
         4096,
         16,
-        lambda p: len(p.resident_layers) + p.promotable_layers() >= 4,
+        # (the hidden states on the device: a host-residual plan's room is a few MB from not
+        # fitting, and the H200 run held ~15 MB more at the call than at the probe, 10e3cd6)
+        lambda p: not p.residual_on_host and len(p.resident_layers) + p.promotable_layers() >= 4,
     ) + (16 << 20)  # (the first call's outputs stay on the device through the second)
     runs = {}
     for windowed in (True, False):
