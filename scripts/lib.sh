@@ -11,8 +11,17 @@ reviva_venv() {
   key="$( { cat "$REPO/requirements-dev.txt"; "$py" --version; } | sha256sum | cut -c1-12)"
   VENV="${REVIVA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/reviva/venv-$key}"
   if [ ! -f "$VENV/.complete" ]; then
+    # Only a directory these scripts made (left half-made: .reviva-created without .complete)
+    # is deleted; any other, a user's own REVIVA_VENV, is never touched.
+    if [ -e "$VENV" ] && [ ! -f "$VENV/.reviva-created" ]; then
+      echo "reviva: $VENV exists and was not made by these scripts (no .complete marker):" \
+        "not touching it. Point REVIVA_VENV at a new path, or complete it yourself" \
+        "(pip install -r requirements-dev.txt, then touch $VENV/.complete)." >&2
+      return 1
+    fi
     echo "reviva: creating the Python environment $VENV (first run: downloads torch)" >&2
     rm -rf "$VENV"
+    mkdir -p "$VENV" && touch "$VENV/.reviva-created"
     "$py" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q -r "$REPO/requirements-dev.txt"

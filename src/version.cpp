@@ -3,11 +3,12 @@
 
 namespace reviva {
 
+// REVIVA_VERSION_STRING: the project's version, pyproject.toml's (the top-level CMakeLists).
 const char* version_string() noexcept {
 #if defined(REVIVA_WITH_CUDA)
-  return "0.1.0+cuda";
+  return REVIVA_VERSION_STRING "+cuda";
 #else
-  return "0.1.0+host";
+  return REVIVA_VERSION_STRING "+host";
 #endif
 }
 

@@ -36,7 +36,20 @@ from reviva.resources import (
 from reviva.sizes import parse_bytes
 from reviva.training import ActivationOffload, offload_activations
 
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's, the one source); from a source
+    tree without metadata, the core's (built from the same file)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("reviva")
+    except PackageNotFoundError:
+        return _core_version().split("+")[0]
+
+
+__version__ = _version()
 
 
 def __getattr__(name: str) -> object:

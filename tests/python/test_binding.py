@@ -694,3 +694,21 @@ def test_one_overlap_ratio_and_the_engines_stall_meter(
         st["compute_stall_ms"], st["d2h"]["busy_ms"] + st["h2d"]["busy_ms"]
     )
     assert torch.equal(y, x)
+
+
+def test_one_version_everywhere() -> None:
+    """pyproject.toml's version is the package's, the core's and the installed metadata's (the
+    one source: CMake reads it for the project and version_string())."""
+    import re
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    want = re.search(r'^version = "([0-9.]+)"$', text, re.M).group(1)
+    assert reviva.__version__ == want
+    assert reviva.core_version().split("+")[0] == want
+    assert reviva.core_version().split("+")[1] in ("cuda", "host")
+    try:
+        assert version("reviva") == want
+    except PackageNotFoundError:  # (a source tree on the path: no metadata, the core's then)
+        pass
