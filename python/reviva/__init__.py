@@ -37,7 +37,6 @@ from reviva.sizes import parse_bytes
 from reviva.training import ActivationOffload, offload_activations
 
 
-
 def _version() -> str:
     """The installed distribution's version (pyproject.toml's, the one source); from a source
     tree without metadata, the core's (built from the same file)."""

@@ -132,6 +132,10 @@ class RevivaManager:
         self._device_kernel = resolve_kernel(config.attention_kernel, device)
         self._call_kernel = self._device_kernel
         self._saved_forwards: dict[int, tuple[nn.Module, Any]] = {}
+        # Note [generate inside the with-block]: the model's own generate while entered, and
+        # whether the manager's call is running it (then it is HF's, with the manager's cache)
+        self._saved_generate: Any = _MISSING
+        self._in_own_call = False
         self._entered = 0
         self._owner: int | None = None  # the thread inside `with manager:`
         self._generate_lock = threading.Lock()
@@ -291,6 +295,8 @@ class RevivaManager:
             model.__dict__[_WRAPPED_BY] = weakref.ref(self)
         if self.weights is not None:
             self.weights.in_call = True
+        self._saved_generate = model.__dict__.get("generate", _MISSING)
+        model.generate = self._routed_generate
         try:
             for i, layer in enumerate(self.layout.layers):
                 self._wrap(layer, self._make_layer_forward(i, layer))
@@ -318,6 +324,12 @@ class RevivaManager:
     def _restore(self) -> None:
         if self.weights is not None:
             self.weights.in_call = False
+        model = self.layout.model
+        if self._saved_generate is _MISSING:
+            model.__dict__.pop("generate", None)
+        else:
+            model.generate = self._saved_generate
+        self._saved_generate = _MISSING
         for module, saved in self._saved_forwards.values():
             if saved is _MISSING:
                 module.__dict__.pop("forward", None)
@@ -328,6 +340,25 @@ class RevivaManager:
             holder = self.layout.model.__dict__.get(_WRAPPED_BY)
             if holder is not None and holder() in (self, None):
                 del self.layout.model.__dict__[_WRAPPED_BY]
+
+    # Note [generate inside the with-block]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # `with manager: model.generate(...)` is how HF users write it. While the manager is entered,
+    # the model's generate is an instance attribute routing the call to manager.generate (the same
+    # path, plan, cache and stats as calling the manager); the manager's own call runs the model's
+    # generate underneath (_in_own_call). Leaving the block puts back exactly what was there.
+    def _routed_generate(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.layout.model
+        original = self._saved_generate
+        if original is _MISSING:
+            original = type(model).generate.__get__(model)
+        if self._in_own_call:
+            return original(*args, **kwargs)
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        call = dict(bound.arguments)
+        extra = call.pop("kwargs", {})  # (HF's generate takes the rest as **kwargs)
+        inputs = call.pop("inputs", None)
+        return self.generate(inputs, **{k: v for k, v in call.items() if v is not None}, **extra)
 
     # --- the wrappers ----------------------------------------------------------------------------
 
@@ -1035,7 +1066,11 @@ class RevivaManager:
             self._cache, self._plan = cache, plan
             self._share = share
             with self:
-                out = model.generate(inputs, past_key_values=cache, **kwargs)
+                self._in_own_call = True
+                try:
+                    out = model.generate(inputs, past_key_values=cache, **kwargs)
+                finally:
+                    self._in_own_call = False
             returned = bool(gen.return_dict_in_generate)  # (a call that raised returns nothing)
         finally:
             thread = self._phase.get("pin_thread")

@@ -661,11 +661,15 @@ def test_restore_leaves_model_exactly_as_before() -> None:
     with manager:
         assert "forward" in model.model.layers[0].__dict__
         inside = manager.generate(ids, max_new_tokens=16, do_sample=False)
-        # Outside generate, a wrapped model behaves as plain HF (its own DynamicCache).
-        plain_inside = model.generate(ids, max_new_tokens=16, do_sample=False)
-    assert torch.equal(inside, plain_inside)
+        # (model.generate is the manager's here: Note [generate inside the with-block])
+        routed = model.generate(ids, max_new_tokens=16, do_sample=False)
+        # Outside generate, a wrapped model's forward behaves as plain HF (no Reviva cache).
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, pristine(ids).logits)
+    assert torch.equal(inside, routed)
     for layer in (*model.model.layers, model.model.norm):
         assert "forward" not in layer.__dict__
+    assert "generate" not in model.__dict__
     after = model.generate(ids, max_new_tokens=16, do_sample=False)
     never = pristine.generate(ids, max_new_tokens=16, do_sample=False)
     assert torch.equal(after, never)
@@ -1171,6 +1175,41 @@ def test_a_padded_batch_continues_from_its_returned_cache(family: str) -> None:
         from_hf = manager.generate(prompt, attention_mask=mask, past_key_values=hf_cache, **kw)
         assert torch.equal(from_hf.sequences, ref.sequences)
         out = got
+
+
+def test_generate_inside_the_with_block_runs_through_reviva() -> None:
+    """Note [generate inside the with-block] (manager.py): `with manager: model.generate(...)`
+    is manager.generate: the same tokens and stats (layers streamed), with positional or keyword
+    inputs and a positional GenerationConfig, nested blocks; what the manager refuses is refused
+    there too; after the block the model's own generate is back (plain HF's tokens)."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("llama", seed=18)
+    ids = torch.randint(1, 211, (2, 40), generator=torch.Generator().manual_seed(19))
+    kw = dict(max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, **kw)
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 2, 40, 8, 2)))
+    want = manager.generate(ids, **kw)
+    st_want = manager.get_memory_stats()
+    assert st_want["streamed_layers"] >= 3 and torch.equal(want, ref)
+    with manager:
+        got = model.generate(ids, **kw)
+        st = manager.get_memory_stats()
+        assert torch.equal(got, ref)
+        assert st["streamed_layers"] == st_want["streamed_layers"], st
+        assert st["prompt_tokens"] == 40 and st["decode_steps"] == st_want["decode_steps"] > 0, st
+        mask = torch.ones_like(ids)
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kw), ref)
+        with manager:
+            short = model.generate(ids, GenerationConfig(max_new_tokens=3, do_sample=False))
+        assert torch.equal(short, ref[:, : 40 + 3])
+        st = manager.get_memory_stats()  # (this call's: fewer steps than the calls before)
+        assert 0 < st["decode_steps"] < st_want["decode_steps"], st
+    assert "generate" not in model.__dict__
+    with pytest.raises(ValueError, match="output_attentions=True"), manager:
+        model.generate(ids, output_attentions=True, return_dict_in_generate=True, **kw)
+    assert "generate" not in model.__dict__
+    assert torch.equal(model.generate(ids, **kw), ref)
 
 
 def test_continuing_a_fp8_cache() -> None:
