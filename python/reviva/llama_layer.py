@@ -572,12 +572,14 @@ CAPTURE_ALL_STEPS = 16
 
 
 # Note [One capture stream]: torch gives each (cuBLAS handle, stream) its own workspace from the
-# caching allocator, allocated at the stream's first matmul and never given back (32 MiB or so on
-# the H200; torch.cuda.Stream() takes streams from a pool of 32 per device). A side stream per
-# manager made every new manager's first call leave that much more held on the device: a later
-# call's plan (its baseline) had less room than the first's, and a second turn under a budget
-# sized for the first was refused on the H200 (7ecc25f). One capture stream per device and
-# thread serves every manager; the workspace is taken once per process.
+# caching allocator, taken at the stream's first matmul and held from then on (torch's
+# CublasHandlePool), and torch.cuda.Stream() hands out streams from a pool per device. With a
+# side stream per manager, each new manager's captures could take one more workspace that stays
+# allocated, so a later call's plan (its baseline: torch's allocated bytes) would have less room
+# than the first's. One capture stream per device and thread serves every manager instead.
+# Measured on the H200 with it (c53e840, benchmarks/diag_leftover.py): four calls, the fourth on a
+# new manager, leave 0.1 MB more allocated once their outputs are dropped; the per-manager stream
+# it replaces was not measured.
 _capture_streams = threading.local()
 
 
