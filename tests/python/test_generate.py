@@ -1332,8 +1332,13 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
     ids = torch.randint(1, 32000, (1, 4096), device="cuda")
     kw = dict(max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
     # (the process's first call takes cuBLAS's workspaces for the compute and capture streams,
-    # held from then on: the budget is sized after them, Note [One capture stream])
-    RevivaManager(model).generate(ids[:, :256], max_new_tokens=4)
+    # held from then on: the budget is sized after them, Note [One capture stream]. It must
+    # capture decode graphs: with 4 new tokens it captured none (fewer than 8 decode steps), and
+    # on the H200 the second run's plan found 20-40 MB less room than the budget's probe)
+    warm = RevivaManager(model)
+    warm.generate(ids[:, :256], max_new_tokens=16)
+    assert warm.get_memory_stats()["decode_graph_captures"] > 0
+    del warm
     torch.cuda.empty_cache()
     # 4 of 8 layers on the device in decode, resident or promoted after prefill (at 3 layers in
     # prefill, the rest were promoted after it and decode streamed none on the H200, a6c1ff1);
