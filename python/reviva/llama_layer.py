@@ -596,6 +596,23 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+def take_matmul_workspaces(device: torch.device, dtype: torch.dtype) -> None:
+    """Runs one small matmul on the current stream and on the capture stream (Note [One
+    capture stream]): torch takes each one's cuBLAS workspace at its first matmul and holds it
+    from then on, so taking them when a manager is made puts them in the device's baseline
+    before the first call plans (else the first call's decode takes them inside its working set
+    and every later call plans with that much less room)."""
+    x = torch.zeros(16, 16, dtype=dtype, device=device)
+    compute = torch.cuda.current_stream(device)
+    F.linear(x, x)
+    stream = capture_stream(device)
+    stream.wait_stream(compute)
+    with torch.cuda.stream(stream):
+        F.linear(x, x)
+    compute.wait_stream(stream)
+    x.record_stream(stream)
+
+
 class DecodeGraphs:
     """CUDA graphs of the per-layer decode compute around attention (Note [Decode graphs])."""
 

@@ -38,7 +38,7 @@ from reviva.block_attention import call_kernel, resolve_kernel
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
 from reviva.kv_fp8 import row_bytes as fp8rows_width
-from reviva.llama_layer import DecodeGraphs, LlamaLayerPath
+from reviva.llama_layer import DecodeGraphs, LlamaLayerPath, take_matmul_workspaces
 from reviva.planner import Plan, budget_for, device_state, host_state, make_plan, spread
 from reviva.resources import device_resources
 from reviva.weights import HostEmbedding, StreamedWeights
@@ -175,6 +175,9 @@ class RevivaManager:
         self._graphs = DecodeGraphs(self.layers) if use_graphs else None
         if self._graphs is not None:
             self._graphs.before_capture = self._weights_ready
+            # (cuBLAS's workspaces of the compute and capture streams taken now, before any
+            # plan: the first call plans with the room the later ones have)
+            take_matmul_workspaces(device, self.layout.dtype)
 
     def _weights_ready(self, i: int) -> None:
         """Torch's current stream waits for layer i's resident weights to land (a decode graph's

@@ -1290,12 +1290,19 @@ def test_gpu_chat_turns_and_beams_on_cuda() -> None:
 def test_gpu_new_managers_hold_nothing_more_after_their_calls() -> None:
     """Note [One capture stream] (llama_layer.py): managers made one after another in a process
     (each capturing decode graphs) leave nothing more allocated on the device after their
-    calls: one side stream serves them all, so cuBLAS's per-stream workspace is taken once."""
+    calls: one side stream serves them all, so cuBLAS's per-stream workspace is taken once, and
+    when the first manager is made (take_matmul_workspaces), not in its first call."""
     model = gpu_llama(2, 4096, torch.bfloat16)
     ids = torch.randint(1, 32000, (1, 256), device="cuda")
-    RevivaManager(model).generate(ids, max_new_tokens=8)  # (the process's workspaces, once)
+    first = RevivaManager(model)  # (the process's workspaces, once: taken as it is made)
+    torch.cuda.synchronize()
+    made = torch.cuda.memory_allocated()
+    first.generate(ids, max_new_tokens=8)
+    del first
     gc.collect()
     torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    assert held - made < 1 << 20, "the first call left more held than the manager took"
     held = torch.cuda.memory_allocated()
     for _ in range(4):
         manager = RevivaManager(model)
