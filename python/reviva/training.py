@@ -689,7 +689,32 @@ def offload_activations(
                 loss.backward()
 
     Without `offload`, a new ActivationOffload is made (budget mode then measures every step).
+    With it, the settings are the offload's own: passing any of them too raises, naming it.
     """
+    if offload is not None:
+        given = [
+            name
+            for name, value, default in (
+                ("budget", budget, None),
+                ("prefetch_layers", prefetch_layers, 2),
+                ("min_bytes", min_bytes, 0),
+                ("layers", layers, None),
+                ("window_bytes", window_bytes, 512 << 20),
+                ("memory", memory, "torch"),
+            )
+            if value is not default and value != default
+        ]
+        if given:
+            raise ValueError(
+                f"offload_activations: {', '.join(given)} given with offload=: an "
+                "ActivationOffload keeps the settings it was made with; pass them to "
+                "ActivationOffload(...) instead"
+            )
+        if offload.model is not model:
+            raise ValueError(
+                "offload_activations: offload= was made for another model "
+                f"({type(offload.model).__name__}), not the {type(model).__name__} given"
+            )
     if offload is None:
         offload = ActivationOffload(
             model,

@@ -646,3 +646,23 @@ def test_gpu_budget_mode_keeps_peak_under_budget(deterministic: None) -> None:
         assert peak <= budget, (peak, budget, peak_all, peak_plain)
         chosen = off.stats.offloaded_layers
         assert chosen and chosen == list(range(len(chosen))), chosen
+
+
+def test_settings_given_beside_an_offload_are_refused_by_name() -> None:
+    """offload_activations(model, offload=...) runs with the offload's own settings: a budget (or
+    any other setting) passed beside it was silently ignored (issue 16); now it raises, naming
+    it, as does an offload made for another model. Passed alone, the settings still apply."""
+    model, other = tiny_llama(), tiny_llama(seed=1)
+    offload = ActivationOffload(model)
+    ids = torch.randint(1, 211, (2, 32), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="budget given with offload="):
+        with offload_activations(model, budget="8GB", offload=offload):
+            pass
+    with pytest.raises(ValueError, match="prefetch_layers, memory given with offload="):
+        with offload_activations(model, prefetch_layers=3, memory="arena", offload=offload):
+            pass
+    with pytest.raises(ValueError, match="made for another model"):
+        with offload_activations(other, offload=offload):
+            pass
+    plain = grads_of(model, ids, None)
+    assert_identical(grads_of(model, ids, offload), plain)  # (the offload still works)
