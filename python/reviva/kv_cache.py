@@ -345,9 +345,8 @@ class RevivaCache(Cache):
             self.acquire(i)
             try:
                 self.reserve(i, first + k.shape[2])
-                step = min(first, 4096)  # (zeros a block at a time: no tensor of every token)
-                for s in range(0, first, max(step, 1)):
-                    zeros = k.new_zeros(k.shape[0], k.shape[1], min(step, first - s), k.shape[3])
+                for s in range(0, first, 4096):  # (zeros by blocks: no tensor of every token)
+                    zeros = k.new_zeros(k.shape[0], k.shape[1], min(4096, first - s), k.shape[3])
                     writer(i, s, zeros, zeros)
                 writer(i, first, k, v)
             finally:

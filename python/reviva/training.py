@@ -702,7 +702,7 @@ def offload_activations(
                 ("window_bytes", window_bytes, 512 << 20),
                 ("memory", memory, "torch"),
             )
-            if value is not default and value != default
+            if value != default
         ]
         if given:
             raise ValueError(
@@ -715,7 +715,7 @@ def offload_activations(
                 "offload_activations: offload= was made for another model "
                 f"({type(offload.model).__name__}), not the {type(model).__name__} given"
             )
-    if offload is None:
+    else:
         offload = ActivationOffload(
             model,
             budget,
