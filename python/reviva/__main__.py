@@ -1,8 +1,9 @@
 """The `reviva` command line.
 
+    python -m reviva --version
     python -m reviva demo [--device cuda|cpu] [--prompt N]
     python -m reviva transfers [--device cuda|cpu] [--mib N]
-    python -m reviva plan [--model llama3-8b|qwen2.5-32b|CONFIG] [--context 512k] [--card 24GB]
+    python -m reviva plan [--model PRESET|CONFIG|MODEL_ID] [--context 512k] [--card 24GB]
                           [--kv-dtype auto|fp8] [--kv-page-tokens N] [--host-memory 128GiB]
                           [--stream-weights auto|on|off] [--no-host-embedding] [--json]
 
@@ -98,6 +99,40 @@ PRESETS = {
         vocab_size=128256,
         rope_theta=500000.0,
     ),
+    "llama3.2-1b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    "llama3-70b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
+    "mistral-7b": dict(  # v0.1: every layer slides over a 4096-token window
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        sliding_window=4096,
+    ),
     "qwen2.5-32b": dict(
         architectures=["Qwen2ForCausalLM"],
         model_type="qwen2",
@@ -126,6 +161,21 @@ def _parse_tokens(text: str) -> int:
     return n
 
 
+def _parse_card(text: str) -> str:
+    """A memory size with its unit: a bare "24" would be 24 bytes (RevivaConfig's rule)."""
+    import reviva
+
+    try:
+        n = reviva.parse_bytes(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} ({e})") from None
+    if n < 1 << 20:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {n} bytes, under 1 MiB: give a unit, e.g. 24GB or 24GiB"
+        )
+    return text
+
+
 def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
@@ -145,12 +195,16 @@ def _plan(args: argparse.Namespace) -> int:
     elif os.path.exists(args.model):
         cfg = AutoConfig.from_pretrained(args.model)
     else:
-        print(
-            f"reviva plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}) "
-            "nor a config.json or a folder holding one",
-            file=sys.stderr,
-        )
-        return 2
+        try:  # a model id whose config is in the HF cache (nothing is downloaded)
+            cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
+        except (OSError, ValueError):
+            print(
+                f"reviva plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}), "
+                "nor a config.json or a folder holding one, nor a model id whose config is in "
+                "the Hugging Face cache",
+                file=sys.stderr,
+            )
+            return 2
     cfg.max_position_embeddings = max(
         getattr(cfg, "max_position_embeddings", 0) or 0, args.context + args.new_tokens
     )
@@ -309,9 +363,22 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version_line() -> str:
+    import reviva
+
+    cuda = torch.version.cuda or "none"
+    return (
+        f"reviva {reviva.__version__} (core {reviva.core_version()}; torch {torch.__version__}, "
+        f"CUDA {cuda})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="reviva", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--version", action="version", version=_version_line(), help="versions, and exit"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="a long prompt with and without Reviva, and a table")
@@ -329,8 +396,15 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--context", type=_parse_tokens, default=65536, help="prompt tokens (64k)")
     pl.add_argument("--new-tokens", type=_parse_tokens, default=32)
     pl.add_argument("--batch", type=_parse_tokens, default=1)
-    pl.add_argument("--card", default="24GB", help="the card's memory (default 24GB)")
-    pl.add_argument("--vram-budget", default=None, help="RevivaConfig.vram_budget (the card's)")
+    pl.add_argument(
+        "--card", type=_parse_card, default="24GB", help="the card's memory (default 24GB)"
+    )
+    pl.add_argument(
+        "--vram-budget",
+        type=_parse_card,
+        default=None,
+        help="RevivaConfig.vram_budget (default: the card's)",
+    )
     pl.add_argument(
         "--prefill-residual",
         default="auto",
@@ -348,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     pl.add_argument(
         "--host-memory",
+        type=_parse_card,
         default=None,
         help="the host memory the plan may pin (e.g. 128GiB); default: not checked",
     )

@@ -196,3 +196,36 @@ def test_sliding_layers_are_estimated_by_their_window(
     assert slide["prefill_attention_s"] < 0.25 * full["prefill_attention_s"]
     # a streamed layer's decode fetch: 4096 tokens of the 32k+ it holds
     assert slide["decode_transfer_s"] < 0.15 * full["decode_transfer_s"]
+
+
+@pytest.mark.parametrize(
+    ("preset", "layers", "streamed"),
+    [("llama3.2-1b", 16, False), ("mistral-7b", 32, False), ("llama3-70b", 80, True)],
+)
+def test_presets_plan_on_the_meta_device(
+    capsys: pytest.CaptureFixture[str], preset: str, layers: int, streamed: bool
+) -> None:
+    # No weights exist: the model is built on the meta device, as `accelerate estimate-memory`.
+    out = plan_json(capsys, "--model", preset, "--context", "32k", "--card", "24GB")
+    assert out["fits"], out
+    assert f"{layers} layers" in out["model"]
+    assert out["weights_streamed"] is streamed
+    assert out["forecast"]["decode_tok_s"] > 0 and out["forecast"]["prefill_s"] > 0
+    assert out["plan"]["num_layers"] == layers
+
+
+def test_version_and_sizes_without_a_unit_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    import reviva
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"reviva {reviva.__version__} (core ")
+    for flag in ("--card", "--vram-budget", "--host-memory"):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", flag, "24"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: '24' is 24 bytes, under 1 MiB" in err and "Traceback" not in err
+    assert main(["plan", "--model", "nobody/no-such-model"]) == 2
+    assert "nor a model id whose config is in the Hugging Face cache" in capsys.readouterr().err
