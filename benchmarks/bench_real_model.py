@@ -89,7 +89,7 @@ def main() -> int:
         stats[kv] = {
             k: st.get(k)
             for k in (
-                "budget_mb",
+                "budget_bytes",
                 "streamed_layers",
                 "resident_layers",
                 "prefill_residual",

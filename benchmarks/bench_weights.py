@@ -176,7 +176,7 @@ def run_reviva(spec: dict[str, Any], args: argparse.Namespace, probe: Any, card:
                 row = profiled(manager.generate, ids, new, probe, sync, args)
             else:
                 row = timed_generate(manager.generate, ids, new, probe, sync)
-            st = manager.get_memory_stats()
+            st = manager.get_memory_stats().to_dict()
             row["stats"] = st
             row["card_peak_bytes"] = card - row["min_free_bytes"]
             row.update(roofline(manager, st, cfg, batch, prompt))
@@ -245,7 +245,7 @@ def run_resident(spec: dict[str, Any], args: argparse.Namespace, probe: Any, car
         # as many new tokens as the streamed calls: a call with 8 or more decode steps captures
         # its decode graphs before its first token (Note [Decode graphs]), inside prefill_s
         row = timed_generate(manager.generate, ids, args.new_tokens, probe, torch.cuda.synchronize)
-        row["stats"] = manager.get_memory_stats()
+        row["stats"] = manager.get_memory_stats().to_dict()
         rows.append(row)
         say(f"RESULT_ROW {json.dumps(summary(row))}")
     return {"calls": rows}

@@ -100,7 +100,7 @@ def main() -> None:
             **summary(prof, wall),
         }
         print(f"call {call}: wall {wall:.0f} ms, prefill {st['prefill_s']:.3f} s", flush=True)
-        print("   setup (host ms):", json.dumps(st.get("prefill_setup_host_ms")))
+        print("   setup (host s):", json.dumps(st.get("prefill_setup_host_s")))
         for row in out[str(call)]["by_self_cpu"][:25]:
             print("  ", json.dumps(row))
         for row in out[str(call)]["longest"][:25]:

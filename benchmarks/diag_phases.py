@@ -225,7 +225,8 @@ def main() -> None:
         print(
             f"call {call}: prefill {st['prefill_s']:.3f} s, decode {st['decode_s']:.4f} s "
             f"({st['decode_tok_s']:.2f} tok/s), graphs {st.get('decode_graphs')} captures "
-            f"{st.get('decode_graph_captures')} in {st.get('decode_graph_capture_ms', 0):.1f} ms",
+            f"{st.get('decode_graph_captures')} in "
+            f"{st.get('decode_graph_capture_s', 0) * 1e3:.1f} ms",
             flush=True,
         )
         for k, row in enumerate(out[call]["copy_per_step"][:4]):

@@ -1448,6 +1448,14 @@ std::vector<TimelineEvent> OffloadManager::timeline() {
   return impl_->timeline;
 }
 
+std::vector<TimelineEvent> OffloadManager::take_timeline() {
+  impl_->poll(/*wait_for_turn=*/true);
+  std::vector<TimelineEvent> taken;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  taken.swap(impl_->timeline);
+  return taken;
+}
+
 void OffloadManager::reset_metrics() {
   Impl& m = *impl_;
   m.poll(/*wait_for_turn=*/true);

@@ -410,4 +410,8 @@ std::vector<TimelineEvent> WeightStore::timeline() {
   return manager_ ? manager_->timeline() : std::vector<TimelineEvent>{};
 }
 
+std::vector<TimelineEvent> WeightStore::take_timeline() {
+  return manager_ ? manager_->take_timeline() : std::vector<TimelineEvent>{};
+}
+
 }  // namespace reviva

@@ -157,6 +157,9 @@ class REVIVA_API OffloadManager {
 
   ManagerMetrics metrics();
   std::vector<TimelineEvent> timeline();
+  // The events so far, leaving none: a long-lived manager's caller takes each call's events
+  // (trace files) before the capacity fills. Metrics stay.
+  std::vector<TimelineEvent> take_timeline();
   void reset_metrics();
 
   TransferEngine& engine() const noexcept { return *engine_; }

@@ -128,6 +128,8 @@ class REVIVA_API WeightStore {
   void synchronize();
   WeightStoreStats stats();
   std::vector<TimelineEvent> timeline();
+  // The events so far, leaving none (OffloadManager::take_timeline).
+  std::vector<TimelineEvent> take_timeline();
   // Waits for its copies, then gives every buffer back to the arena (stream-ordered after the
   // last use) and every host copy to the pool. The store is unusable afterwards. Idempotent.
   void close();

@@ -701,6 +701,15 @@ class PyOffloadManager {
     return timeline_list(events);
   }
 
+  py::list take_timeline() {
+    std::vector<TimelineEvent> events;
+    {
+      py::gil_scoped_release nogil;
+      events = manager_->take_timeline();
+    }
+    return timeline_list(events);
+  }
+
   OffloadManager& manager() { return *manager_; }
   LeaseTable& leases() { return *leases_; }
   const std::shared_ptr<Runtime>& runtime() const { return rt_; }
@@ -847,6 +856,8 @@ void bind_manager(py::module_& m) {
            })
       .def("metrics", &PyOffloadManager::metrics)
       .def("timeline", &PyOffloadManager::timeline)
+      .def("take_timeline", &PyOffloadManager::take_timeline,
+           "The events so far (as timeline()), leaving none: each step's own")
       .def("reset_metrics", [](PyOffloadManager& self) { self.manager().reset_metrics(); })
       .def("check_invariants", [](PyOffloadManager& self) { self.manager().check_invariants(); })
       .def_property(

@@ -166,14 +166,26 @@ void bind_weight_store(py::module_& m) {
              s.store().synchronize();
            })
       .def("stats", &PyWeightStore::stats)
-      .def("timeline", [](PyWeightStore& s) {
-        std::vector<TimelineEvent> events;
-        {
-          py::gil_scoped_release release;
-          events = s.store().timeline();
-        }
-        return timeline_list(events);
-      });
+      .def("timeline",
+           [](PyWeightStore& s) {
+             std::vector<TimelineEvent> events;
+             {
+               py::gil_scoped_release release;
+               events = s.store().timeline();
+             }
+             return timeline_list(events);
+           })
+      .def(
+          "take_timeline",
+          [](PyWeightStore& s) {
+            std::vector<TimelineEvent> events;
+            {
+              py::gil_scoped_release release;
+              events = s.store().take_timeline();
+            }
+            return timeline_list(events);
+          },
+          "The events so far (as timeline()), leaving none: each call's own");
 }
 
 }  // namespace reviva::python

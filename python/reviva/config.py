@@ -72,6 +72,9 @@ class RevivaConfig:
                     (never). Each call's plan keeps as many layers' weights resident as saves
                     the most bytes per token beside the K/V (Note [Streamed weights] in
                     reviva/weights.py).
+    progress:       a progress line on stderr through prefill (layer i of N, tokens a second):
+                    "auto" (when stderr is a terminal and the prompt has 16k tokens or more,
+                    unless REVIVA_PROGRESS=0), True or False.
     """
 
     vram_threshold: float = 0.8
@@ -90,6 +93,7 @@ class RevivaConfig:
     attention_kernel: str = "auto"
     device: str | None = None
     stream_weights: str | bool = "auto"
+    progress: str | bool = "auto"
 
     def __post_init__(self) -> None:
         t = self.vram_threshold
@@ -164,6 +168,10 @@ class RevivaConfig:
             raise ValueError(
                 f"stream_weights must be 'auto', True or False, got {self.stream_weights!r}"
             )
+        if self.progress not in ("auto", True, False) or (
+            isinstance(self.progress, int) and not isinstance(self.progress, bool)
+        ):
+            raise ValueError(f"progress must be 'auto', True or False, got {self.progress!r}")
         c = self.chunk_tokens
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c <= 0):
             raise ValueError(f"chunk_tokens must be an int > 0 or None, got {c!r}")

@@ -41,11 +41,14 @@ from reviva.kv_fp8 import row_bytes as fp8rows_width
 from reviva.llama_layer import DecodeGraphs, LlamaLayerPath, take_matmul_workspaces
 from reviva.planner import Plan, budget_for, device_state, host_state, make_plan, spread
 from reviva.resources import device_resources
+from reviva.stats import GenerateStats, PhaseStats
+from reviva.trace import PrefillProgress, Ranges, chrome_trace, span, store_spans, write_trace
 from reviva.weights import HostEmbedding, StreamedWeights
 
 log = logging.getLogger(__name__)
 
 _MiB = 1 << 20
+
 _MISSING = object()
 # Which manager has wrapped a model's layers: a second one on the same model (in this thread or
 # another) is refused rather than left to interleave its wrappers with the first's.
@@ -142,11 +145,15 @@ class RevivaManager:
         self._cache: RevivaCache | None = None
         self._plan: Plan | None = None
         self._phase: dict[str, Any] = {}
-        self._last_stats: dict[str, Any] = {}
-        # Diagnostics (benchmarks/diag_phases.py): with a capacity > 0, each call's store keeps
-        # that many copy and stall events, left in _last_timeline (ms since the store was built).
-        self._timeline_capacity = 0
+        self._last_stats: GenerateStats | None = None
+        # Note [Traces] (trace.py): each call's store keeps up to this many copy and stall
+        # events, left in _last_timeline (ms since the store was built; diag_phases.py reads
+        # them), and the call's trace for trace(path).
+        self._timeline_capacity = 1 << 16
         self._last_timeline: list[dict[str, Any]] = []
+        self._last_trace: dict[str, Any] | None = None
+        self._ranges = Ranges()
+        self._progress: PrefillProgress | None = None
         # Note [Residual stream on the host] (llama_layer.py): the prompt's hidden states on the
         # host for this call's prefill, the placeholder the model's forward passes around instead,
         # the prompt's positions, and the rotary module's own forward (each chunk's cos and sin).
@@ -244,7 +251,9 @@ class RevivaManager:
                 if buf is not None and buf.device != device and not buf.is_meta:
                     module._buffers[key] = buf.to(device)
         t = time.perf_counter()
-        weights = StreamedWeights(lay.layers, self.engine, self.arena, device, fill_layer)
+        weights = StreamedWeights(
+            lay.layers, self.engine, self.arena, device, fill_layer, timeline_capacity=1 << 16
+        )
         model.__dict__[_WEIGHTS_OF] = weakref.ref(weights)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the layers' device memory, if they were there
@@ -590,6 +599,10 @@ class RevivaManager:
         (stats: prefill_before_first_layer_ms, prefill_first_layer_ms), the rotary shapes for
         the decode graphs, the helper thread's go (RevivaManager._pin_host_copies), and from
         the middle layer on the decode graphs' captures while the device is busy."""
+        self._phase.setdefault("layer_events", []).append(self._event())
+        self._ranges.swap("reviva.prefill.layer")
+        if self._progress is not None:
+            self._progress.layer(i)
         if i == 0:
             self._phase["layer0_start"] = self._event()
             if "t_setup" in self._phase:
@@ -695,21 +708,20 @@ class RevivaManager:
         log.info("reviva: %d of %d planned promotions after prefill", promoted, count)
 
     def _refusal_state(self, by: str, free: int | None, promoted: int) -> dict:
-        """What the device and the arena held when a promotion was first refused (MiB)."""
-        mib = 1 << 20
+        """What the device and the arena held when a promotion was first refused (bytes)."""
         st = self.arena.stats()
         state = {
             "refused_by": by,
             "promoted_before": promoted,
-            "arena_mapped_mb": int(st["mapped_bytes"]) / mib,
-            "arena_retiring_mb": int(st["retiring_bytes"]) / mib,
-            "arena_limit_mb": int(st["limit_bytes"]) / mib,
+            "arena_mapped_bytes": int(st["mapped_bytes"]),
+            "arena_retiring_bytes": int(st["retiring_bytes"]),
+            "arena_limit_bytes": int(st["limit_bytes"]),
         }
         if free is not None:
             dev = self.layout.device
-            state["device_free_mb"] = free / mib
-            state["torch_allocated_mb"] = torch.cuda.memory_allocated(dev) / mib
-            state["torch_reserved_mb"] = torch.cuda.memory_reserved(dev) / mib
+            state["device_free_bytes"] = free
+            state["torch_allocated_bytes"] = torch.cuda.memory_allocated(dev)
+            state["torch_reserved_bytes"] = torch.cuda.memory_reserved(dev)
         return state
 
     # --- phases ----------------------------------------------------------------------------------
@@ -724,6 +736,8 @@ class RevivaManager:
     def _mark_decode_step(self) -> None:
         self._prefill_over()
         self._phase["decode_steps"] = self._phase.get("decode_steps", 0) + 1
+        self._phase.setdefault("step_events", []).append(self._event())
+        self._ranges.swap("reviva.decode.step")
 
     def _prefill_over(self) -> None:
         """The call's first decode step starts (once per call, before its first layer): decode's
@@ -732,7 +746,12 @@ class RevivaManager:
         if "prefill_end" in self._phase:
             return
         self._phase["prefill_end"] = self._event()
+        self._ranges.pop("reviva.prefill")
+        self._ranges.push("reviva.decode")
+        if self._progress is not None:
+            self._progress.close()
         self._phase["prefill_peak"] = self._phase_peak()
+        self._phase["prefill_counters"] = self._phase_counters(self._cache)
         if "pin_go" in self._phase:  # (a prompt too short for a layered prefill)
             self._phase["pin_go"].set()
         plan, cache = self._plan, self._cache
@@ -755,11 +774,11 @@ class RevivaManager:
         self.arena.reset_peak()
         return peak
 
-    def _phase_ms(self, a: str, b: str) -> float | None:
+    def _phase_s(self, a: str, b: str) -> float | None:
         ph = self._phase
         if a not in ph or b not in ph:
             return None
-        return self._elapsed_s(ph[a], ph[b]) * 1e3
+        return self._elapsed_s(ph[a], ph[b])
 
     @staticmethod
     def _elapsed_s(a: Any, b: Any) -> float:
@@ -1001,7 +1020,15 @@ class RevivaManager:
         cache: RevivaCache | None = None
         returned = False  # (set once generate returned: only then is its cache parked)
         self._phase = {"start": self._event(), "map_ms": self.arena.stats()["map_ms"]}
+        self._phase["t0"] = time.perf_counter()  # (the call's start on the host: Note [Traces])
         self._phase["padded"] = padded
+        self._ranges.close()
+        self._ranges.push("reviva.generate")
+        self._ranges.push("reviva.prefill")
+        if PrefillProgress.wanted(self.config.progress, plan.prompt_tokens * plan.batch):
+            self._progress = PrefillProgress(plan.num_layers, plan.prompt_tokens * plan.batch)
+        if self.weights is not None:
+            self.weights.store.take_timeline()  # (the call's own events from here)
         # the host's time from the call's start to each step of its set-up (ms): where a first
         # call's time before its first layer goes (prefill_before_first_layer_ms is the device's)
         setup = self._phase["setup_host_ms"] = {}
@@ -1051,6 +1078,7 @@ class RevivaManager:
                 share=share,
                 device=self.layout.device,
             )
+            self._phase["store_host"] = time.perf_counter()  # (its timeline's origin)
             if plan.page_slots:
                 cache.store.set_page_slots(plan.page_slots)
             if continued is not None:
@@ -1083,6 +1111,10 @@ class RevivaManager:
                 self._phase["pin_go"].set()
                 thread.join()  # no helper thread outlives its call
             self._phase["end"] = self._event()
+            self._ranges.close()
+            if self._progress is not None:
+                self._progress.close()
+                self._progress = None
             self._copy_hidden = False
             self._share = 1
             prefix, self._prefix = self._prefix, 0
@@ -1203,13 +1235,15 @@ class RevivaManager:
             if self.layout.device.type == "cuda":
                 torch.cuda.synchronize(self.layout.device)
             cache.store.synchronize()
-            self._last_stats = self._collect(cache, plan)
-            self._last_stats["continued_tokens"] = prefix
+            stats = self._collect(cache, plan)
             if self._timeline_capacity:
                 self._last_timeline = cache.store.timeline()
+                self._last_trace = self._trace(stats)
             if park:
                 cache.park(self.pool)
-            self._last_stats["returned_cache_host_mb"] = cache.parked_bytes / _MiB
+            self._last_stats = dataclasses.replace(
+                stats, continued_tokens=prefix, returned_cache_host_bytes=cache.parked_bytes
+            )
         finally:
             cache.close()
 
@@ -1293,7 +1327,21 @@ class RevivaManager:
 
     # --- statistics ------------------------------------------------------------------------------
 
-    def _collect(self, cache: RevivaCache, plan: Plan) -> dict[str, Any]:
+    def _phase_counters(self, cache: RevivaCache | None) -> dict[str, float]:
+        """The call's copy and stall counters so far (the engine's are reset at its start; the
+        weight store's are its manager's, counted from weights_before)."""
+        eng = self.engine.stats()
+        out = {
+            "to_device": eng["h2d"]["bytes_submitted"],
+            "to_host": eng["d2h"]["bytes_submitted"],
+            "stall_ms": cache.store.stats()["compute_stall_ms"] if cache is not None else 0.0,
+        }
+        before = self._phase.get("weights_before")
+        if self.weights is not None and before is not None:
+            out["stall_ms"] += self.weights.stats()["compute_stall_ms"] - before["compute_stall_ms"]
+        return out
+
+    def _collect(self, cache: RevivaCache, plan: Plan) -> GenerateStats:
         st = cache.store.stats()
         eng = self.engine.stats()
         arena = self.arena.stats()
@@ -1304,110 +1352,135 @@ class RevivaManager:
         steps = ph.get("decode_steps", 0)
         layer_kv = plan.layer_kv_bytes
         kv_total = plan.num_layers * plan.capacity * plan.kv_token_bytes
-        copy_ms = eng["h2d"]["busy_ms"]
         # Compute's waits for K/V fetches: the store's manager's meter (the one stall meter of
         # the residency engine; the store is the call's own).
         stall_ms = st["compute_stall_ms"]
         prefill_peak = ph.get("prefill_peak")
         decode_peak = self._phase_peak()
         peaks = [p for p in (prefill_peak, decode_peak) if p is not None]
-        return {
-            "device": str(self.layout.device),
-            "backend": self.runtime.backend,
-            "budget_mb": plan.budget / _MiB,
-            "requested_budget_mb": plan.requested_budget / _MiB,
-            "device_limit_mb": plan.device_limit / _MiB,
-            "kv_device_peak_mb": st["peak_device_bytes"] / _MiB,
+        weights = self._weight_stats(plan)
+        end = self._phase_counters(cache)
+        mid = ph.get("prefill_counters", end)
+        rows = plan.batch
+        resident_end = st["resident_layers"]
+        prefill = PhaseStats(
+            seconds=prefill_s,
+            tokens=plan.prompt_tokens * rows,
+            peak_device_bytes=prefill_peak,
+            bytes_to_device=int(mid["to_device"]),
+            bytes_to_host=int(mid["to_host"]),
+            stall_s=mid["stall_ms"] / 1e3,
+            kv_streamed_layers=plan.num_layers - len(plan.resident_layers),
+            kv_resident_layers=len(plan.resident_layers),
+            weight_streamed_layers=plan.weight_layers - len(plan.weight_resident_layers),
+        )
+        decode = PhaseStats(
+            seconds=decode_s,
+            tokens=steps * rows,
+            peak_device_bytes=decode_peak,
+            bytes_to_device=int(end["to_device"] - mid["to_device"]),
+            bytes_to_host=int(end["to_host"] - mid["to_host"]),
+            stall_s=(end["stall_ms"] - mid["stall_ms"]) / 1e3,
+            kv_streamed_layers=plan.num_layers - resident_end,
+            kv_resident_layers=resident_end,
+            weight_streamed_layers=weights.get("weight_streamed_layers", 0),
+        )
+        refusal = ph.get("first_promotion_refusal")
+        return GenerateStats(
+            device=str(self.layout.device),
+            backend=self.runtime.backend,
+            budget_bytes=plan.budget,
+            requested_budget_bytes=plan.requested_budget,
+            device_limit_bytes=plan.device_limit,
+            prefill=prefill,
+            decode=decode,
             # Torch's tensors and the arena's K/V, at most, by phase (_phase_peak).
-            "peak_vram_mb": max(peaks) / _MiB if peaks else None,
-            "prefill_peak_vram_mb": prefill_peak / _MiB if prefill_peak is not None else None,
-            "decode_peak_vram_mb": decode_peak / _MiB if decode_peak is not None else None,
-            "arena_map_ms": arena["map_ms"] - ph["map_ms"],
-            "host_copy_wait_ms": st["host_copy_wait_ms"],
-            "pin_s": ph.get("pin_s", 0.0),
-            "pin_mode": ph.get("pin_mode", _pin_mode()),
-            "pin_background_s": ph.get("pin_background_s", 0.0),
-            "pin_error": ph.get("pin_error"),
-            "kv_cache_mb": kv_total / _MiB,
-            "kv_device_mb": st["device_bytes"] / _MiB,
-            "vram_saved_mb": max(kv_total - st["device_bytes"], 0) / _MiB,
-            "bytes_to_host": eng["d2h"]["bytes_completed"],
-            "bytes_to_device": eng["h2d"]["bytes_completed"],
-            "h2d_gbps": eng["h2d"]["bandwidth_gbps"],
-            "copy_to_device_ms": copy_ms,
-            "stall_ms": stall_ms,
-            "overlap_ratio": st["overlap_ratio"],  # Note [Overlap ratio], the store's copies
-            "resident_layers": st["resident_layers"],
-            # which layers' K/V streamed at the call's end (decode, after promotions)
-            "streamed_layer_ids": [
-                i for i in range(plan.num_layers) if not cache.store.resident(i)
-            ],
-            "streamed_layers": st["streamed_layers"],
-            "resident_layers_in_prefill": len(plan.resident_layers),
-            "promoted_layers": st["promotions"],
-            "promotion_failures": st["promotion_failures"],
-            "prefetches_without_memory": st["prefetches_without_memory"],
-            "prefetches_deferred": st["prefetches_deferred"],
-            "slots": plan.slots,
-            "decode_slots": st["slots"],
-            # Note [Paged layers]: layers kept in pages, the page size and the pages' staging room
-            "paged_layers": st["paged_layers"],
-            "kv_page_tokens": plan.page_tokens,
-            "page_slots": st["page_slots"],
-            "promotions_refused_by_device": ph.get("promotions_refused_by_device", 0),
-            "first_promotion_refusal": ph.get("first_promotion_refusal"),
-            "prefetch_window": plan.prefetch_layers,
-            "chunk_tokens": plan.chunk_tokens,
-            "prefill_residual": "host" if plan.residual_on_host else "device",
+            peak_device_bytes=max(peaks) if peaks else None,
+            bytes_to_device=eng["h2d"]["bytes_completed"],
+            bytes_to_host=eng["d2h"]["bytes_completed"],
+            to_device_gbps=eng["h2d"]["bandwidth_gbps"],
+            copy_to_device_s=eng["h2d"]["busy_ms"] / 1e3,
+            stall_s=stall_ms / 1e3,
+            overlap_ratio=st["overlap_ratio"],  # Note [Overlap ratio], the store's copies
             # Note [fp8 K/V rows]: the K/V format, and the largest relative round-trip error of a
             # layer's prompt K or V (||x - fp8(x)|| / ||x||) when it is fp8.
-            "kv_dtype": "fp8" if plan.kv_fp8 else str(self.layout.dtype).replace("torch.", ""),
-            "kv_fp8_rel_error": cache.fp8_error if plan.kv_fp8 else None,
-            "kv_block_tokens": plan.kv_block_tokens,
+            kv_dtype="fp8" if plan.kv_fp8 else str(self.layout.dtype).replace("torch.", ""),
+            kv_cache_bytes=kv_total,
+            kv_device_bytes=st["device_bytes"],
+            kv_device_peak_bytes=st["peak_device_bytes"],
+            device_bytes_saved=max(kv_total - st["device_bytes"], 0),
+            host_bytes=st["host_bytes"],
+            pinned_reserved_bytes=self.pool.stats()["bytes_reserved"],
+            layer_kv_bytes=layer_kv,
+            kv_fp8_rel_error=cache.fp8_error if plan.kv_fp8 else None,
+            kv_block_tokens=plan.kv_block_tokens,
+            # Note [Paged layers]: layers kept in pages, the page size and the pages' staging room
+            kv_page_tokens=plan.page_tokens,
+            paged_layers=st["paged_layers"],
+            page_slots=st["page_slots"],
             # Note [Shared prompt K/V]: rows per prompt holding its K/V once (1: a copy per row)
-            "shared_prompt_rows": cache.share,
+            shared_prompt_rows=cache.share,
             # Note [Fetch tails]: sliding layers fetched as their window alone
-            "fetch_window_layers": len(cache.fetch_windows),
-            "generated_rows_mb": cache.generated_bytes / _MiB,
-            "residual_host_mb": plan.residual_host_bytes / _MiB,
-            "layer_kv_mb": layer_kv / _MiB,
-            "prompt_tokens": plan.prompt_tokens,
-            "decode_steps": steps,
-            "own_decode_attention": ph.get("own_decode_steps", 0) == steps > 0,
-            # Note [Decode graphs]: layer steps replayed as CUDA graphs and run eagerly (before
-            # the layer's capture), the layers captured in this call and the host time it took,
-            # and "on", or why they are off.
-            "decode_graph_replays": self._graphs.replays if self._graphs else 0,
-            "decode_graph_capture_ms": self._graphs.capture_ms if self._graphs else 0.0,
-            "decode_graph_captures": self._graphs.captured if self._graphs else 0,
-            "decode_graph_captures_ahead": self._graphs.captured_ahead if self._graphs else 0,
-            "decode_graph_captures_in_prefill_layers": (
-                self._graphs.captured_in_layers if self._graphs else 0
-            ),
-            "decode_graph_eager_steps": self._graphs.eager_steps if self._graphs else 0,
-            "decode_graph_uncaptured": dict(self._graphs.uncaptured) if self._graphs else {},
-            "decode_graphs": self._graphs_state(),
-            "attention_kernel": self._call_kernel,
-            "prefill_s": prefill_s,
+            fetch_window_layers=len(cache.fetch_windows),
+            generated_rows_bytes=cache.generated_bytes,
+            resident_layers=resident_end,
+            # which layers' K/V streamed at the call's end (decode, after promotions)
+            streamed_layers=st["streamed_layers"],
+            streamed_layer_ids=[i for i in range(plan.num_layers) if not cache.store.resident(i)],
+            resident_layers_in_prefill=len(plan.resident_layers),
+            promoted_layers=st["promotions"],
+            promotion_failures=st["promotion_failures"],
+            promotions_refused_by_device=ph.get("promotions_refused_by_device", 0),
+            first_promotion_refusal=dict(refusal) if refusal else None,
+            prefetches_without_memory=st["prefetches_without_memory"],
+            prefetches_deferred=st["prefetches_deferred"],
+            slots=plan.slots,
+            decode_slots=st["slots"],
+            prefetch_window=plan.prefetch_layers,
+            fills=st["fills"],
+            prefetched_fills=st["prefetched_fills"],
+            slot_hits=st["slot_hits"],
+            prompt_tokens=plan.prompt_tokens,
+            chunk_tokens=plan.chunk_tokens,
+            prefill_residual="host" if plan.residual_on_host else "device",
+            residual_host_bytes=plan.residual_host_bytes,
+            attention_kernel=self._call_kernel,
+            prefill_s=prefill_s,
             # where prefill's time went: before the first layer (planning, pinning what is
             # pinned first, embeddings), the first layer (a process's first call loads its
             # kernels there), and after the last layer (final norm, decode graphs captured
-            # ahead, the head, the first token); ms on the device's clock, None if not reached
-            "prefill_before_first_layer_ms": self._phase_ms("start", "layer0_start"),
+            # ahead, the head, the first token); on the device's clock, None if not reached
+            prefill_before_first_layer_s=self._phase_s("start", "layer0_start"),
+            prefill_first_layer_s=self._phase_s("layer0_start", "layer1_start"),
+            prefill_after_layers_s=self._phase_s("layers_end", "prefill_end"),
             # (host clock, from the set-up's start: pinned, weights_placed, cache_made,
             # first_layer)
-            "prefill_setup_host_ms": dict(ph.get("setup_host_ms", {})),
-            "prefill_first_layer_ms": self._phase_ms("layer0_start", "layer1_start"),
-            "prefill_after_layers_ms": self._phase_ms("layers_end", "prefill_end"),
-            "decode_s": decode_s,
-            "decode_tok_s": steps / decode_s if steps and decode_s > 0 else None,
-            **self._weight_stats(plan),
-            "fills": st["fills"],
-            "prefetched_fills": st["prefetched_fills"],
-            "slot_hits": st["slot_hits"],
-            "host_mb": st["host_bytes"] / _MiB,
-            "pinned_reserved_mb": self.pool.stats()["bytes_reserved"] / _MiB,
-        }
+            prefill_setup_host_s={k: v / 1e3 for k, v in ph.get("setup_host_ms", {}).items()},
+            arena_map_s=(arena["map_ms"] - ph["map_ms"]) / 1e3,
+            host_copy_wait_s=st["host_copy_wait_ms"] / 1e3,
+            pin_s=ph.get("pin_s", 0.0),
+            pin_mode=ph.get("pin_mode", _pin_mode()),
+            pin_background_s=ph.get("pin_background_s", 0.0),
+            pin_error=ph.get("pin_error"),
+            decode_steps=steps,
+            decode_s=decode_s,
+            decode_tok_s=steps / decode_s if steps and decode_s > 0 else None,
+            own_decode_attention=ph.get("own_decode_steps", 0) == steps > 0,
+            # Note [Decode graphs]: layer steps replayed as CUDA graphs and run eagerly (before
+            # the layer's capture), the layers captured in this call and the host time it took,
+            # and "on", or why they are off.
+            decode_graphs=self._graphs_state(),
+            decode_graph_replays=self._graphs.replays if self._graphs else 0,
+            decode_graph_capture_s=self._graphs.capture_ms / 1e3 if self._graphs else 0.0,
+            decode_graph_captures=self._graphs.captured if self._graphs else 0,
+            decode_graph_captures_ahead=self._graphs.captured_ahead if self._graphs else 0,
+            decode_graph_captures_in_prefill_layers=(
+                self._graphs.captured_in_layers if self._graphs else 0
+            ),
+            decode_graph_eager_steps=self._graphs.eager_steps if self._graphs else 0,
+            decode_graph_uncaptured=dict(self._graphs.uncaptured) if self._graphs else {},
+            **weights,
+        )
 
     def _weight_stats(self, plan: Plan) -> dict[str, Any]:
         """Note [Streamed weights]: what the call's weights did (zeros when they do not stream)."""
@@ -1426,15 +1499,15 @@ class RevivaManager:
             "weight_prefetch_blocks": now["prefetch_blocks"],  # (Note [Layers in parts])
             # decode's room for streamed weights (Note [Layers in parts]), and what lowering the
             # slot to it gave back for K/V promotions
-            "weight_slot_mb": w.store.slot_bytes / _MiB,
+            "weight_slot_bytes": w.store.slot_bytes,
             "weight_bytes_given_back": self._phase.get("weight_bytes_given_back", 0),
-            "weight_host_mb": now["host_bytes"] / _MiB,
-            "weight_resident_mb": now["resident_bytes"] / _MiB,
+            "weight_host_bytes": now["host_bytes"],
+            "weight_resident_bytes": now["resident_bytes"],
             "weight_bytes_to_device": now["bytes_to_device"] - before["bytes_to_device"],
             "weight_bytes_to_host": now["bytes_to_host"] - before["bytes_to_host"],
             "weight_fills": now["fills"] - before["fills"],
             "weight_prefetched_fills": now["prefetched_fills"] - before["prefetched_fills"],
-            "weight_stall_ms": now["compute_stall_ms"] - before["compute_stall_ms"],
+            "weight_stall_s": (now["compute_stall_ms"] - before["compute_stall_ms"]) / 1e3,
         }
 
     def _graphs_state(self) -> str:
@@ -1446,7 +1519,57 @@ class RevivaManager:
             return f"off: {self._graphs.failed}"
         return "on"
 
-    def get_memory_stats(self) -> dict[str, Any]:
-        """What the last generate call did: peak VRAM, VRAM saved, bytes each way, overlap ratio,
-        stall time, resident layers, prefetch window, per-phase times. Empty before any call."""
-        return dict(self._last_stats)
+    def _trace(self, stats: GenerateStats) -> dict[str, Any]:
+        """The call's Chrome trace (Note [Traces]): compute spans from the phase events, the
+        stores' copies and stalls from the core's timelines."""
+        ph = self._phase
+
+        def at(e: Any) -> float:  # ms from the call's start
+            return self._elapsed_s(ph["start"], e) * 1e3
+
+        end = at(ph["end"])
+        prefill_end = at(ph["prefill_end"]) if "prefill_end" in ph else end
+        spans = []
+        spans.append(span("prefill", "compute", 0.0, prefill_end, tokens=stats.prefill.tokens))
+        layers = [at(e) for e in ph.get("layer_events", [])]
+        layers_end = at(ph["layers_end"]) if "layers_end" in ph else prefill_end
+        for i, start in enumerate(layers):
+            stop = layers[i + 1] if i + 1 < len(layers) else layers_end
+            spans.append(span(f"prefill layer {i}", "compute", start, stop))
+        steps = [at(e) for e in ph.get("step_events", [])]
+        if steps:
+            spans.append(span("decode", "compute", prefill_end, end, steps=len(steps)))
+        for j, start in enumerate(steps):
+            stop = steps[j + 1] if j + 1 < len(steps) else end
+            spans.append(span(f"decode step {j}", "compute", start, stop))
+        t0 = ph["t0"]
+        if "store_host" in ph:
+            spans += store_spans(self._last_timeline, "K/V", (ph["store_host"] - t0) * 1e3)
+        if self.weights is not None:
+            offset = (self.weights.origin_host - t0) * 1e3
+            spans += store_spans(self.weights.store.take_timeline(), "weights", offset)
+        return chrome_trace(
+            spans,
+            {
+                "device": stats.device,
+                "backend": stats.backend,
+                "prompt_tokens": stats.prompt_tokens,
+                "decode_steps": stats.decode_steps,
+                "clock": "CUDA events" if self.layout.device.type == "cuda" else "host",
+                "stats": stats.to_dict(),
+            },
+        )
+
+    def trace(self, path: str | os.PathLike[str]) -> str:
+        """Writes the last generate call as a Chrome/Perfetto trace (JSON) at `path`: compute
+        (prefill layers, decode steps), each copy of K/V and weights each way, and compute's
+        stalls, one track each (Note [Traces] in reviva/trace.py). Returns the path."""
+        return write_trace(path, self._last_trace, "RevivaManager")
+
+    def get_memory_stats(self) -> GenerateStats | None:
+        """What the last generate call did (reviva.stats, Note [One naming scheme]): peak device
+        memory, K/V kept off the device, bytes each way, stalls, layers resident and streamed,
+        and per phase (`.prefill`, `.decode`) what happened in it. A typed object that reads as
+        a mapping too (`stats["streamed_layers"]`, `stats.to_dict()` for JSON). None before any
+        call."""
+        return self._last_stats

@@ -53,10 +53,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -73,27 +74,30 @@ from reviva._C import (
 )
 from reviva.resources import device_resources
 from reviva.sizes import format_bytes, parse_bytes
+from reviva.trace import chrome_trace, span, store_spans, write_trace
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ActivationStats:
-    """What offload_activations did, over all steps so far (peaks: of the last step)."""
+    """What offload_activations did, over all steps so far (peaks: of the last step); names as
+    GenerateStats's (Note [One naming scheme] in reviva/stats.py): bytes, seconds, to_host and
+    to_device."""
 
     steps: int = 0
     saved_tensors: int = 0  # pack calls
     offloaded_tensors: int = 0  # saved tensors whose storage went to the host
     kept_tensors: int = 0  # parameters, small tensors, other devices, layers kept by the budget
-    bytes_offloaded: int = 0  # D2H bytes (each storage once; narrowed ones at 16 bits)
+    bytes_to_host: int = 0  # D2H bytes (each storage once; narrowed ones at 16 bits)
     narrowed_tensors: int = 0  # fp32 storages moved as the 16-bit values they were cast from
-    bytes_restored: int = 0  # H2D bytes (the manager's)
+    bytes_to_device: int = 0  # H2D bytes (the manager's)
     prefetched: int = 0  # blocks the scheduler started bringing back ahead of their use
     demand_fetched: int = 0  # blocks fetched when needed (no prefetch reached them)
     offloaded_layers: list[int] = field(default_factory=list)  # last step (budget mode)
     layer_saved_bytes: dict[int, int] = field(default_factory=dict)  # recorded on step 1
-    stall_ms: float = 0.0  # compute waiting for an H2D (the manager's stall meter)
-    host_wait_ms: float = 0.0  # the Python thread waiting for copies to land (budget full)
+    stall_s: float = 0.0  # compute waiting for an H2D (the manager's stall meter)
+    host_wait_s: float = 0.0  # the Python thread waiting for copies to land (budget full)
     overlap_ratio: float = 1.0  # Note [Overlap ratio] (reviva._C.overlap_ratio), all steps
     peak_device_bytes: int | None = None  # last step (CUDA)
     step_s: float | None = None  # wall time of the last step (enter to exit)
@@ -240,8 +244,11 @@ class ActivationOffload:
             budget_bytes=self.window_bytes,
             allocator="arena" if memory == "arena" else "torch_compute",
             arena=arena,
-            timeline_capacity=0,
+            timeline_capacity=1 << 16,  # (each step's copies and stalls: trace(), Note [Traces])
         )
+        self._origin_host = time.perf_counter()  # (the timeline's origin, on the host's clock)
+        self._last_trace: dict[str, Any] | None = None
+        self._t_backward: float | None = None
         # Made when backward starts, over that step's order (its window counts blocks).
         self.scheduler: PrefetchScheduler | None = None
         self._metrics_start: dict[str, Any] = {}  # the manager's metrics when the step began
@@ -302,6 +309,8 @@ class ActivationOffload:
             self._handles.append(self.head.register_forward_hook(self._head_post_hook))
         self._set_budget(self._window(0) + self._in_use)
         self._metrics_start = self.manager.metrics()
+        self.manager.take_timeline()  # (the step's own events from here)
+        self._t_backward = None
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         self._t0 = time.perf_counter()
@@ -346,15 +355,38 @@ class ActivationOffload:
         def delta(key: str) -> Any:
             return max(now[key] - start[key], 0)
 
-        st.bytes_restored += delta("bytes_to_device")
+        st.bytes_to_device += delta("bytes_to_device")
         st.prefetched += delta("prefetches")
         st.demand_fetched += delta("prefetch_misses")
-        st.stall_ms += delta("compute_stall_ms")
-        st.host_wait_ms += delta("host_wait_ms")
+        st.stall_s += delta("compute_stall_ms") / 1e3
+        st.host_wait_s += delta("host_wait_ms") / 1e3
         self._copy_ms += delta("to_host_busy_ms") + delta("to_device_busy_ms")
-        st.overlap_ratio = overlap_ratio(st.stall_ms, self._copy_ms)
+        st.overlap_ratio = overlap_ratio(st.stall_s * 1e3, self._copy_ms)
         st.step_s = time.perf_counter() - self._t0
         st.steps += 1
+        self._last_trace = self._trace(st.step_s)
+
+    def _trace(self, step_s: float) -> dict[str, Any]:
+        """The step as a Chrome trace (Note [Traces]): forward and backward on the host's clock
+        (where the step's compute was issued), each activation's copy each way and compute's
+        stalls from the manager's timeline."""
+        ms = 1e3
+        spans = [span("step", "compute", 0.0, step_s * ms)]
+        back = self._t_backward
+        if back is not None:
+            spans.append(span("forward", "compute", 0.0, (back - self._t0) * ms))
+            spans.append(span("backward", "compute", (back - self._t0) * ms, step_s * ms))
+        offset = (self._origin_host - self._t0) * ms
+        spans += store_spans(self.manager.take_timeline(), "activations", offset)
+        return chrome_trace(
+            spans, {"device": str(self.device), "clock": "host", "stats": asdict(self.stats)}
+        )
+
+    def trace(self, path: str | os.PathLike[str]) -> str:
+        """Writes the last step as a Chrome/Perfetto trace (JSON) at `path`: forward, backward,
+        each activation copy each way and compute's stalls (Note [Traces] in reviva/trace.py).
+        Returns the path."""
+        return write_trace(path, self._last_trace, "ActivationOffload")
 
     def _choose_layers(self) -> set[int] | None:
         """Budget mode: the layers to offload this step (None: all).
@@ -457,6 +489,7 @@ class ActivationOffload:
         """Declares the step's order to a new scheduler; returns the live storage record needed
         first (None without any)."""
         self._in_backward = True
+        self._t_backward = time.perf_counter()
         order = [[b] for r in sorted(self._groups, reverse=True) for b in reversed(self._groups[r])]
         if not order:
             return None
@@ -595,7 +628,7 @@ class ActivationOffload:
             self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
             self._stored_of[block] = weakref.ref(stored)
             self._groups.setdefault(self._layer, []).append(block)
-            self.stats.bytes_offloaded += stored.nbytes
+            self.stats.bytes_to_host += stored.nbytes
             if self.stats.steps == 0:
                 self._record(storage)
         self.stats.offloaded_tensors += 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -231,6 +232,7 @@ class StreamedWeights:
         self.store = WeightStore(
             engine, arena, block_bytes, timeline_capacity, slot_bytes=max(self.layer_device_bytes)
         )
+        self.origin_host = time.perf_counter()  # (its timeline's origin: Note [Traces])
         self._host_views: list[list[torch.Tensor]] = []  # per block
         self._resident_blocks: set[int] = set()  # the blocks set_residency keeps on the device
         # resident blocks' device copies, from their first acquire (their fill's issue) on

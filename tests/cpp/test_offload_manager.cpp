@@ -1221,6 +1221,11 @@ TEST_P(ManagerTest, TimelineRecordsEveryCopyUpToItsCapacity) {
       EXPECT_GE(mm.timeline_dropped + events.size(), std::size_t{2 * trips});
       EXPECT_GT(mm.timeline_dropped, 0u);
     }
+    // take_timeline: the same events, then none until the next copy; the metrics stay
+    EXPECT_EQ(m().take_timeline().size(), events.size());
+    EXPECT_TRUE(m().timeline().empty());
+    EXPECT_TRUE(m().take_timeline().empty());
+    EXPECT_EQ(m().metrics().bytes_to_host, trips * n);
     EXPECT_TRUE(h().holds(id));
   }
 }

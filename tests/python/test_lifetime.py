@@ -124,15 +124,15 @@ def test_repeated_calls_leave_nothing_behind(device: str) -> None:
             assert st["resident_layers_in_prefill"] < 5, {
                 k: st.get(k)
                 for k in (
-                    "budget_mb",
+                    "budget_bytes",
                     "resident_layers",
                     "resident_layers_in_prefill",
                     "promoted_layers",
                     "slots",
                     "decode_slots",
-                    "layer_kv_mb",
-                    "peak_vram_mb",
-                    "prefill_peak_vram_mb",
+                    "layer_kv_bytes",
+                    "peak_device_bytes",
+                    "prefill",
                 )
             }
             assert len(seen) == 1 and seen[0]() is None, "the call's cache outlived it (a cycle)"
@@ -299,15 +299,16 @@ def test_prefill_phases_in_the_stats(device: str) -> None:
     manager.generate(ids, max_new_tokens=6, do_sample=False)
     st = manager.get_memory_stats()
     parts = [
-        st["prefill_before_first_layer_ms"],
-        st["prefill_first_layer_ms"],
-        st["prefill_after_layers_ms"],
+        st.prefill_before_first_layer_s,
+        st.prefill_first_layer_s,
+        st.prefill_after_layers_s,
     ]
     assert all(p is not None and p >= 0 for p in parts), st
-    assert sum(parts) <= st["prefill_s"] * 1e3 * 1.001 + 0.01, (parts, st["prefill_s"])
+    assert sum(parts) <= st.prefill_s * 1.001 + 1e-5, (parts, st.prefill_s)
+    assert st.prefill.seconds == st.prefill_s and st.decode.seconds == st.decode_s
     manager.generate(ids, max_new_tokens=1, do_sample=False)
     st = manager.get_memory_stats()
-    assert st["prefill_after_layers_ms"] is None and st["prefill_first_layer_ms"] >= 0, st
+    assert st.prefill_after_layers_s is None and st.prefill_first_layer_s >= 0, st
 
 
 def test_background_pinning_waits_for_layer_2(device: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,11 +55,11 @@ def test_offload_all_gradients_bit_identical() -> None:
     got = grads_of(model, ids, off)
     assert_identical(ref, got)
     st = off.stats
-    assert st.offloaded_tensors > 0 and st.bytes_offloaded > 0
-    assert st.bytes_restored == st.bytes_offloaded  # everything came back exactly once
+    assert st.offloaded_tensors > 0 and st.bytes_to_host > 0
+    assert st.bytes_to_device == st.bytes_to_host  # everything came back exactly once
     assert st.prefetched > 0, "backward should find most layers already on their way"
     assert st.kept_tensors > 0  # parameters and what the head saved
-    assert st.stall_ms >= 0.0 and 0.0 <= st.overlap_ratio <= 1.0
+    assert st.stall_s >= 0.0 and 0.0 <= st.overlap_ratio <= 1.0
 
 
 def test_views_and_tensors_saved_twice_are_copied_once() -> None:
@@ -91,7 +91,7 @@ def test_views_and_tensors_saved_twice_are_copied_once() -> None:
     st = off.stats
     assert st.offloaded_tensors >= 4
     # h, its transpose and its strided views share one storage: fewer copies than saved tensors.
-    assert st.bytes_offloaded < st.offloaded_tensors * 48 * 32 * 4
+    assert st.bytes_to_host < st.offloaded_tensors * 48 * 32 * 4
 
 
 def test_budget_mode_offloads_first_layers_and_stays_identical() -> None:
@@ -204,7 +204,7 @@ def test_fp32_cast_from_16_bits_moves_at_16_bits_bit_identical() -> None:
     n = 256 * 64
     # wide at 2 bytes, plain at 4; x itself (saved by both matmuls) is the model's input, which
     # the caller holds: kept on the device (moving it would free nothing).
-    assert off.stats.bytes_offloaded == n * 2 + n * 4, off.stats.bytes_offloaded
+    assert off.stats.bytes_to_host == n * 2 + n * 4, off.stats.bytes_to_host
 
 
 def grad_of_layer_input(
@@ -237,7 +237,7 @@ def test_partial_backward_drops_storages_brought_back_but_not_unpacked() -> None
     assert torch.equal(ref, got)
     # Layer 3 ran backward; the prefetch reached layers 2 and 1, whose nodes never ran (the
     # gradient of layer 2's output, the one asked for, counts as reaching layer 2).
-    assert off.stats.bytes_restored > 0 and off.stats.bytes_restored < off.stats.bytes_offloaded
+    assert off.stats.bytes_to_device > 0 and off.stats.bytes_to_device < off.stats.bytes_to_host
 
 
 def test_gradient_checkpointing_identical() -> None:
@@ -253,8 +253,8 @@ def test_gradient_checkpointing_identical() -> None:
         ref = grads_of(model, ids, None)
         off = ActivationOffload(model, min_bytes=0)
         assert_identical(ref, grads_of(model, ids, off))
-        assert off.stats.bytes_offloaded > 0
-        assert off.stats.bytes_restored == off.stats.bytes_offloaded, reentrant
+        assert off.stats.bytes_to_host > 0
+        assert off.stats.bytes_to_device == off.stats.bytes_to_host, reentrant
 
 
 @pytest.mark.gpu
@@ -275,8 +275,8 @@ def test_gpu_gradient_checkpointing_identical(deterministic: None) -> None:
         got, peak = cuda_step(model, ids, off)
         requested = torch.cuda.memory_stats()["requested_bytes.all.peak"]
         assert_identical(ref, got)
-        assert off.stats.bytes_offloaded > 0
-        assert off.stats.bytes_restored == off.stats.bytes_offloaded, reentrant
+        assert off.stats.bytes_to_host > 0
+        assert off.stats.bytes_to_device == off.stats.bytes_to_host, reentrant
         # The bytes asked of torch's allocator (what tensors hold) peak no higher, and the
         # allocated bytes (whole blocks) within 1 MiB.
         assert requested <= requested_ref, (reentrant, requested, requested_ref)
@@ -304,7 +304,7 @@ def test_model_inputs_are_kept_not_offloaded() -> None:
     got = grads_of(model, ids, off)
     assert_identical(ref, got)
     assert moved and ids.untyped_storage().data_ptr() not in moved
-    assert off.stats.bytes_restored == off.stats.bytes_offloaded > 0
+    assert off.stats.bytes_to_device == off.stats.bytes_to_host > 0
 
 
 def test_no_growth_over_50_steps() -> None:
@@ -315,7 +315,7 @@ def test_no_growth_over_50_steps() -> None:
         grads_of(model, ids, off)
         off.engine.synchronize()
     assert off.stats.steps == 50
-    assert off.stats.bytes_restored == off.stats.bytes_offloaded
+    assert off.stats.bytes_to_device == off.stats.bytes_to_host
     assert all(stored() is None for _, stored in off._by_storage.values())
     assert off.manager.blocks == [] and off.manager.device_bytes == 0
 
@@ -348,10 +348,10 @@ def test_saved_tensors_are_blocks_of_the_core_manager() -> None:
         assert set(states) <= {"ToHost", "Host"}, states  # offloaded as soon as saved
     assert len(seen[-1][2]) > len(seen[0][2])  # blocks accumulate layer by layer
     m = off.manager.metrics()
-    assert m["bytes_to_host"] == off.stats.bytes_offloaded
+    assert m["bytes_to_host"] == off.stats.bytes_to_host
     # Every block back (one prefetched into the slack of so small a window may be pushed out
     # by a block needed sooner, and come back again).
-    assert m["bytes_to_device"] == off.stats.bytes_restored >= off.stats.bytes_offloaded
+    assert m["bytes_to_device"] == off.stats.bytes_to_device >= off.stats.bytes_to_host
     # One group per block, of the 4 layers and the head region, the window two regions' worth.
     sched = off.scheduler.stats()
     assert sorted(off._groups) == [0, 1, 2, 3, 4]
@@ -406,7 +406,7 @@ def test_blocks_in_the_arena_identical() -> None:
     assert off.arena.stats()["peak_bytes"] > 0
     assert "arena" in off.manager.metrics()["allocator"]
     assert off.manager.blocks == [] and off.manager.device_bytes == 0
-    assert off.stats.bytes_restored == off.stats.bytes_offloaded  # each block back once
+    assert off.stats.bytes_to_device == off.stats.bytes_to_host  # each block back once
     with pytest.raises(ValueError, match="memory must be 'torch' or 'arena', got 'disk'"):
         ActivationOffload(model, memory="disk")
 
@@ -527,7 +527,7 @@ def test_gpu_gradients_identical_and_peak_lower(deterministic: None) -> None:
         off = ActivationOffload(model, min_bytes=1 << 16, window_bytes=window)
         got, peak = cuda_step(model, ids, off)
         assert_identical(ref, got)
-        assert off.stats.bytes_offloaded > 0 and off.manager.blocks == []
+        assert off.stats.bytes_to_host > 0 and off.manager.blocks == []
         assert peak < peak_ref, (peak, peak_ref)
     model = model.to(torch.bfloat16)
     ref, _ = cuda_step(model, ids, None)
@@ -551,7 +551,7 @@ def test_gpu_partial_backward_drops_storages_brought_back_but_not_unpacked(
         got = grad_of_layer_input(model, ids, off, 3)
     torch.cuda.synchronize()
     assert torch.equal(ref, got)
-    assert 0 < off.stats.bytes_restored < off.stats.bytes_offloaded
+    assert 0 < off.stats.bytes_to_device < off.stats.bytes_to_host
     full_ref, _ = cuda_step(model, ids, None)
     full, _ = cuda_step(model, ids, off)
     assert_identical(full_ref, full)
@@ -605,7 +605,7 @@ def test_window_of_one_storage_still_identical() -> None:
     assert_identical(ref, grads_of(model, ids, off))
     # Each block back at least once (so tight a window may push out a block prefetched into
     # the room a layer in use left, to be fetched again when needed).
-    assert off.stats.bytes_restored >= off.stats.bytes_offloaded
+    assert off.stats.bytes_to_device >= off.stats.bytes_to_host
     assert off.manager.blocks == [] and off.manager.device_bytes == 0
     with pytest.raises(ValueError, match="window_bytes must be > 0 bytes, got 0"):
         ActivationOffload(model, window_bytes=0)
@@ -619,7 +619,7 @@ def test_bf16_autocast_identical() -> None:
         off = ActivationOffload(model, min_bytes=0)
         got = grads_of(model, ids, off)
     assert_identical(ref, got)
-    assert off.stats.bytes_offloaded > 0
+    assert off.stats.bytes_to_host > 0
     # bf16 weights: the residual stream is bf16, so each RMSNorm saves its fp32 cast of it,
     # which moves at 16 bits.
     model = model.to(torch.bfloat16)
