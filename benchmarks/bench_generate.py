@@ -104,6 +104,7 @@ from common import (  # noqa: E402
     write_json,
     write_result,
 )
+from plots import plot_beside  # noqa: E402
 
 PCIE_GBPS = 55.0  # pinned H2D, DESIGN.md's performance model (and bench_transfer's measurement)
 ANCHORS = {  # DESIGN.md, measured on the same H200 kind
@@ -291,7 +292,7 @@ def run_call(
     timer = CallTimer(sync)
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, streamer=timer)
     row: dict[str, Any] = {"prompt_tokens": int(ids.shape[1]), "new_tokens_asked": new_tokens}
-    stats_before = manager.get_memory_stats() if manager is not None else None
+    stats_before = dict(manager.get_memory_stats() or {}) if manager is not None else None
     if cuda:
         safe(torch.cuda.reset_peak_memory_stats)
     before = safe(probe)
@@ -332,7 +333,7 @@ def run_call(
     row["card_peak_used_gb"] = None if low is None else gb(card_bytes - low)
     row["sampler"] = sampler.summary()
     if manager is not None:
-        st = safe(manager.get_memory_stats) or {}
+        st = safe(lambda: dict(manager.get_memory_stats() or {})) or {}
         fresh = st != stats_before
         row["reviva_stats_fresh"] = fresh
         row["reviva"] = st if (fresh or row["completed"]) else None
@@ -757,6 +758,7 @@ def card_driver(args: argparse.Namespace) -> int:
     print(json.dumps(analysis["checks"], indent=1))
     save(final=True)
     say(f"wrote {path}")
+    plot_beside(path)
     return 0
 
 
@@ -1235,6 +1237,7 @@ def merge_card(args: argparse.Namespace, parts: list[dict[str, Any]]) -> int:
     path = result_path(args.name or f"generate-{settings['card_label']}-merged", env, args.out_dir)
     write_json(path, payload)
     print(f"wrote {path}")
+    plot_beside(path)
     return 0
 
 
@@ -1284,7 +1287,7 @@ def run_one(model: Any, contender: str, ctx: int, new_tokens: int, budget: str |
             row["prepare_s"] = time.perf_counter() - t
             timer.begin()
             manager.generate(ids, streamer=timer, **kwargs)
-            stats = manager.get_memory_stats()
+            stats = manager.get_memory_stats().to_dict()
             del manager
         else:
             raise ValueError(f"unknown contender {contender!r}")
@@ -1438,6 +1441,7 @@ def merge_fraction(args: argparse.Namespace, parts: list[dict[str, Any]]) -> int
     payload.pop("worker_log_tails", None)
     path = write_result(args.name or "generate", payload, args.out_dir)
     print(f"wrote {path}")
+    plot_beside(path)
     return 0
 
 
@@ -1553,6 +1557,7 @@ def fraction_driver(args: argparse.Namespace) -> int:
     }
     path = write_result(args.name or "generate", payload, args.out_dir)
     print(f"wrote {path}")
+    plot_beside(path)
     return 0
 
 

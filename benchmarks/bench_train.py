@@ -75,6 +75,7 @@ from card import (  # noqa: E402
     say,
 )
 from common import environment, print_table, result_path, write_json  # noqa: E402
+from plots import plot_beside  # noqa: E402
 
 SHAPE = dict(
     hidden_size=2048,
@@ -426,7 +427,7 @@ def run_contender(
                     lambda: reviva.offload_activations(model, offload=off),
                     row,
                     cuda,
-                    probe=lambda: off.stats.bytes_offloaded,
+                    probe=lambda: off.stats.bytes_to_host,
                     arena=off.arena,
                 )
         row.update(error=None, oom=False, completed=True)
@@ -442,10 +443,10 @@ def run_contender(
         row.update(
             engine_d2h_gbps=(eng.get("d2h") or {}).get("bandwidth_gbps"),
             engine_h2d_gbps=(eng.get("h2d") or {}).get("bandwidth_gbps"),
-            stall_ms_total=getattr(st, "stall_ms", None),
+            stall_s_total=getattr(st, "stall_s", None),
             overlap_ratio=getattr(st, "overlap_ratio", None),
             offloaded_layers=getattr(st, "offloaded_layers", None),
-            host_wait_ms_total=getattr(st, "host_wait_ms", None),
+            host_wait_s_total=getattr(st, "host_wait_s", None),
             narrowed_tensors_total=getattr(st, "narrowed_tensors", None),
             prefetched=getattr(st, "prefetched", None),
             demand_fetched=getattr(st, "demand_fetched", None),
@@ -652,27 +653,6 @@ def print_rows(rows: list[dict]) -> None:
             for r in rows
         ],
     )
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        if r.get("peak_gb") is None or r.get("step_s") is None:
-            continue
-        ax.scatter(r["peak_gb"], r["step_s"])
-        ax.annotate(f"{r['contender']} ({r.get('mode')})", (r["peak_gb"], r["step_s"]), fontsize=6)
-    ax.set_xlabel("peak GB (allocated)")
-    ax.set_ylabel("step s")
-    ax.set_title("training step: time against peak memory")
-    fig.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
 
 
 # --- card mode: worker and driver -----------------------------------------------------------------
@@ -889,8 +869,8 @@ def driver(args: argparse.Namespace) -> int:
     analysis = save(final=True)
     print_rows(rows)
     print(json.dumps(analysis["checks"], indent=1))
-    plot(rows, path)
     say(f"wrote {path}")
+    plot_beside(path)
     return 0
 
 
@@ -940,8 +920,8 @@ def inprocess(args: argparse.Namespace) -> int:
             **analysis,
         },
     )
-    plot(rows, path)
     say(f"wrote {path}")
+    plot_beside(path)
     return 0
 
 
