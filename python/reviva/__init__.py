@@ -51,6 +51,15 @@ def _version() -> str:
 __version__ = _version()
 
 
+# reviva.hf_training's names (the Trainer hook, which imports transformers): loaded on first use.
+_HF_TRAINING = (
+    "RevivaOffloadCallback",
+    "RevivaTrainerMixin",
+    "act_offloading_ctx_manager",
+    "enable_activation_offload",
+)
+
+
 def __getattr__(name: str) -> object:
     # The HF integration imports transformers: loaded on first use, not with the core.
     if name == "RevivaManager":
@@ -61,6 +70,10 @@ def __getattr__(name: str) -> object:
         from reviva.kv_cache import RevivaCache
 
         return RevivaCache
+    if name in _HF_TRAINING:
+        from reviva import hf_training
+
+        return getattr(hf_training, name)
     raise AttributeError(f"module 'reviva' has no attribute {name!r}")
 
 
@@ -82,13 +95,17 @@ __all__ = [
     "RevivaConfig",
     "RevivaError",
     "RevivaManager",
+    "RevivaOffloadCallback",
     "RevivaOutOfMemoryError",
+    "RevivaTrainerMixin",
     "Runtime",
     "Transfer",
     "TransferEngine",
+    "act_offloading_ctx_manager",
     "core_version",
     "cuda_available",
     "cuda_device_count",
+    "enable_activation_offload",
     "parse_bytes",
 ]
 
