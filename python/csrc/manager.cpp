@@ -802,7 +802,7 @@ void bind_manager(py::module_& m) {
                     std::size_t, std::shared_ptr<DeviceArena>>(),
            py::arg("engine"), py::arg("budget_bytes") = 0, py::arg("budget_fraction") = 0.8,
            py::arg("policy") = "lru", py::arg("allocator") = "torch",
-           py::arg("timeline_capacity") = std::size_t{1} << 16, py::arg("arena") = nullptr,
+           py::arg("timeline_capacity") = std::size_t{1} << 16, py::arg("arena") = py::none(),
            "allocator: where blocks' device memory comes from: 'torch' (PyTorch's caching "
            "allocator, each block in the pool of the stream that first writes it), "
            "'torch_compute' (PyTorch's caching allocator on the compute stream, reused in its "

@@ -62,6 +62,15 @@ _HF_TRAINING = (
 
 def __getattr__(name: str) -> object:
     # The HF integration imports transformers: loaded on first use, not with the core.
+    if name not in ("RevivaManager", "RevivaCache", *_HF_TRAINING):
+        raise AttributeError(f"module 'reviva' has no attribute {name!r}")
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ImportError(
+            f"reviva.{name} needs transformers, which is not installed: pip install "
+            "'reviva[hf]' (or transformers>=5.0); the core (offload, pools, stores) works without"
+        )
     if name == "RevivaManager":
         from reviva.manager import RevivaManager
 
@@ -70,11 +79,9 @@ def __getattr__(name: str) -> object:
         from reviva.kv_cache import RevivaCache
 
         return RevivaCache
-    if name in _HF_TRAINING:
-        from reviva import hf_training
+    from reviva import hf_training
 
-        return getattr(hf_training, name)
-    raise AttributeError(f"module 'reviva' has no attribute {name!r}")
+    return getattr(hf_training, name)
 
 
 __all__ = [

@@ -181,18 +181,19 @@ class GenerateStats(Mapping[str, Any]):
 
     def summary(self) -> str:
         """One line a person reads: the call's phases and what moved."""
-        gb = 1e9
+        from reviva.sizes import format_bytes
 
         def peak(x: int | None) -> str:
-            return "n/a" if x is None else f"{x / gb:.2f} GB"
+            return "n/a (CPU)" if x is None else format_bytes(x)
 
         p, d = self.prefill, self.decode
         return (
             f"prefill {p.seconds:.2f} s ({p.tokens} tokens, {p.kv_streamed_layers} layers' K/V "
             f"streamed, peak {peak(p.peak_device_bytes)}); decode {self.decode_steps} steps in "
             f"{d.seconds:.2f} s ({self.decode_tok_s or 0:.2f} steps/s, {d.kv_streamed_layers} "
-            f"streamed at the end, stall {d.stall_s:.3f} s); moved {self.bytes_to_device / gb:.2f}"
-            f" GB to the device, {self.bytes_to_host / gb:.2f} GB to the host"
+            f"layers streamed at its end, stall {d.stall_s * 1e3:.1f} ms); moved "
+            f"{format_bytes(self.bytes_to_device)} to the device, "
+            f"{format_bytes(self.bytes_to_host)} to the host"
         )
 
 
