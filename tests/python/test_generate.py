@@ -1381,7 +1381,18 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
     # the room left after prefill decides the promotions)
     assert st["streamed_layer_ids"] and st0["streamed_layer_ids"], (st, st0)
     assert torch.equal(out.sequences, out0.sequences)
+    # Bit for bit where both runs streamed the same layers. Where they did not (on the H200 at
+    # 846f904 the logits differed by one bf16 step), a layer computed its decode attention
+    # resident in one run and streamed in the other, which need not round alike: within bf16
+    # rounding then (a stale byte before the window, if it were read, is far outside it).
+    same = st["streamed_layer_ids"] == st0["streamed_layer_ids"]
+    print(
+        "streamed layers, windowed and whole:", st["streamed_layer_ids"], st0["streamed_layer_ids"]
+    )
     for a, b in zip(out.logits, out0.logits, strict=True):
-        assert torch.equal(a, b)
+        if same:
+            assert torch.equal(a, b), (st["streamed_layer_ids"], (a - b).abs().max())
+        else:
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=1.6e-2)
     assert torch.equal(cont.sequences, cont0.sequences)
     assert st["bytes_to_device"] < st0["bytes_to_device"], (st["bytes_to_device"], st0)
