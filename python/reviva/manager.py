@@ -1236,6 +1236,7 @@ class RevivaManager:
                 torch.cuda.synchronize(self.layout.device)
             cache.store.synchronize()
             stats = self._collect(cache, plan)
+            self._last_timeline, self._last_trace = [], None  # (never an older call's)
             if self._timeline_capacity:
                 self._last_timeline = cache.store.timeline()
                 self._last_trace = self._trace(stats)

@@ -608,13 +608,15 @@ def test_prompt_lookup_and_assisted_decoding_identical(pages: int) -> None:
 
 
 def test_store_timeline_records_the_calls_copies() -> None:
-    """The diagnostic timeline (benchmarks/diag_phases.py): off by default; with a capacity, every
-    fill of a streamed layer is a copy_to_device event whose bytes are that layer's valid tokens."""
+    """The store's timeline (Note [Traces]; benchmarks/diag_phases.py): on by default, each call's
+    own; every fill of a streamed layer is a copy_to_device event whose bytes are that layer's
+    valid tokens. With a capacity of 0 it keeps nothing (and the call has no trace)."""
     model = tiny_model("llama", seed=2)
     ids = torch.randint(1, 211, (1, 40), generator=torch.Generator().manual_seed(3))
     manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 1, 40, 6, 2)))
+    manager._timeline_capacity = 0
     manager.generate(ids, max_new_tokens=6, do_sample=False)
-    assert manager._last_timeline == []
+    assert manager._last_timeline == [] and manager._last_trace is None
     manager._timeline_capacity = 1000
     manager.generate(ids, max_new_tokens=6, do_sample=False)
     st = manager.get_memory_stats()
@@ -1377,22 +1379,30 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
         gc.collect()
     (out, st, cont), (out0, st0, cont0) = runs[True], runs[False]
     assert st["fetch_window_layers"] == 8 and st0["fetch_window_layers"] == 0
-    # (each run streams some layers; which ones may differ: a windowed fetch maps less, and
-    # the room left after prefill decides the promotions)
-    assert st["streamed_layer_ids"] and st0["streamed_layer_ids"], (st, st0)
+    # (which layers each run streams at the end may differ: a windowed fetch maps less, and the
+    # room left after prefill decides the promotions; on the H200 at f7329b6 the whole-fetch run
+    # promoted every layer. The windowed run is the one under test: it must stream some.)
+    assert st.streamed_layer_ids and st.decode.kv_streamed_layers > 0, st
     assert torch.equal(out.sequences, out0.sequences)
-    # Bit for bit where both runs streamed the same layers. Where they did not (on the H200 at
-    # 846f904 the logits differed by one bf16 step), a layer computed its decode attention
-    # resident in one run and streamed in the other, which need not round alike: within bf16
-    # rounding then (a stale byte before the window, if it were read, is far outside it).
-    same = st["streamed_layer_ids"] == st0["streamed_layer_ids"]
+    # Within bf16 rounding, not bit for bit: on the H200 at f7329b6 two runs streaming the same
+    # layers ([1, 5]) gave equal logits in one process and logits one bf16 step apart (max
+    # 0.0156, and 0.039 in a later step) in the next; at 846f904 too. Not explained; plausibly
+    # which decode steps replay a graph and which run eagerly (captures ahead of decode depend
+    # on the host's timing), with different matmul algorithms. A stale byte before the window,
+    # if it were read, would be far outside this.
     print(
         "streamed layers, windowed and whole:", st["streamed_layer_ids"], st0["streamed_layer_ids"]
     )
-    for a, b in zip(out.logits, out0.logits, strict=True):
-        if same:
-            assert torch.equal(a, b), (st["streamed_layer_ids"], (a - b).abs().max())
-        else:
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=1.6e-2)
+    for j, (a, b) in enumerate(zip(out.logits, out0.logits, strict=True)):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 1e-2, (j, rel)  # (f7329b6: up to 0.039 apart in 157 of 32000 logits)
     assert torch.equal(cont.sequences, cont0.sequences)
-    assert st["bytes_to_device"] < st0["bytes_to_device"], (st["bytes_to_device"], st0)
+    # Fewer bytes: a streamed layer's decode fetch is its window, not the whole layer's K/V
+    # (what the whole-fetch run moved, when it streamed layers too; else what whole fetches of
+    # the windowed run's streamed layers would have moved in its decode steps).
+    whole = (
+        st0.decode.bytes_to_device
+        if st0.decode.kv_streamed_layers >= st.decode.kv_streamed_layers
+        else len(st.streamed_layer_ids) * st.layer_kv_bytes * st.decode_steps
+    )
+    assert st.decode.bytes_to_device < whole / 2, (st.decode, st0.decode, whole)
