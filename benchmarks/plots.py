@@ -374,6 +374,23 @@ def _marker_box(ax: Any, x: float, y: float | None) -> Box:
     return Box(cx - MARKER_HALF_PX, cy - MARKER_HALF_PX, cx + MARKER_HALF_PX, cy + MARKER_HALF_PX)
 
 
+def _mark_failure(ax: Any, x: float, y: float | None, colour: Any) -> None:
+    """An x where a call failed: at its value, or at the foot of the panel when it has none."""
+    if y is None:
+        ax.plot(
+            [x],
+            [FAILED_AT_AXES_Y],
+            transform=ax.get_xaxis_transform(),
+            marker="x",
+            ms=8,
+            mew=2,
+            color=colour,
+            ls="none",
+        )
+    else:
+        ax.plot([x], [y], marker="x", ms=9, mew=2, color=colour, ls="none")
+
+
 def plot_generate(result: dict[str, Any], png_path: Path | str | None = None) -> Drawn:
     """Two panels against the prompt's length (log2): decode tok/s (median of the completed
     calls, a bar from the slowest to the fastest) and peak memory (the most of the completed
@@ -434,35 +451,11 @@ def plot_generate(result: dict[str, Any], png_path: Path | str | None = None) ->
                 continue
             x = p.context * dodge
             y_tok = statistics.median(p.decode_tok_s) if p.decode_tok_s else None
-            if y_tok is None:
-                ax_tok.plot(
-                    [x],
-                    [FAILED_AT_AXES_Y],
-                    transform=ax_tok.get_xaxis_transform(),
-                    marker="x",
-                    ms=8,
-                    mew=2,
-                    color=colour,
-                    ls="none",
-                )
-            else:
-                ax_tok.plot([x], [y_tok], marker="x", ms=9, mew=2, color=colour, ls="none")
+            _mark_failure(ax_tok, x, y_tok, colour)
             tok_items.append((x, y_tok, why, colour))
             tok_marks.append((x, y_tok))
             y_mem = max(p.failed_memory_gb) if p.failed_memory_gb else None
-            if y_mem is None:
-                ax_mem.plot(
-                    [x],
-                    [FAILED_AT_AXES_Y],
-                    transform=ax_mem.get_xaxis_transform(),
-                    marker="x",
-                    ms=8,
-                    mew=2,
-                    color=colour,
-                    ls="none",
-                )
-            else:
-                ax_mem.plot([x], [y_mem], marker="x", ms=9, mew=2, color=colour, ls="none")
+            _mark_failure(ax_mem, x, y_mem, colour)
             mem_items.append((x, y_mem, why, colour))
             mem_marks.append((x, y_mem))
     card_bytes = _number((result.get("settings") or {}).get("card_bytes"))
