@@ -6,7 +6,8 @@
     python -m reviva transfers [--device cuda|cpu] [--mib N]
     python -m reviva plan [--model PRESET|CONFIG|MODEL_ID] [--context 512k] [--card 24GB]
                           [--kv-dtype auto|fp8] [--kv-page-tokens N] [--host-memory 128GiB]
-                          [--stream-weights auto|on|off] [--no-host-embedding] [--json]
+                          [--stream-weights auto|on|off] [--no-host-embedding]
+                          [--pcie-gbps 25] [--json]
 
 `demo` runs a long prompt through SmolLM2-135M-Instruct (a pass key hidden in filler; else a
 random-init Llama-shaped model, with a note saying why) with and without Reviva (which streams
@@ -164,6 +165,16 @@ def _parse_tokens(text: str) -> int:
     return n
 
 
+def _parse_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate in GB/s: {text!r} (e.g. 25)") from None
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be > 0 GB/s, got {text!r}")
+    return rate
+
+
 def _parse_card(text: str) -> str:
     """A memory size with its unit: a bare "24" would be 24 bytes (RevivaConfig's rule)."""
     import reviva
@@ -288,7 +299,8 @@ def _plan(args: argparse.Namespace) -> int:
         else:
             print(f"reviva plan: {shape}\n  {call} on a {args.card} card: does not fit\n  {e}")
         return 1
-    f = forecast(layout, plan, weights, args.attention_kernel)
+    pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
+    f = forecast(layout, plan, weights, args.attention_kernel, pcie_bps=pcie)
     if args.json:
         out = {
             "model": shape,
@@ -474,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with streamed weights, keep the input embedding on the device (as measured before "
         "Note [Embedding on the host])",
+    )
+    pl.add_argument(
+        "--pcie-gbps",
+        type=_parse_rate,
+        default=None,
+        help="the host-to-device copy rate to assume, GB/s (default: the H200's measured 55; "
+        "`python -m reviva transfers` measures this machine's)",
     )
     pl.add_argument("--json", action="store_true", help="the plan and estimate as JSON")
     args = parser.parse_args(argv)

@@ -94,15 +94,24 @@ class Forecast:
 
 
 def forecast(
-    layout: DecoderLayout, plan: Plan, weight_bytes: int, attention_kernel: str = "auto"
+    layout: DecoderLayout,
+    plan: Plan,
+    weight_bytes: int,
+    attention_kernel: str = "auto",
+    pcie_bps: float | None = None,
 ) -> Forecast:
     """Times of a call planned as `plan` on `layout` (see the module docstring), prefill's
     chunked attention through `attention_kernel`: "cudnn", "flash", or "auto" (what
-    RevivaConfig(attention_kernel="auto") takes on the H200: block_attention.call_kernel)."""
+    RevivaConfig(attention_kernel="auto") takes on the H200: block_attention.call_kernel).
+    `pcie_bps`: the host-to-device copy rate to assume (bytes a second; None: the H200's 55 GB/s
+    measured), for another machine's PCIe; the compute rates stay the H200's."""
     if attention_kernel not in ("auto", "cudnn", "flash"):
         raise ValueError(
             f"attention_kernel must be 'auto', 'cudnn' or 'flash', got {attention_kernel!r}"
         )
+    if pcie_bps is not None and not pcie_bps > 0:
+        raise ValueError(f"pcie_bps must be > 0 bytes a second, got {pcie_bps!r}")
+    pcie = pcie_bps if pcie_bps is not None else PCIE_BPS
     if attention_kernel == "auto":  # the H200 takes cuDNN: call_kernel decides by the prompt
         attention_kernel = call_kernel("cudnn", "auto", plan.prompt_tokens)
     e = layout.dtype.itemsize
@@ -137,8 +146,8 @@ def forecast(
     if plan.residual_host_bytes:
         chunk_bytes = plan.residual_host_bytes * min(plan.chunk_tokens, plan.prompt_tokens)
         chunk_bytes //= plan.prompt_tokens
-        exposed = 2 * layout.num_layers * chunk_bytes / PCIE_BPS
-        copies = layout.num_layers * plan.residual_host_bytes / PCIE_BPS  # in and out at once
+        exposed = 2 * layout.num_layers * chunk_bytes / pcie
+        copies = layout.num_layers * plan.residual_host_bytes / pcie  # in and out at once
         residual = max(copies - compute_prefill, 0.0) + exposed
     held = plan.past_tokens + plan.prompt_tokens  # after prefill (Note [A returned cache])
     mean_len = held + (plan.capacity - held) / 2
@@ -157,12 +166,12 @@ def forecast(
     promoted_ids = set((full + windowed)[:promote])
     tails = not plan.kv_fp8 and not plan.page_tokens
     fetched = [read[i] if tails else mean_len for i in streamed_ids if i not in promoted_ids]
-    transfer = sum(fetched) * plan.kv_token_bytes / PCIE_BPS
-    weight_copies = plan.streamed_weight_layers * plan.weight_layer_bytes / PCIE_BPS
+    transfer = sum(fetched) * plan.kv_token_bytes / pcie
+    weight_copies = plan.streamed_weight_layers * plan.weight_layer_bytes / pcie
     transfer += weight_copies
     step = max(compute, transfer)
     promoted = min(plan.promotable_layers(), plan.streamed_layers)
-    first_extra = promoted * held * plan.kv_token_bytes / PCIE_BPS
+    first_extra = promoted * held * plan.kv_token_bytes / pcie
     steps = plan.capacity - held - 1
     exposed = 0.0  # prefill's weight copies not under compute (see the module docstring)
     if plan.streamed_weight_layers and plan.weight_slots == 1:
@@ -172,7 +181,7 @@ def forecast(
             for i in range(plan.weight_layers)
             if i not in resident and (i == 0 or i - 1 not in resident)
         )
-        exposed = alone * plan.weight_layer_bytes / PCIE_BPS
+        exposed = alone * plan.weight_layer_bytes / pcie
         prefill = compute_prefill + exposed + residual
     else:
         prefill = max(compute_prefill, weight_copies) + residual
@@ -190,4 +199,7 @@ def forecast(
         decode_call_tok_s=steps / (steps * step + first_extra) if steps and step > 0 else 0.0,
         attention_kernel=attention_kernel,
         prefill_first_call_extra_s=plans * CUDNN_PLAN_S,
+        calibration=CALIBRATION
+        if pcie_bps is None
+        else f"{CALIBRATION}; PCIe stated: {pcie_bps / 1e9:g} GB/s",
     )

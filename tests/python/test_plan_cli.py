@@ -229,3 +229,22 @@ def test_version_and_sizes_without_a_unit_are_refused(capsys: pytest.CaptureFixt
         assert f"argument {flag}: '24' is 24 bytes, under 1 MiB" in err and "Traceback" not in err
     assert main(["plan", "--model", "nobody/no-such-model"]) == 2
     assert "nor a model id whose config is in the Hugging Face cache" in capsys.readouterr().err
+
+
+def test_a_stated_pcie_rate_scales_the_transfer_estimates(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # "from measured (or stated) bandwidths": a Gen4 x16 card's ~25 GB/s instead of the H200's 55
+    h200 = plan_json(capsys, "--context", "128k", "--card", "24GB")
+    gen4 = plan_json(capsys, "--context", "128k", "--card", "24GB", "--pcie-gbps", "27.5")
+    a, b = h200["forecast"], gen4["forecast"]
+    assert a["decode_bound"] == "transfer"
+    assert b["decode_transfer_s"] == pytest.approx(2 * a["decode_transfer_s"])
+    assert b["decode_compute_s"] == pytest.approx(a["decode_compute_s"])
+    assert b["decode_tok_s"] < a["decode_tok_s"]
+    assert "PCIe stated: 27.5 GB/s" in b["calibration"]
+    for bad in ("0", "-3", "fast"):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "--pcie-gbps", bad])
+        assert e.value.code == 2
+        assert "argument --pcie-gbps" in capsys.readouterr().err
