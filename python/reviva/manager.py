@@ -596,21 +596,23 @@ class RevivaManager:
         self, i: int, kwargs: dict[str, Any], hidden_states: torch.Tensor
     ) -> None:
         """Layer i's prefill is about to be issued: the phase events of the call's first layers
-        (stats: prefill_before_first_layer_ms, prefill_first_layer_ms), the rotary shapes for
-        the decode graphs, the helper thread's go (RevivaManager._pin_host_copies), and from
-        the middle layer on the decode graphs' captures while the device is busy."""
-        self._phase.setdefault("layer_events", []).append(self._event())
+        (stats: prefill_before_first_layer_s, prefill_first_layer_s; each layer's for the
+        trace), the rotary shapes for the decode graphs, the helper thread's go
+        (RevivaManager._pin_host_copies), and from the middle layer on the decode graphs'
+        captures while the device is busy."""
+        start = self._event()
+        self._phase.setdefault("layer_events", []).append(start)
         self._ranges.swap("reviva.prefill.layer")
         if self._progress is not None:
             self._progress.layer(i)
         if i == 0:
-            self._phase["layer0_start"] = self._event()
+            self._phase["layer0_start"] = start
             if "t_setup" in self._phase:
                 t = time.perf_counter() - self._phase["t_setup"]
                 self._phase["setup_host_ms"]["first_layer"] = t * 1e3
             self._note_rope(kwargs)
         elif i == 1:
-            self._phase["layer1_start"] = self._event()
+            self._phase["layer1_start"] = start
         if i == _PIN_AFTER_LAYER and "pin_go" in self._phase:
             self._phase["pin_go"].set()
         if i >= max(_PIN_AFTER_LAYER + 1, len(self.layout.layers) // 2):

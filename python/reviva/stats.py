@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from reviva.sizes import format_bytes
+
 
 @dataclass(frozen=True)
 class PhaseStats:
@@ -181,7 +183,6 @@ class GenerateStats(Mapping[str, Any]):
 
     def summary(self) -> str:
         """One line a person reads: the call's phases and what moved."""
-        from reviva.sizes import format_bytes
 
         def peak(x: int | None) -> str:
             return "n/a (CPU)" if x is None else format_bytes(x)
