@@ -67,6 +67,7 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceA
   }
   cycle_write_page_.assign(blocks_.size(), 1);
   resident_.assign(blocks_.size(), false);
+  host_attended_.assign(blocks_.size(), false);
   acquired_.assign(blocks_.size(), nullptr);
   counts_.streamed_layers = options_.num_layers;
   PrefetchSchedulerOptions so;
@@ -163,6 +164,7 @@ void KVStore::set_budget() {
 void KVStore::declare_cycle() {
   std::vector<std::vector<BlockId>> order;
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    if (host_attended_[i]) continue;  // (never fetched again: Note [Host-side appends])
     if (pages_[i].empty()) {
       order.push_back({blocks_[i]});
       continue;
@@ -200,6 +202,8 @@ bool KVStore::promote(int layer) {
   const auto i = static_cast<std::size_t>(layer);
   REVIVA_CHECK_ARG(!resident_[i], "KVStore::promote: layer ", layer, " is already resident");
   REVIVA_CHECK_ARG(acquired_[i] == nullptr, "KVStore::promote: layer ", layer, " is acquired");
+  REVIVA_CHECK_ARG(!host_attended_[i], "KVStore::promote: layer ", layer,
+                   " is attended on the host");
   if (paged(layer)) {
     for (void* p : page_acquired_[i])
       REVIVA_CHECK_ARG(p == nullptr, "KVStore::promote: a page of layer ", layer, " is acquired");
@@ -281,7 +285,8 @@ bool KVStore::set_page_slots(int pages) {
 
 bool KVStore::drop_slot() {
   check_open("drop_slot");
-  if (slots_ <= 1 && counts_.streamed_layers > 0) return false;
+  // (host-attended layers are never fetched: they need no slot)
+  if (slots_ <= 1 && counts_.streamed_layers > counts_.host_attended_layers) return false;
   if (slots_ == 0) return false;
   --slots_;
   try {
@@ -313,6 +318,8 @@ void* KVStore::acquire(int layer, const Stream& compute) {
   const auto i = static_cast<std::size_t>(layer);
   REVIVA_CHECK_ARG(acquired_[i] == nullptr, "KVStore::acquire: layer ", layer,
                    " is already acquired");
+  REVIVA_CHECK_ARG(!host_attended_[i], "KVStore::acquire: layer ", layer,
+                   " is attended on the host (attend_on_host): read host_rows() instead");
   started_ = true;
   if (!resident_[i]) {
     const BlockState state = manager_->state(id);
@@ -545,6 +552,50 @@ std::shared_ptr<ArenaBuffer> KVStore::page_buffer(int layer, std::size_t page) c
   return allocator_->buffer_of(page_acquired_[static_cast<std::size_t>(layer)][page]);
 }
 
+void KVStore::attend_on_host(int layer) {
+  check_open("attend_on_host");
+  check_whole(layer, "attend_on_host");
+  const BlockId id = block_at(layer, "attend_on_host");
+  const auto i = static_cast<std::size_t>(layer);
+  REVIVA_CHECK_ARG(!resident_[i], "KVStore::attend_on_host: layer ", layer,
+                   " is resident (its K/V is read on the device)");
+  REVIVA_CHECK_ARG(acquired_[i] == nullptr, "KVStore::attend_on_host: layer ", layer,
+                   " is acquired");
+  if (host_attended_[i]) return;
+  REVIVA_CHECK_ARG(manager_->host_bytes(id) > 0, "KVStore::attend_on_host: layer ", layer,
+                   " has no host copy yet (no tokens written)");
+  manager_->settle(id);   // (a prefetch in flight lands first)
+  manager_->offload(id);  // clean: the host copy is whole; the memory goes back
+  manager_->settle(id);
+  host_attended_[i] = true;
+  ++counts_.host_attended_layers;
+  declare_cycle();
+}
+
+bool KVStore::host_attended(int layer) const {
+  block_at(layer, "host_attended");
+  return host_attended_[static_cast<std::size_t>(layer)];
+}
+
+const void* KVStore::host_rows(int layer) {
+  const BlockId id = block_at(layer, "host_rows");
+  REVIVA_CHECK_ARG(host_attended_[static_cast<std::size_t>(layer)], "KVStore::host_rows: layer ",
+                   layer, " is not attended on the host (attend_on_host)");
+  return manager_->host_rows(id);
+}
+
+void KVStore::host_wrote(int layer, std::size_t first, std::size_t count, const void* rows) {
+  const BlockId id = block_at(layer, "host_wrote");
+  REVIVA_CHECK_ARG(host_attended_[static_cast<std::size_t>(layer)], "KVStore::host_wrote: layer ",
+                   layer, " is not attended on the host (attend_on_host)");
+  REVIVA_CHECK_ARG(count <= options_.capacity_tokens && first <= options_.capacity_tokens - count,
+                   "KVStore::host_wrote: tokens [", first, ", ", first + count,
+                   ") exceed the capacity of ", options_.capacity_tokens, " tokens");
+  const std::size_t tb = options_.token_bytes;
+  manager_->host_wrote(id, first * tb, rows, count * tb);
+  counts_.bytes_written_on_host += count * tb;
+}
+
 bool KVStore::resident(int layer) const {
   block_at(layer, "resident");
   return resident_[static_cast<std::size_t>(layer)];
@@ -598,6 +649,8 @@ void KVStore::clear() {
   for (BlockId id : blocks_) manager_->discard(id);
   for (const auto& pages : pages_)
     for (BlockId id : pages) manager_->discard(id);
+  host_attended_.assign(blocks_.size(), false);  // (their host copies are gone)
+  counts_.host_attended_layers = 0;
   declare_cycle();
 }
 

@@ -55,6 +55,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -1043,6 +1044,82 @@ std::size_t OffloadManager::host_bytes(BlockId id) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   const Impl::Block& b = impl_->find(id);
   return b.host ? b.host.size() : 0;
+}
+
+// Note [Host-side appends]
+// A streamed K/V layer whose decode attention runs on the host's cores (Note [Attention on the
+// host] in host_attention.cpp) is never fetched again: its readers and its writer are the host.
+// Its host copy is then the only copy, read in place (host_rows) once the write-throughs queued
+// before have landed (rule 4's wait, by the host thread instead of a fetch), and a decode step's
+// new rows go straight into it (host_wrote), which is a memcpy, not a copy on a stream. A block
+// with a device copy refuses both writes (the device copy would go stale and a later fetch would
+// not know); the caller offloads it first (clean: its host copy is whole).
+namespace {
+// Waits for the block's last write-through D2H outside the lock.
+void wait_transfer(const Transfer& t) {
+  if (t.valid()) t.wait();
+}
+}  // namespace
+
+const void* OffloadManager::host_rows(BlockId id) {
+  Impl& m = *impl_;
+  Transfer last;
+  const void* data;
+  {
+    std::unique_lock<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.wait_idle(lock, id);
+    REVIVA_CHECK_ARG(b.append, "host_rows: block ", id, " (", b.name, ") is not an append block");
+    REVIVA_CHECK_ARG(b.host && b.host_valid, "host_rows: block ", id, " (", b.name,
+                     ") has no valid host copy (kept on the device, or never written)");
+    last = b.last_write;
+    data = b.host.data();
+  }
+  wait_transfer(last);
+  return data;
+}
+
+void OffloadManager::host_wrote(BlockId id, std::size_t offset, const void* src,
+                                std::size_t bytes) {
+  Impl& m = *impl_;
+  m.poll(/*wait_for_turn=*/false);  // (an eviction that has landed leaves the block Host)
+  Transfer last;
+  char* dst;
+  {
+    std::unique_lock<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.wait_idle(lock, id);
+    REVIVA_CHECK_ARG(b.append, "host_wrote: block ", id, " (", b.name, ") is not an append block");
+    REVIVA_CHECK_ARG(b.pins == 0 && !b.keep, "host_wrote: block ", id, " (", b.name,
+                     ") is acquired or kept on the device");
+    REVIVA_CHECK_ARG(b.state == BlockState::Host, "host_wrote: block ", id, " (", b.name, ") is ",
+                     to_string(b.state),
+                     ", not Host: its device copy would go stale (offload it first)");
+    REVIVA_CHECK_ARG(b.host && b.host_valid, "host_wrote: block ", id, " (", b.name,
+                     ") has no valid host copy");
+    REVIVA_CHECK_ARG(src != nullptr || bytes == 0, "host_wrote: src is null");
+    REVIVA_CHECK_ARG(offset <= b.valid, "host_wrote: bytes from ", offset,
+                     " would leave a gap after block ", id, " (", b.name, ")'s ", b.valid,
+                     " valid bytes");
+    REVIVA_CHECK_ARG(bytes <= b.capacity && offset <= b.capacity - bytes, "host_wrote: bytes [",
+                     offset, ", ", offset + bytes, ") exceed block ", id, " (", b.name,
+                     ")'s capacity of ", b.capacity);
+    last = b.last_write;
+    dst = static_cast<char*>(b.host.data());
+    b.busy = true;  // (no copy may start on it while the host writes)
+  }
+  try {
+    wait_transfer(last);  // a write-through still landing in the same bytes lands first
+    if (bytes > 0) std::memcpy(dst + offset, src, bytes);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    m.find(id).busy = false;
+    m.changed.notify_all();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(m.mutex);
+  Impl::Block& b = m.find(id);
+  b.valid = std::max(b.valid, offset + bytes);
+  b.busy = false;
+  m.changed.notify_all();
 }
 
 void OffloadManager::unregister(BlockId id) {

@@ -72,10 +72,12 @@ struct KVStoreStats {
   // prefetches that found every slot's room in use; retried at the next release (with as many
   // slots as the window, the last layer of the window waits for a release each time)
   std::uint64_t prefetches_deferred = 0;
-  std::uint64_t bytes_to_device = 0;  // H2D bytes landed
-  std::uint64_t bytes_to_host = 0;    // D2H bytes submitted (appends to host copies)
-  double compute_stall_ms = 0.0;      // compute's waits for fetches (the manager's meter)
-  double copy_to_device_ms = 0.0;     // H2D copy-stream time of the landed fetches
+  std::uint64_t bytes_to_device = 0;        // H2D bytes landed
+  std::uint64_t bytes_to_host = 0;          // D2H bytes submitted (appends to host copies)
+  int host_attended_layers = 0;             // streamed layers read on the host (attend_on_host)
+  std::uint64_t bytes_written_on_host = 0;  // rows the host wrote into them (host_wrote)
+  double compute_stall_ms = 0.0;            // compute's waits for fetches (the manager's meter)
+  double copy_to_device_ms = 0.0;           // H2D copy-stream time of the landed fetches
   double overlap_ratio = 1.0;         // Note [Overlap ratio], over the store's copies and stalls
   std::size_t host_bytes = 0;         // pinned bytes of the host copies
   double host_copy_wait_ms = 0.0;     // host time taking host copies from the pool (pinning)
@@ -161,6 +163,20 @@ class REVIVA_API KVStore {
   void set_fetch_window(int layer, std::size_t tokens);
   std::size_t length(int layer) const;
   bool resident(int layer) const;
+
+  // Note [Host-side appends] (offload_manager.cpp): a streamed whole layer whose reads and writes
+  // happen on the host from now on (decode attention on the host's cores, Note [Attention on the
+  // host] in host_attention.cpp): it leaves the device (clean: its host copy is whole), the cycle
+  // no longer brings it in, and acquire refuses it. Not while acquired; not for a resident or a
+  // paged layer. Until clear() (or the store's end).
+  void attend_on_host(int layer);
+  bool host_attended(int layer) const;
+  // A host-attended layer's rows (token-major, token_bytes each, its first length() tokens
+  // valid), once every write-through to them has landed. Valid until clear() or close().
+  const void* host_rows(int layer);
+  // The host wrote tokens [first, first + count) of a host-attended layer: `rows` (count *
+  // token_bytes bytes) go into its host copy; first <= length() (no gap), within the capacity.
+  void host_wrote(int layer, std::size_t first, std::size_t count, const void* rows);
   std::size_t layer_bytes() const noexcept;  // capacity_tokens * token_bytes
   const KVStoreOptions& options() const noexcept { return options_; }
   // Waits for every copy in flight. (How long compute waited for fills is the engine's stall
@@ -198,7 +214,8 @@ class REVIVA_API KVStore {
   std::unique_ptr<PrefetchScheduler> scheduler_;
   std::vector<BlockId> blocks_;  // one append block per layer
   std::vector<bool> resident_;
-  std::vector<void*> acquired_;  // the address of an acquired layer, null otherwise
+  std::vector<bool> host_attended_;  // Note [Host-side appends]
+  std::vector<void*> acquired_;      // the address of an acquired layer, null otherwise
   int slots_ = 0;
   // Paged layers: each layer's pages (empty for a layer resident from the start), the address of
   // each acquired page, the page taking each layer's next token when the cycle was declared, and

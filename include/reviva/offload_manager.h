@@ -115,6 +115,15 @@ class REVIVA_API OffloadManager {
   std::size_t capacity(BlockId id) const;  // an append block's; a fixed block's bytes
   // The bytes the block's host copy holds now (0: none).
   std::size_t host_bytes(BlockId id) const;
+  // Note [Host-side appends] (offload_manager.cpp): an append block whose reader works on the
+  // host. host_rows: its host copy, once every write-through to it has landed (waits for them);
+  // valid until the block is unregistered or kept. host_wrote: copies `bytes` from `src` into the
+  // host copy at `offset` (<= valid_bytes(): no gap) and extends the valid prefix. The block must
+  // not be acquired, kept or on the device (a device copy would turn stale: offload it first),
+  // and must have a host copy (it had contents written through). Both throw InvalidArgument
+  // naming the block otherwise.
+  const void* host_rows(BlockId id);
+  void host_wrote(BlockId id, std::size_t offset, const void* src, std::size_t bytes);
 
   // The block's device address, valid for work submitted to `compute` from now until release().
   void* acquire(BlockId id, const Stream& compute, Access access = Access::ReadWrite);

@@ -9,6 +9,8 @@
 // before returning, since torch computes on the CPU synchronously.
 #include "runtime.h"
 
+#include <reviva/host_attention.h>
+
 #include <vector>
 
 namespace py = pybind11;
@@ -227,6 +229,84 @@ class PyKVStore {
     return {rows.select(1, 0).permute({1, 2, 0, 3}), rows.select(1, 1).permute({1, 2, 0, 3})};
   }
 
+  // Note [Host-side appends] (offload_manager.cpp), Note [Attention on the host]: decode
+  // attention of a host-attended layer on the host's cores. `key`, `value`: the n new tokens'
+  // [batch, kv_heads, n, head_dim] on the CPU in the store's dtype, written at the layer's end
+  // into its host copy; `q`: their queries, [batch, heads, n, head_dim] on the CPU (any float
+  // dtype). Query j attends keys [0, length + j + 1) (causal within the new tokens; within the
+  // last `window` of them for a sliding layer, 0: no window). Returns
+  // [batch, heads, n, head_dim] fp32. Without the GIL; bf16 or fp32 K/V.
+  torch::Tensor host_attend(int layer, const torch::Tensor& q, const torch::Tensor& key,
+                            const torch::Tensor& value, double scale, int threads, int64_t window) {
+    const bool bf16 = dtype_ == torch::kBFloat16;
+    REVIVA_CHECK_ARG(bf16 || dtype_ == torch::kFloat32, "KVStore::host_attend: K/V of dtype ",
+                     c10::toString(dtype_), " (attention on the host reads bf16 or fp32 rows)");
+    REVIVA_CHECK_ARG(key.dim() == 4 && key.sizes() == value.sizes() && key.size(0) == row_[1] &&
+                         key.size(1) == row_[2] && key.size(3) == row_[3],
+                     "KVStore::host_attend: key and value must be [", row_[1], ", ", row_[2],
+                     ", tokens, ", row_[3], "], got ", describe(key), " and ", describe(value));
+    REVIVA_CHECK_ARG(key.scalar_type() == dtype_ && value.scalar_type() == dtype_ &&
+                         key.device().is_cpu() && value.device().is_cpu(),
+                     "KVStore::host_attend: key and value must be ", c10::toString(dtype_),
+                     " on the CPU, got ", describe(key), " and ", describe(value));
+    const int64_t n = key.size(2);
+    REVIVA_CHECK_ARG(q.dim() == 4 && q.size(0) == row_[1] && q.size(2) == n &&
+                         q.size(3) == row_[3] && q.size(1) % row_[2] == 0 && q.device().is_cpu(),
+                     "KVStore::host_attend: q must be [", row_[1], ", heads (a multiple of ",
+                     row_[2], "), ", n, ", ", row_[3], "] on the CPU, got ", describe(q));
+    REVIVA_CHECK_ARG(threads >= 1, "KVStore::host_attend: threads must be >= 1, got ", threads);
+    REVIVA_CHECK_ARG(window >= 0, "KVStore::host_attend: window must be >= 0 (0: none), got ",
+                     window);
+    const int64_t heads = q.size(1);
+    // token-major rows of the new tokens: [n, 2, batch, kv_heads, head_dim]
+    torch::Tensor rows =
+        torch::stack({key.permute({2, 0, 1, 3}), value.permute({2, 0, 1, 3})}, 1).contiguous();
+    // [n, batch, heads, head_dim] fp32: one query per sequence and head at a time
+    torch::Tensor queries = q.permute({2, 0, 1, 3}).to(torch::kFloat32).contiguous();
+    torch::Tensor out = torch::empty({n, row_[1], heads, row_[3]}, queries.options());
+    HostAttentionShape shape;
+    shape.batch = static_cast<std::size_t>(row_[1]);
+    shape.kv_heads = static_cast<std::size_t>(row_[2]);
+    shape.heads = static_cast<std::size_t>(heads);
+    shape.head_dim = static_cast<std::size_t>(row_[3]);
+    {
+      py::gil_scoped_release release;
+      const std::size_t first = store_->length(layer);
+      const auto* new_rows = static_cast<const char*>(rows.data_ptr());
+      const std::size_t row_bytes = store_->options().token_bytes;
+      for (int64_t j = 0; j < n; ++j) {
+        const std::size_t at = first + static_cast<std::size_t>(j);
+        store_->host_wrote(layer, at, 1, new_rows + static_cast<std::size_t>(j) * row_bytes);
+        // (a sliding layer's query at `at` reads keys (at - window, at]: Note [Sliding windows])
+        const auto w = static_cast<std::size_t>(window);
+        const std::size_t from = w > 0 && at + 1 > w ? at + 1 - w : 0;
+        host_decode_attention(store_->host_rows(layer), bf16 ? RowType::BFloat16 : RowType::Float32,
+                              shape, from, at + 1, queries[j].data_ptr<float>(),
+                              static_cast<float>(scale), out[j].data_ptr<float>(), threads);
+      }
+    }
+    return out.permute({1, 2, 0, 3});
+  }
+
+  // A host-attended layer's first `tokens` tokens as K and V, [batch, kv_heads, tokens,
+  // head_dim] CPU views of its host copy: valid until the store is cleared or closed (read them
+  // at once: a returned cache's parking copies them).
+  std::pair<torch::Tensor, torch::Tensor> host_kv(int layer, int64_t tokens) {
+    REVIVA_CHECK_ARG(tokens >= 0 && static_cast<std::size_t>(tokens) <= store_->length(layer),
+                     "KVStore::host_kv: ", tokens, " tokens of layer ", layer, " asked, ",
+                     store_->length(layer), " held");
+    const void* data;
+    {
+      py::gil_scoped_release release;
+      data = store_->host_rows(layer);
+    }
+    std::vector<int64_t> shape{tokens};
+    shape.insert(shape.end(), row_.begin(), row_.end());
+    torch::Tensor rows =
+        torch::from_blob(const_cast<void*>(data), shape, torch::TensorOptions().dtype(dtype_));
+    return {rows.select(1, 0).permute({1, 2, 0, 3}), rows.select(1, 1).permute({1, 2, 0, 3})};
+  }
+
   void wrote(int layer, std::size_t first, std::size_t count) {
     store_->wrote(layer, first, count, *rt_->compute_stream());
   }
@@ -257,6 +337,8 @@ class PyKVStore {
     r["host_copy_wait_ms"] = st.host_copy_wait_ms;
     r["device_bytes"] = st.device_bytes;
     r["peak_device_bytes"] = st.peak_device_bytes;
+    r["host_attended_layers"] = st.host_attended_layers;
+    r["bytes_written_on_host"] = st.bytes_written_on_host;
     return r;
   }
 
@@ -336,6 +418,19 @@ void bind_kv_store(py::module_& m) {
             s.store().reserve(layer, tokens);
           },
           py::arg("layer"), py::arg("tokens"))
+      .def(
+          "attend_on_host",
+          [](PyKVStore& s, int layer) {
+            py::gil_scoped_release release;
+            s.store().attend_on_host(layer);
+          },
+          py::arg("layer"))
+      .def(
+          "host_attended", [](PyKVStore& s, int layer) { return s.store().host_attended(layer); },
+          py::arg("layer"))
+      .def("host_attend", &PyKVStore::host_attend, py::arg("layer"), py::arg("q"), py::arg("key"),
+           py::arg("value"), py::arg("scale"), py::arg("threads"), py::arg("window") = 0)
+      .def("host_kv", &PyKVStore::host_kv, py::arg("layer"), py::arg("tokens"))
       .def("view", &PyKVStore::view, py::arg("layer"), py::arg("tokens"))
       .def("write", &PyKVStore::write, py::arg("layer"), py::arg("first"), py::arg("key"),
            py::arg("value"))

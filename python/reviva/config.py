@@ -72,6 +72,14 @@ class RevivaConfig:
                     (never). Each call's plan keeps as many layers' weights resident as saves
                     the most bytes per token beside the K/V (Note [Streamed weights] in
                     reviva/weights.py).
+    decode_attention: where decode attends the K/V of layers whose K/V streams: "device"
+                    (each such layer's K/V is copied to the device at every step), "host" (it
+                    stays in pinned host memory and the host's cores attend it there: a query
+                    and an output cross PCIe instead of the layer's K/V; Note [Attention on the
+                    host] in src/host_attention.cpp), or "auto" (the host when the call streams
+                    weights, whose copies the host's attention overlaps; else the device).
+                    "host" needs bf16 or fp32 K/V without pages, beams, a shared prompt, a
+                    padding mask or sliding-window layers, and is refused otherwise.
     progress:       a progress line on stderr through prefill (layer i of N, tokens a second):
                     "auto" (when stderr is a terminal and the prompt has 16k tokens or more,
                     unless REVIVA_PROGRESS=0), True or False.
@@ -94,6 +102,7 @@ class RevivaConfig:
     device: str | None = None
     stream_weights: str | bool = "auto"
     progress: str | bool = "auto"
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         t = self.vram_threshold
@@ -143,6 +152,11 @@ class RevivaConfig:
             raise ValueError(
                 "prefill_residual must be 'auto', 'device' or 'host', got "
                 f"{self.prefill_residual!r}"
+            )
+        if self.decode_attention not in ("auto", "device", "host"):
+            raise ValueError(
+                "decode_attention must be 'auto', 'device' or 'host', got "
+                f"{self.decode_attention!r}"
             )
         if self.kv_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_dtype must be 'auto' or 'fp8', got {self.kv_dtype!r}")

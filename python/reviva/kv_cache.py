@@ -21,6 +21,8 @@ layers reach it through a weak reference, so that nothing keeps a cache alive in
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -222,6 +224,14 @@ class RevivaCache(Cache):
         # next acquire, and the prompt's length (rows before it are never reordered).
         self._pending_rows: dict[int, torch.Tensor] = {}
         self._beam_prefix: dict[int, int] = {}
+        # Note [Attention on the host] (src/host_attention.cpp): layers whose decode reads their
+        # K/V on the host, the host threads that do it, and what it took (seconds)
+        self._host_layers: set[int] = set()
+        self.host_threads = max(1, len(os.sched_getaffinity(0)))
+        self.host_wait_s = 0.0  # waiting for compute before the queries could cross
+        self.host_attention_s = 0.0  # the host's attention calls (writes of the new rows in)
+        self.host_attention_calls = 0
+        self._staging: tuple[object, tuple[torch.Tensor, ...]] | None = None
 
     def promote(self, layer_idx: int) -> bool:
         """Makes a streamed layer resident (device memory freed up, e.g. after prefill); False
@@ -277,7 +287,9 @@ class RevivaCache(Cache):
             self.acquire(i)
             try:
                 prompt = self.store.length(i)
-                k, v = self.store.kv(i, prompt)
+                # (a host-attended layer is read where it lives: its host copy)
+                host = self.host_attended(i)
+                k, v = self.store.host_kv(i, prompt) if host else self.store.kv(i, prompt)
                 if self.share > 1:  # (one row per sequence: the prompt's rows repeated)
                     k_g, v_g = self._generated.get(i, (k[:, :, :0], v[:, :, :0]))
                     g = self._generated_len.get(i, 0)
@@ -358,9 +370,86 @@ class RevivaCache(Cache):
         """Whether the layer's K/V lives in pages (read by page_blocks, never whole)."""
         return self.page_tokens > 0 and self.store.paged(layer_idx)
 
+    def host_attended(self, layer_idx: int) -> bool:
+        """Whether decode attends the layer's K/V on the host (attend_on_host)."""
+        return layer_idx in self._host_layers
+
+    def attend_on_host(self, layer_idx: int) -> None:
+        """Note [Attention on the host] (src/host_attention.cpp): the streamed layer's K/V stays
+        in its pinned host copy from now on; decode steps write their rows there and attend them
+        on the host's cores (host_attend). It leaves the device and is never fetched again."""
+        self.store.attend_on_host(layer_idx)
+        self._host_layers.add(layer_idx)
+
+    def host_attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """A decode step of a host-attended layer: the new tokens' keys and values ([B,
+        kv_heads, n, D]) written into its host copy, and their queries' ([B, heads, n, D])
+        attention to every token up to each (causal; within `window` tokens for a sliding
+        layer), computed on the host; [B, heads, n, D] in
+        q's dtype on q's device. On CUDA, q, k and v cross in one wait for compute (the queries
+        depend on this step's work) and the output goes back by a pinned copy that torch's
+        stream orders before its readers."""
+        t0 = time.perf_counter()
+        if q.device.type == "cuda":
+            qs, ks, vs, out_pinned = self._host_staging(q, k)
+            qs.copy_(q, non_blocking=True)
+            ks.copy_(k, non_blocking=True)
+            vs.copy_(v, non_blocking=True)
+            torch.cuda.current_stream(q.device).synchronize()
+            t1 = time.perf_counter()
+            out = self.store.host_attend(
+                layer_idx, qs, ks, vs, scale, self.host_threads, window or 0
+            )
+            out_pinned.copy_(out)
+            result = out_pinned.to(q.device, non_blocking=True).to(q.dtype)
+        else:
+            t1 = time.perf_counter()
+            out = self.store.host_attend(
+                layer_idx,
+                q,
+                k.to(self.dtype),
+                v.to(self.dtype),
+                scale,
+                self.host_threads,
+                window or 0,
+            )
+            result = out.to(q.dtype)
+        t2 = time.perf_counter()
+        self.host_wait_s += t1 - t0
+        self.host_attention_s += t2 - t1
+        self.host_attention_calls += 1
+        return result
+
+    def _host_staging(
+        self, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pinned buffers for a step's q, k, v and output, made once per shape. Reused layer
+        after layer: each host_attend waits for compute, by which point the previous layer's
+        output copy has been read."""
+        key = (tuple(q.shape), tuple(k.shape), q.dtype)
+        if self._staging is None or self._staging[0] != key:
+            qs = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
+            ks = torch.empty(k.shape, dtype=self.dtype, pin_memory=True)
+            vs = torch.empty(k.shape, dtype=self.dtype, pin_memory=True)
+            out = torch.empty(q.shape, dtype=torch.float32, pin_memory=True)
+            self._staging = (key, (qs, ks, vs, out))
+        return self._staging[1]
+
     def acquire(self, layer_idx: int) -> None:
         """The layer's buffer holds its tokens so far for compute from now until release. (A
-        paged layer's pages are acquired page by page as they are written and read.)"""
+        paged layer's pages are acquired page by page as they are written and read; a
+        host-attended layer stays on the host.)"""
+        if layer_idx in self._host_layers:
+            self._acquired.add(layer_idx)
+            return
         if not self.paged(layer_idx):
             self.store.acquire(layer_idx)
         self._acquired.add(layer_idx)
@@ -408,6 +497,8 @@ class RevivaCache(Cache):
 
     def release(self, layer_idx: int) -> None:
         self._acquired.discard(layer_idx)
+        if layer_idx in self._host_layers:
+            return
         if not self.paged(layer_idx):
             self.store.release(layer_idx)
 
@@ -596,6 +687,7 @@ class RevivaCache(Cache):
 
     def reset(self) -> None:
         self.store.clear()
+        self._host_layers.clear()
         self._generated_len.clear()
 
     def batch_repeat_interleave(self, repeats: int) -> None:

@@ -365,6 +365,13 @@ def write_and_attend(
     queries' attention (attend_cache). A paged layer attends first, to its pages and k, v
     themselves, then writes: the last page read stays on the device for the write (Note [Paged
     layers] in src/kv_store.cpp)."""
+    if cache.host_attended(i):  # Note [Attention on the host] (src/host_attention.cpp)
+        if mask is not None:
+            raise ValueError(
+                f"RevivaManager: layer {i} is attended on the host, which takes no padding mask "
+                "(decode_attention='device' does)"
+            )
+        return cache.host_attend(i, q, k, v, scale, window)
     if cache.paged(i):
         out = attend_cache(cache, i, q, first, last, scale, mask, k, v, window)
         cache.write(i, first, k, v)

@@ -434,7 +434,13 @@ class RevivaManager:
             # (without padding, a mask HF passes is the causal one, which the own path applies
             # itself: several candidate tokens verified at once in assisted decoding)
             if (
-                (self._own_decode or cache.fp8 or cache.page_tokens > 0 or cache.share > 1)
+                (
+                    self._own_decode
+                    or cache.fp8
+                    or cache.page_tokens > 0
+                    or cache.share > 1
+                    or cache.host_attended(i)
+                )
                 and (kwargs.get("attention_mask") is None or not self._phase.get("padded", True))
                 and "position_embeddings" in kwargs
             ):
@@ -673,10 +679,13 @@ class RevivaManager:
         plan, cache = self._plan, self._cache
         if plan is None or cache is None or plan.streamed_layers == 0:
             return
-        count = plan.promotable_layers()
+        # (layers attended on the host need no slot: their room goes to promotions too, and
+        # the last slot goes once they are on the host, _attend_on_host_after_prefill)
+        host = self._phase.get("host_attention", False)
+        count = plan.promotable_layers(0 if host else None)
         if count <= 0:
             return
-        for _ in range(plan.slots - plan.decode_slots):
+        for _ in range(plan.slots - (min(plan.decode_slots, 1) if host else plan.decode_slots)):
             cache.drop_slot()
         cuda = self.layout.device.type == "cuda"
         if cuda:
@@ -708,6 +717,50 @@ class RevivaManager:
         self._phase["promotions_refused_by_device"] = refused
         self._phase["first_promotion_refusal"] = first_refusal
         log.info("reviva: %d of %d planned promotions after prefill", promoted, count)
+
+    def _attend_on_host_after_prefill(self) -> None:
+        """Note [Attention on the host] (src/host_attention.cpp): with the call's decode
+        attention on the host, every layer whose K/V still streams after the promotions stays in
+        its pinned host copy from here on (never fetched again), and the store's slots go."""
+        cache = self._cache
+        if cache is None or not self._phase.get("host_attention", False):
+            return
+        for i in range(len(cache.layers)):
+            if not cache.store.resident(i):
+                cache.attend_on_host(i)
+        while cache.drop_slot():
+            pass
+        self._phase["host_attended_layers"] = len(cache._host_layers)
+
+    def _decode_attention_on_host(self, plan: Plan, beams: int, padded: bool, share: int) -> bool:
+        """Whether this call's decode attends its streamed K/V on the host (RevivaConfig.
+        decode_attention): "auto" when weights stream (the host's attention overlaps their
+        copies) and nothing below rules it out; "host" raises naming what rules it out."""
+        choice = self.config.decode_attention
+        if choice == "device":
+            return False
+        why = None
+        if self.layout.dtype not in (torch.bfloat16, torch.float32):
+            why = f"K/V in {self.layout.dtype} (the host reads bf16 or fp32 rows)"
+        elif plan.kv_fp8:
+            why = "kv_dtype='fp8'"
+        elif plan.page_tokens:
+            why = f"kv_page_tokens={plan.page_tokens}"
+        elif beams > 1:
+            why = f"num_beams={beams} (beams reorder rows on the device)"
+        elif share > 1:
+            why = "a prompt shared by several sequences"
+        elif padded:
+            why = "a padded batch (a padding mask)"
+        if choice == "host":
+            if why is not None:
+                raise ValueError(
+                    f"RevivaManager.generate: RevivaConfig(decode_attention='host') with {why}, "
+                    "which attention on the host does not support; use decode_attention='auto' "
+                    "or 'device'"
+                )
+            return True
+        return why is None and self.layout.device.type == "cuda" and plan.streamed_weight_layers > 0
 
     def _refusal_state(self, by: str, free: int | None, promoted: int) -> dict:
         """What the device and the arena held when a promotion was first refused (bytes)."""
@@ -762,6 +815,7 @@ class RevivaManager:
         if self.weights is not None:
             self._phase["weight_bytes_given_back"] = self.weights.enter_decode()
         self._promote_after_prefill()
+        self._attend_on_host_after_prefill()
 
     def _phase_peak(self) -> int | None:
         """The device bytes a phase (prefill, then decode) held at most: torch's peak plus the
@@ -1024,6 +1078,7 @@ class RevivaManager:
         self._phase = {"start": self._event(), "map_ms": self.arena.stats()["map_ms"]}
         self._phase["t0"] = time.perf_counter()  # (the call's start on the host: Note [Traces])
         self._phase["padded"] = padded
+        self._phase["host_attention"] = self._decode_attention_on_host(plan, beams, padded, share)
         self._ranges.close()
         self._ranges.push("reviva.generate")
         self._ranges.push("reviva.prefill")
@@ -1439,6 +1494,12 @@ class RevivaManager:
             prefetches_deferred=st["prefetches_deferred"],
             slots=plan.slots,
             decode_slots=st["slots"],
+            decode_attention="host" if ph.get("host_attention") else "device",
+            host_attended_layers=st["host_attended_layers"],
+            host_attention_s=cache.host_attention_s,
+            host_attention_wait_s=cache.host_wait_s,
+            host_attention_calls=cache.host_attention_calls,
+            bytes_written_on_host=st["bytes_written_on_host"],
             prefetch_window=plan.prefetch_layers,
             fills=st["fills"],
             prefetched_fills=st["prefetched_fills"],

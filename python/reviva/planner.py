@@ -244,10 +244,12 @@ class Plan:
         """Pinned bytes of the streamed layers' host copies."""
         return self.streamed_layers * self.capacity * self.kv_token_bytes
 
-    def promotable_layers(self) -> int:
+    def promotable_layers(self, decode_slots: int | None = None) -> int:
         """Streamed layers that fit once prefill's working set is gone and the slots beyond
-        `decode_slots` are given up, and streamed weights need only decode's room."""
-        held = (len(self.resident_layers) + self.decode_slots) * self.layer_kv_bytes
+        `decode_slots` (the plan's when None; 0 where decode attends streamed K/V on the host)
+        are given up, and streamed weights need only decode's room."""
+        slots = self.decode_slots if decode_slots is None else decode_slots
+        held = (len(self.resident_layers) + slots) * self.layer_kv_bytes
         held += self.page_slots * self.page_bytes + self.weight_decode_device_bytes
         room = self.budget - self.baseline - self.decode_working_set - held
         return min(max(room, 0) // self.layer_kv_bytes, self.streamed_layers)

@@ -155,6 +155,14 @@ class GenerateStats(Mapping[str, Any]):
     weight_fills: int = 0
     weight_prefetched_fills: int = 0
     weight_stall_s: float = 0.0
+    # Note [Attention on the host]: decode's streamed K/V attended where it lives (layers; the
+    # host's seconds in its attention calls, and waiting for compute before each; rows written)
+    decode_attention: str = "device"  # "device" or "host" (RevivaConfig.decode_attention)
+    host_attended_layers: int = 0
+    host_attention_s: float = 0.0
+    host_attention_wait_s: float = 0.0
+    host_attention_calls: int = 0
+    bytes_written_on_host: int = 0
     # A call continuing from a returned cache, and the cache it returned (Note [A returned cache])
     continued_tokens: int = 0
     returned_cache_host_bytes: int = 0

@@ -291,6 +291,75 @@ TEST_P(KVStoreTest, DroppedSlotsGiveTheirMemoryBackAndDecodeGoesOn) {
   EXPECT_EQ(rig.store->stats().slots, 1);
 }
 
+TEST_P(KVStoreTest, HostAttendedLayersAreReadAndWrittenOnTheHostAndNeverFetched) {
+  // Note [Host-side appends]: after prefill, streamed layers 1, 2, 4 are attended on the host.
+  // Their rows are read in place (exactly what compute wrote, its last write-through landed),
+  // decode's new rows go into the host copy by memcpy, nothing of theirs moves over the link,
+  // the slots can all go, and the other layers keep streaming or staying exact.
+  Rig rig(backend_, 6, 64, 2, 2, {0, 3});
+  rig.step(30, 1, /*check=*/false);  // prefill: every layer on the device, streamed ones through
+  rig.store->attend_on_host(1);
+  rig.store->attend_on_host(2);
+  rig.store->attend_on_host(4);
+  rig.store->attend_on_host(4);  // (again: no-op)
+  EXPECT_TRUE(rig.store->host_attended(2));
+  EXPECT_FALSE(rig.store->host_attended(5));
+  EXPECT_TRUE(rig.store->drop_slot()) << "layer 5 alone streams: one slot is enough";
+  EXPECT_FALSE(rig.store->drop_slot());
+  const KVStoreStats before = rig.store->stats();
+  const int steps = scaled(6);
+  auto host_layer = [&](int l, std::size_t count, std::uint64_t seed) {
+    const auto* rows = static_cast<const std::uint8_t*>(rig.store->host_rows(l));
+    const auto& e = rig.expected[static_cast<std::size_t>(l)];
+    ASSERT_EQ(rig.store->length(l) * kTokenBytes, e.size());
+    ASSERT_TRUE(std::equal(e.begin(), e.end(), rows)) << "layer " << l;
+    if (count == 0) return;
+    std::vector<std::uint8_t> bytes = random_bytes(count * kTokenBytes, seed);
+    rig.store->host_wrote(l, rig.store->length(l), count, bytes.data());
+    auto& ex = rig.expected[static_cast<std::size_t>(l)];
+    ex.insert(ex.end(), bytes.begin(), bytes.end());
+  };
+  for (int s = 0; s <= steps; ++s) {
+    const std::size_t count = s < steps ? 1 : 0;  // (the last pass only checks)
+    for (int l = 0; l < 6; ++l) {
+      if (rig.store->host_attended(l)) {
+        host_layer(l, count, 500 + 10 * static_cast<std::uint64_t>(s) + static_cast<unsigned>(l));
+        continue;
+      }
+      void* buffer = rig.store->acquire(l, *rig.compute);
+      rig.check_contents(l, buffer);
+      if (count) rig.write_tokens(l, buffer, 1, 900 + 10 * static_cast<std::uint64_t>(s) + l);
+      rig.store->release(l, *rig.compute);
+    }
+  }
+  rig.store->synchronize();
+  const KVStoreStats st = rig.store->stats();
+  EXPECT_EQ(st.host_attended_layers, 3);
+  EXPECT_EQ(st.bytes_written_on_host, 3u * kTokenBytes * static_cast<std::size_t>(steps));
+  // Only layer 5 moved: its appends to the host, its fills (at most one per pass, plus the
+  // window's wrap) of its valid prefix.
+  EXPECT_EQ(st.bytes_to_host - before.bytes_to_host, kTokenBytes * static_cast<std::size_t>(steps));
+  std::uint64_t most = 0;
+  for (int s = 0; s <= steps + 1; ++s) most += kTokenBytes * (30 + static_cast<std::size_t>(s));
+  EXPECT_LE(st.bytes_to_device - before.bytes_to_device, most);
+  EXPECT_THROW(rig.store->acquire(1, *rig.compute), InvalidArgument);
+  EXPECT_THROW(rig.store->promote(2), InvalidArgument);
+  EXPECT_THROW(rig.store->attend_on_host(0), InvalidArgument);  // resident
+  EXPECT_THROW(rig.store->host_rows(5), InvalidArgument);       // not host-attended
+  std::vector<std::uint8_t> row(kTokenBytes);
+  EXPECT_THROW(rig.store->host_wrote(1, rig.store->length(1) + 1, 1, row.data()),
+               InvalidArgument);                                               // a gap
+  EXPECT_THROW(rig.store->host_wrote(1, 64, 1, row.data()), InvalidArgument);  // capacity
+  // A rollback on the host side, then a new sequence: clear() forgets the host attendance.
+  rig.store->truncate(1, 20);
+  EXPECT_EQ(rig.store->length(1), 20u);
+  rig.store->clear();
+  EXPECT_FALSE(rig.store->host_attended(1));
+  for (auto& e : rig.expected) e.clear();
+  rig.step(4, 77, false);
+  rig.step(0, 78);
+}
+
 TEST_P(KVStoreTest, AllResidentMovesNothing) {
   Rig rig(backend_, 3, 32, 2, 0, {0, 1, 2});
   rig.step(10, 1, false);

@@ -1,0 +1,162 @@
+"""Decode attention on the host (Note [Attention on the host] in src/host_attention.cpp, Note
+[Host-side appends] in src/offload_manager.cpp): with RevivaConfig(decode_attention="host"), the
+layers whose K/V streams after prefill stay in their pinned host copies, decode writes their new
+rows there and attends them on the host's cores. Tiny models give plain HF's greedy and seeded
+sampling tokens with it, for every family (sliding windows included) and with weights streamed
+too; nothing of those layers moves to the device in decode (counted); the same manager serves
+repeated calls, a returned cache and a call that raises; what it cannot serve is refused by
+name. (The CUDA path, where "auto" chooses it, is measured on the H200: bench_weights.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_generate import FAMILIES, SLIDING, tiny_model
+from test_weights import budget_where
+from transformers.generation.streamers import BaseStreamer
+
+from reviva import RevivaConfig, RevivaManager
+
+PROMPT, NEW = 40, 10
+
+
+def some_kv_streamed(p) -> bool:  # noqa: ANN001, ARG001
+    """Any plan: budget_where then finds the least budget that fits, where most layers' K/V
+    streams (the callers check that at least two do, on the plan found)."""
+    return True
+
+
+def host_manager(model, batch: int = 1) -> RevivaManager:  # noqa: ANN001
+    """A manager whose plan for `batch` rows of PROMPT + NEW tokens streams most layers' K/V
+    (the least budget that fits), decode attending them on the host."""
+    manager = RevivaManager(copy.deepcopy(model), RevivaConfig(decode_attention="host"))
+    _, plan = budget_where(manager, PROMPT, NEW, some_kv_streamed, batch=batch)
+    assert plan.streamed_layers >= 2, plan
+    return manager
+
+
+def check_host_stats(manager: RevivaManager, batch: int = 1, new: int = NEW) -> None:
+    st = manager.get_memory_stats()
+    assert st.decode_attention == "host"
+    assert st.host_attended_layers >= 1, st.summary()
+    assert st.host_attended_layers == st.streamed_layers, "every streamed layer is on the host"
+    steps = new - 1  # (the first token comes from prefill)
+    assert st.host_attention_calls == st.host_attended_layers * steps
+    lay = manager.layout
+    row = 2 * batch * lay.num_kv_heads * lay.head_dim * lay.dtype.itemsize  # a token's K and V
+    assert st.bytes_written_on_host == st.host_attended_layers * steps * row
+    assert st.decode_slots == 0, "no layer is fetched in decode: the slots went"
+
+
+@pytest.mark.parametrize("family", FAMILIES + list(SLIDING))
+def test_greedy_tokens_are_hfs_with_streamed_kv_attended_on_the_host(family: str) -> None:
+    model = tiny_model(family)
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    manager = host_manager(model)
+    out = manager.generate(ids, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} tokens differ"
+    check_host_stats(manager)
+    st = manager.get_memory_stats()
+    # What moved to the device in decode: the layers promoted after prefill, once each (weights
+    # are resident here); of the host-attended layers, nothing.
+    lay = manager.layout
+    row = 2 * lay.num_kv_heads * lay.head_dim * lay.dtype.itemsize
+    assert st.decode.bytes_to_device == st.promoted_layers * PROMPT * row, st.decode
+    # the same manager, again: the same tokens, the host layers chosen again
+    again = manager.generate(ids, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(again, ref)
+    check_host_stats(manager)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_sliding"])
+def test_with_streamed_weights_and_seeded_sampling(family: str) -> None:
+    model = tiny_model(family, seed=2)
+    ids = torch.randint(1, 211, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=NEW, do_sample=True, top_k=20, temperature=0.9)
+    torch.manual_seed(7)
+    ref = model.generate(ids, **kw)
+    manager = RevivaManager(
+        copy.deepcopy(model), RevivaConfig(decode_attention="host", stream_weights=True)
+    )
+    _, plan = budget_where(manager, PROMPT, NEW, some_kv_streamed, batch=2)
+    assert plan.streamed_weight_layers >= 1 and plan.streamed_layers >= 2, plan
+    torch.manual_seed(7)
+    out = manager.generate(ids, **kw)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} tokens differ"
+    check_host_stats(manager, batch=2)
+    assert manager.get_memory_stats().weights_streamed
+
+
+def test_auto_and_device_keep_decode_on_the_device_on_the_cpu() -> None:
+    """ "auto" chooses the host where weights stream on CUDA (their copies hide it); on the CPU
+    backend, and with "device", decode fetches streamed K/V as before: the same tokens."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    for choice in ("auto", "device"):
+        manager = RevivaManager(copy.deepcopy(model), RevivaConfig(decode_attention=choice))
+        budget_where(manager, PROMPT, NEW, some_kv_streamed)
+        assert torch.equal(manager.generate(ids, max_new_tokens=NEW, do_sample=False), ref)
+        st = manager.get_memory_stats()
+        assert st.decode_attention == "device" and st.host_attended_layers == 0
+        assert st.host_attention_calls == 0
+
+
+def test_a_returned_cache_continues_from_host_attended_layers() -> None:
+    """Note [A returned cache]: a call's cache whose layers were attended on the host is parked
+    from their host copies, and a call continuing from it gives plain HF's tokens."""
+    model = tiny_model("llama", seed=5)
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(6))
+    ref = model.generate(ids, max_new_tokens=NEW + 6, do_sample=False)
+    manager = host_manager(model)
+    first = manager.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    check_host_stats(manager)
+    assert torch.equal(first.sequences, ref[:, : PROMPT + NEW])
+    more = manager.generate(
+        first.sequences, past_key_values=first.past_key_values, max_new_tokens=6, do_sample=False
+    )
+    assert torch.equal(more, ref)
+
+
+class Boom(BaseStreamer):
+    def __init__(self, after: int) -> None:
+        self.seen, self.after = 0, after
+
+    def put(self, value: torch.Tensor) -> None:
+        self.seen += 1
+        if self.seen > self.after:
+            raise RuntimeError("streamer failed")
+
+    def end(self) -> None:
+        pass
+
+
+def test_a_call_that_raises_mid_decode_leaves_the_manager_usable() -> None:
+    model = tiny_model("llama", seed=8)
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(9))
+    ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    manager = host_manager(model)
+    with pytest.raises(RuntimeError, match="streamer failed"):
+        manager.generate(ids, max_new_tokens=NEW, do_sample=False, streamer=Boom(4))
+    assert torch.equal(manager.generate(ids, max_new_tokens=NEW, do_sample=False), ref)
+    check_host_stats(manager)
+
+
+def test_what_the_host_cannot_attend_is_refused_by_name() -> None:
+    model = tiny_model("llama")
+    ids = torch.randint(1, 211, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    manager = host_manager(model, batch=2)
+    with pytest.raises(ValueError, match=r"decode_attention='host'\) with num_beams=2"):
+        manager.generate(ids[:1], max_new_tokens=4, num_beams=2, do_sample=False)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with pytest.raises(ValueError, match="a padded batch"):
+        manager.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    fp8 = RevivaManager(copy.deepcopy(model), RevivaConfig(decode_attention="host", kv_dtype="fp8"))
+    with pytest.raises(ValueError, match="kv_dtype='fp8'"):
+        fp8.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="decode_attention must be 'auto', 'device' or 'host'"):
+        RevivaConfig(decode_attention="cpu")
