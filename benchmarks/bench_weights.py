@@ -62,6 +62,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "reviva_32b_fp8": dict(shape="32b", card_gb=24, kind="reviva", kv_dtype="fp8", batch8=False),
     "reviva_8b": dict(shape="8b", card_gb=8, kind="reviva"),
     "reviva_8b_fp8": dict(shape="8b", card_gb=8, kind="reviva", kv_dtype="fp8"),
+    # decode's streamed K/V copied to the device, as before "auto" attended it on the host (Note
+    # [Attention on the host]): the A/B of card8_8b in one run
+    "reviva_8b_device": dict(shape="8b", card_gb=8, kind="reviva", decode_attention="device"),
     "accelerate_8b": dict(shape="8b", card_gb=8, kind="accelerate"),
 }
 
@@ -160,7 +163,12 @@ def run_reviva(spec: dict[str, Any], args: argparse.Namespace, probe: Any, card:
     t = time.perf_counter()
     model = random_model(cfg, "layers_on_meta")
     budget = f"{spec['card_gb']}GB" if spec["card_gb"] else None
-    config = RevivaConfig(vram_budget=budget, device="cuda", kv_dtype=spec.get("kv_dtype", "auto"))
+    config = RevivaConfig(
+        vram_budget=budget,
+        device="cuda",
+        kv_dtype=spec.get("kv_dtype", "auto"),
+        decode_attention=spec.get("decode_attention", "auto"),
+    )
     manager = RevivaManager(model, config, fill_layer=fill_random)
     load_s = time.perf_counter() - t
     say(f"# loaded in {load_s:.1f} s: {manager.weights.total_bytes / 1e9:.1f} GB pinned")
@@ -178,6 +186,10 @@ def run_reviva(spec: dict[str, Any], args: argparse.Namespace, probe: Any, card:
                 row = timed_generate(manager.generate, ids, new, probe, sync)
             st = manager.get_memory_stats().to_dict()
             row["stats"] = st
+            for k in ("decode_attention", "host_attended_layers", "streamed_layers"):
+                row[k] = st.get(k)
+            for k in ("host_attention_s", "host_attention_wait_s", "weight_stall_s", "stall_s"):
+                row[k] = st.get(k)
             row["card_peak_bytes"] = card - row["min_free_bytes"]
             row.update(roofline(manager, st, cfg, batch, prompt))
         except Exception as e:  # noqa: BLE001 (recorded)
@@ -212,13 +224,14 @@ def profiled(gen: Any, ids: Any, new: int, probe: Any, sync: Any, args: Any) -> 
 
 def roofline(manager: Any, st: dict[str, Any], cfg: Any, batch: int, prompt: int) -> dict:
     """A decode step's bytes to copy: the streamed layers' weights and the K/V of the layers
-    streamed in decode (at the prompt's length), and the rate 55 GB/s gives them."""
+    streamed in decode (at the prompt's length; not those attended on the host, whose K/V stays
+    there), and the rate 55 GB/s gives them."""
     w = manager.weights
     streamed_w = sum(w.layer_bytes[i] for i in range(w.num_layers) if not w.resident(i))
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     row = head_dim + 4 if st["kv_dtype"] == "fp8" else head_dim * 2  # (Note [fp8 K/V rows])
     kv_token = 2 * batch * cfg.num_key_value_heads * row
-    streamed_kv = st["streamed_layers"] * prompt * kv_token
+    streamed_kv = (st["streamed_layers"] - st.get("host_attended_layers", 0)) * prompt * kv_token
     step = streamed_w + streamed_kv
     rate = PCIE_H2D_BPS / step if step else None
     return {
@@ -420,6 +433,7 @@ def analyse(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         ("card24_32b_fp8", "reviva_32b_fp8", 24, 1.05, res32, acc32),
         ("card8_8b", "reviva_8b", 8, 5.0, None, acc8),
         ("card8_8b_fp8", "reviva_8b_fp8", 8, 5.0, None, acc8),
+        ("card8_8b_device_attention", "reviva_8b_device", 8, 5.0, None, acc8),
     ):
         runs = calls_by_process(results, key, 1, args.prompt)
         if runs:

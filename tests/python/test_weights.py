@@ -466,7 +466,11 @@ def test_gpu_bf16_streamed_weights_same_logits_as_resident_and_close_to_hf() -> 
     cpu_model = copy.deepcopy(gpu_model).to("cpu")
     del gpu_model
     torch.cuda.empty_cache()
-    manager = RevivaManager(cpu_model, RevivaConfig(device="cuda", **fixed))
+    # (decode attention on the device, as the resident run's: the host's rounds otherwise,
+    # test_host_attention's GPU test holds it to the same reference)
+    manager = RevivaManager(
+        cpu_model, RevivaConfig(device="cuda", decode_attention="device", **fixed)
+    )
     assert manager.weights is not None
     budget, plan = budget_where(manager, prompt, new, lambda p: len(p.weight_resident_layers) >= 3)
     assert len(plan.weight_resident_layers) < 8, plan
