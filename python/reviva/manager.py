@@ -39,7 +39,15 @@ from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
 from reviva.kv_fp8 import row_bytes as fp8rows_width
 from reviva.llama_layer import DecodeGraphs, LlamaLayerPath, take_matmul_workspaces
-from reviva.planner import Plan, budget_for, device_state, host_state, make_plan, spread
+from reviva.planner import (
+    MODEL,
+    Plan,
+    budget_for,
+    device_state,
+    host_state,
+    make_plan,
+    spread,
+)
 from reviva.resources import device_resources
 from reviva.stats import GenerateStats, PhaseStats
 from reviva.trace import PrefillProgress, Ranges, chrome_trace, span, store_spans, write_trace
@@ -683,6 +691,8 @@ class RevivaManager:
         # the last slot goes once they are on the host, _attend_on_host_after_prefill)
         host = self._phase.get("host_attention", False)
         count = plan.promotable_layers(0 if host else None)
+        # (Note [Weights first when the host attends]: the weights promoted took room first)
+        count -= -(-self._phase.get("weight_promoted_bytes", 0) // plan.layer_kv_bytes)
         if count <= 0:
             return
         for _ in range(plan.slots - (min(plan.decode_slots, 1) if host else plan.decode_slots)):
@@ -717,6 +727,55 @@ class RevivaManager:
         self._phase["promotions_refused_by_device"] = refused
         self._phase["first_promotion_refusal"] = first_refusal
         log.info("reviva: %d of %d planned promotions after prefill", promoted, count)
+
+    # Note [Weights first when the host attends]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Without attention on the host, the room prefill's working set leaves goes to K/V
+    # promotions: a layer's K/V kept on the device saves its bytes at every step, as a layer's
+    # weights do. With it, a streamed layer's K/V costs the step no copy but host time, which the
+    # weights' copies hide; a layer's weights kept saves their copy. So the room goes to weights
+    # first, as long as the step stays bound by its copies: for w layers promoted, the copies
+    # take (streamed - w) x weight bytes / copy_bps, the host (layers still streamed after the
+    # K/V promotions the rest of the room allows) x (K/V bytes / host_attention_bps + a fixed
+    # cost), and w minimizes the larger of the two (MemoryModel's rates, measured on the H200).
+    def _promote_weights_for_host_decode(self) -> None:
+        plan, cache, weights = self._plan, self._cache, self.weights
+        if plan is None or cache is None or weights is None:
+            return
+        if not self._phase.get("host_attention", False):
+            return
+        streamed = [i for i in range(plan.weight_layers) if not weights.resident(i)]
+        wb = plan.weight_layer_bytes
+        if not streamed or wb <= 0:
+            return
+        m = MODEL
+        kv_layers = plan.num_layers - len(plan.resident_layers)
+        room = plan.budget - plan.baseline - plan.decode_working_set
+        room -= len(plan.resident_layers) * plan.layer_kv_bytes + plan.weight_decode_device_bytes
+        most = min(len(streamed), max(room, 0) // wb)
+        kv_bytes = plan.capacity * plan.kv_token_bytes  # (a layer's K/V at the call's end)
+
+        def step_s(w: int) -> float:
+            kv_kept = min(kv_layers, max(room - w * wb, 0) // plan.layer_kv_bytes)
+            host = (kv_layers - kv_kept) * (
+                kv_bytes / m.host_attention_bps + m.host_attention_layer_s
+            )
+            return max((len(streamed) - w) * wb / m.copy_bps, host)
+
+        best = min(range(most + 1), key=lambda w: (step_s(w), w))
+        self._phase["weights_promoted_for_host"] = 0
+        if best == 0:
+            return
+        if self.layout.device.type == "cuda":
+            torch.cuda.empty_cache()  # prefill's cached working set: the device's again
+            free = torch.cuda.mem_get_info(self.layout.device)[0]
+            free += int(self.arena.stats()["retiring_bytes"])
+            best = min(best, max(free - plan.decode_working_set, 0) // wb)
+        picks = [streamed[k] for k in spread(int(best), len(streamed))]
+        if picks and weights.promote(picks):
+            self._phase["weights_promoted_for_host"] = len(picks)
+            self._phase["weight_promoted_bytes"] = len(picks) * wb
+        log.info("reviva: %d weight layers promoted for decode with attention on the host", best)
 
     def _attend_on_host_after_prefill(self) -> None:
         """Note [Attention on the host] (src/host_attention.cpp): with the call's decode
@@ -814,6 +873,7 @@ class RevivaManager:
             cache.block_tokens = plan.kv_decode_block_tokens
         if self.weights is not None:
             self._phase["weight_bytes_given_back"] = self.weights.enter_decode()
+            self._promote_weights_for_host_decode()
         self._promote_after_prefill()
         self._attend_on_host_after_prefill()
 
@@ -1496,6 +1556,7 @@ class RevivaManager:
             decode_slots=st["slots"],
             decode_attention="host" if ph.get("host_attention") else "device",
             host_attended_layers=st["host_attended_layers"],
+            weight_layers_promoted_in_decode=ph.get("weights_promoted_for_host", 0),
             host_attention_s=cache.host_attention_s,
             host_attention_wait_s=cache.host_wait_s,
             host_attention_calls=cache.host_attention_calls,

@@ -78,6 +78,13 @@ class MemoryModel:
     # weights queue behind each other). Measured on the H200, 32B shape on a 24 GB card: one
     # weight slot, decode at 0.975 of the transfer roofline (bench_weights, ec413ed).
     weight_slots: int = 2
+    # Note [Weights first when the host attends] (manager.py): a decode step's copy rate, and the
+    # rate at which the host's cores attend streamed K/V (bytes of rows a second, 16 threads, bf16,
+    # while the weights' copies run) with a fixed cost per layer (the wait for compute, the query
+    # and output copies): what decides how much room goes to weights rather than K/V.
+    copy_bps: float = 55e9
+    host_attention_bps: float = 25e9
+    host_attention_layer_s: float = 2e-4
 
 
 MODEL = MemoryModel()

@@ -159,6 +159,8 @@ class GenerateStats(Mapping[str, Any]):
     # host's seconds in its attention calls, and waiting for compute before each; rows written)
     decode_attention: str = "device"  # "device" or "host" (RevivaConfig.decode_attention)
     host_attended_layers: int = 0
+    # Note [Weights first when the host attends]: weight layers kept on the device from decode on
+    weight_layers_promoted_in_decode: int = 0
     host_attention_s: float = 0.0
     host_attention_wait_s: float = 0.0
     host_attention_calls: int = 0

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from reviva._C import DeviceArena, TransferEngine, WeightStore
+from reviva._C import DeviceArena, RevivaOutOfMemoryError, TransferEngine, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -415,6 +415,25 @@ class StreamedWeights:
         if st["slots"] > 1:  # (one room of two blocks: decode's window is one block)
             self.store.set_residency(sorted(self._resident_blocks), 1, 1)
         return int(st["slots"]) * whole - self.decode_slot_bytes
+
+    def promote(self, layers: list[int]) -> bool:
+        """In decode (after enter_decode): `layers`, streamed now, stay on the device from here on
+        beside the resident ones (their fills issued as compute nears them, one H2D each), the
+        rest streaming through decode's room as before. False, with the residency as it was,
+        when the arena cannot map them (WeightStore.set_residency). Not while a layer is held."""
+        before = set(self._resident_blocks)
+        wanted = before | {b for i in layers for b in self._parts[i]}
+        if wanted == before:
+            return True
+        streams = len(wanted) < len(self._slots)  # (blocks)
+        try:
+            self.store.set_residency(sorted(wanted), 1 if streams else 0, 1 if streams else 0)
+        except RevivaOutOfMemoryError:
+            self.store.set_residency(sorted(before), 1, 1)
+            self._resident_blocks = before
+            return False
+        self._resident_blocks = wanted
+        return True
 
     def _acquire_block(self, b: int) -> None:
         block = self.store.acquire(b)

@@ -90,6 +90,46 @@ def test_with_streamed_weights_and_seeded_sampling(family: str) -> None:
     assert manager.get_memory_stats().weights_streamed
 
 
+def test_weights_promoted_first_when_the_host_attends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Weights first when the host attends]: with host attention free (the model's rates
+    set so), the room prefill leaves goes to streamed weights first: layers promoted (counted),
+    their bytes no longer copied per step, and still HF's tokens, again and again."""
+    import dataclasses
+
+    import reviva.manager
+
+    free = dataclasses.replace(
+        reviva.manager.MODEL, host_attention_bps=1e18, host_attention_layer_s=0.0
+    )
+    monkeypatch.setattr(reviva.manager, "MODEL", free)
+    model = tiny_model("llama", seed=12)
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(13))
+    ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    manager = RevivaManager(
+        copy.deepcopy(model), RevivaConfig(decode_attention="host", stream_weights=True)
+    )
+    budget, plan = budget_where(manager, PROMPT, NEW, lambda p: p.streamed_weight_layers <= 3)
+
+    def room_for_weights(p) -> int:  # noqa: ANN001  (what decode leaves, as the manager counts)
+        room = p.budget - p.baseline - p.decode_working_set - p.weight_decode_device_bytes
+        return (room - len(p.resident_layers) * p.layer_kv_bytes) // p.weight_layer_bytes
+
+    while room_for_weights(plan) < 1:  # a budget a little larger, until a layer's room is left
+        budget += 1 << 16
+        manager.config = dataclasses.replace(manager.config, vram_budget=budget)
+        plan = manager.plan(1, PROMPT, NEW)
+    assert plan.streamed_weight_layers >= 2 and plan.streamed_layers >= 2, plan
+    for _ in range(2):
+        out = manager.generate(ids, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(out, ref)
+        st = manager.get_memory_stats()
+        check_host_stats(manager)
+        assert st.weight_layers_promoted_in_decode >= 1, st.summary()
+        assert st.weight_resident_layers == (
+            len(plan.weight_resident_layers) + st.weight_layers_promoted_in_decode
+        )
+
+
 def test_auto_and_device_keep_decode_on_the_device_on_the_cpu() -> None:
     """ "auto" chooses the host where weights stream on CUDA (their copies hide it); on the CPU
     backend, and with "device", decode fetches streamed K/V as before: the same tokens."""
