@@ -200,7 +200,7 @@ def _plan(args: argparse.Namespace) -> int:
     import reviva
     from reviva.adapters import inspect_model
     from reviva.forecast import CUDA_CONTEXT_BYTES, forecast
-    from reviva.planner import DeviceState, HostState, make_plan
+    from reviva.planner import DeviceState, HostState, host_decode_mix, make_plan
     from reviva.weights import decode_slot_bytes, layer_weight_bytes
 
     if args.model in PRESETS:
@@ -232,6 +232,7 @@ def _plan(args: argparse.Namespace) -> int:
         prefill_residual=args.prefill_residual,
         kv_dtype=args.kv_dtype,
         kv_page_tokens=args.kv_page_tokens,
+        decode_attention=args.decode_attention,
     )
     # Note [Streamed weights]: as RevivaConfig(stream_weights="auto") decides for a model on the
     # device (its weights over the budget), or forced; the untied input embedding then lives in
@@ -300,7 +301,27 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"reviva plan: {shape}\n  {call} on a {args.card} card: does not fit\n  {e}")
         return 1
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
-    f = forecast(layout, plan, weights, args.attention_kernel, pcie_bps=pcie)
+    # RevivaConfig(decode_attention): "auto" attends streamed K/V on the host where weights
+    # stream (RevivaManager._decode_attention_on_host; bf16/fp32 K/V, not paged)
+    host_ok = (
+        not plan.kv_fp8
+        and not plan.page_tokens
+        and layout.dtype
+        in (
+            torch.bfloat16,
+            torch.float32,
+        )
+    )
+    host = args.decode_attention == "host" or (
+        args.decode_attention == "auto" and host_ok and plan.streamed_weight_layers > 0
+    )
+    if host and not host_ok:
+        print(
+            "reviva plan: --decode-attention host needs bf16/fp32 K/V without pages",
+            file=sys.stderr,
+        )
+        return 2
+    f = forecast(layout, plan, weights, args.attention_kernel, pcie_bps=pcie, host_attention=host)
     if args.json:
         out = {
             "model": shape,
@@ -320,6 +341,9 @@ def _plan(args: argparse.Namespace) -> int:
     resident = len(plan.resident_layers)
     promoted = min(plan.promotable_layers(), plan.streamed_layers)
     decode_slots = plan.decode_slots if plan.streamed_layers > promoted else 0
+    if host:  # (Note [Weights first when the host attends])
+        _, promoted = host_decode_mix(plan)
+        decode_slots = 0
     print(f"reviva plan: {shape}")
     print(f"  {call} on a {args.card} card (CUDA context {CUDA_CONTEXT_BYTES / gb:.2f} GB)")
     print(
@@ -339,6 +363,16 @@ def _plan(args: argparse.Namespace) -> int:
             f"{plan.weight_layers} layers resident ({plan.weight_layer_bytes / gb:.2f} GB each), "
             f"{plan.weight_slots} slot(s); "
             + ("input embedding on the host" if host_embedding else "input embedding on the device")
+            + (
+                f"; {f.weights_promoted_in_decode} more resident in decode"
+                if f.weights_promoted_in_decode
+                else ""
+            )
+        )
+    if host:
+        print(
+            f"  decode attention on the host: the {plan.streamed_layers - promoted} layers whose "
+            "K/V still streams after prefill are attended in pinned host memory (nothing fetched)"
         )
     print(
         f"  prefill: chunks of {plan.chunk_tokens} tokens, attention "
@@ -371,7 +405,9 @@ def _plan(args: argparse.Namespace) -> int:
         )
         + f"); decode {f.decode_tok_s:.2f} tok/s "
         f"({f.decode_bound}-bound: compute "
-        f"{f.decode_compute_s * 1e3:.1f} ms, transfer {f.decode_transfer_s * 1e3:.1f} ms a token),"
+        f"{f.decode_compute_s * 1e3:.1f} ms, transfer {f.decode_transfer_s * 1e3:.1f} ms"
+        + (f", host attention {f.decode_host_s * 1e3:.1f} ms" if host else "")
+        + " a token),"
         f" first step +{f.first_step_extra_s * 1e3:.0f} ms (promotions): "
         f"{f.decode_call_tok_s:.2f} tok/s over the call's {args.new_tokens - 1} steps"
     )
@@ -454,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     pl.add_argument(
         "--kv-dtype", default="auto", choices=("auto", "fp8"), help="RevivaConfig.kv_dtype"
+    )
+    pl.add_argument(
+        "--decode-attention",
+        default="auto",
+        choices=("auto", "device", "host"),
+        help="RevivaConfig.decode_attention",
     )
     pl.add_argument(
         "--kv-page-tokens",

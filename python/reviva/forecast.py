@@ -48,7 +48,7 @@ from typing import Any
 
 from reviva.adapters import DecoderLayout
 from reviva.block_attention import call_kernel
-from reviva.planner import Plan
+from reviva.planner import MODEL, Plan, host_decode_mix
 
 CALIBRATION = "H200 (PCIe Gen5 x16), Llama-3-8B shape, bf16, torch 2.11; benchmarks/results/"
 PCIE_BPS = 55e9
@@ -88,6 +88,12 @@ class Forecast:
     # [Prefill attention kernel]), on top of prefill_s.
     prefill_first_call_extra_s: float = 0.0
     calibration: str = CALIBRATION
+    # Note [Attention on the host]: decode's streamed K/V attended on the host ("host"), the
+    # host's time a step, and the weight layers made resident for decode (Note [Weights first
+    # when the host attends] in manager.py)
+    decode_attention: str = "device"
+    decode_host_s: float = 0.0
+    weights_promoted_in_decode: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,12 +105,16 @@ def forecast(
     weight_bytes: int,
     attention_kernel: str = "auto",
     pcie_bps: float | None = None,
+    host_attention: bool = False,
 ) -> Forecast:
     """Times of a call planned as `plan` on `layout` (see the module docstring), prefill's
     chunked attention through `attention_kernel`: "cudnn", "flash", or "auto" (what
     RevivaConfig(attention_kernel="auto") takes on the H200: block_attention.call_kernel).
     `pcie_bps`: the host-to-device copy rate to assume (bytes a second; None: the H200's 55 GB/s
-    measured), for another machine's PCIe; the compute rates stay the H200's."""
+    measured), for another machine's PCIe; the compute rates stay the H200's. `host_attention`:
+    decode attends the streamed K/V on the host (RevivaConfig(decode_attention); "auto" takes it
+    where weights stream): the room after prefill is shared as planner.host_decode_mix shares it,
+    no K/V is fetched, and the host's time (MemoryModel's rate) bounds a step too."""
     if attention_kernel not in ("auto", "cudnn", "flash"):
         raise ValueError(
             f"attention_kernel must be 'auto', 'cudnn' or 'flash', got {attention_kernel!r}"
@@ -161,17 +171,25 @@ def forecast(
     # (full layers first: RevivaManager._promote_after_prefill)
     streamed_ids = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
     promote = min(max(int(plan.promotable_layers()), 0), len(streamed_ids))
+    weights_promoted = 0
+    if host_attention:
+        weights_promoted, promote = host_decode_mix(plan, MODEL)
     full = [i for i in streamed_ids if windows[i] is None]
     windowed = [i for i in streamed_ids if windows[i] is not None]
     promoted_ids = set((full + windowed)[:promote])
     tails = not plan.kv_fp8 and not plan.page_tokens
     fetched = [read[i] if tails else mean_len for i in streamed_ids if i not in promoted_ids]
-    transfer = sum(fetched) * plan.kv_token_bytes / pcie
     weight_copies = plan.streamed_weight_layers * plan.weight_layer_bytes / pcie
-    transfer += weight_copies
-    step = max(compute, transfer)
-    promoted = min(plan.promotable_layers(), plan.streamed_layers)
-    first_extra = promoted * held * plan.kv_token_bytes / pcie
+    host = 0.0
+    if host_attention:  # nothing fetched; the host reads the rows where they are
+        host = sum(fetched) * plan.kv_token_bytes / MODEL.host_attention_bps
+        host += len(fetched) * MODEL.host_attention_layer_s
+        transfer = weight_copies - weights_promoted * plan.weight_layer_bytes / pcie
+    else:
+        transfer = sum(fetched) * plan.kv_token_bytes / pcie + weight_copies
+    step = max(compute, transfer, host)
+    first_extra = promote * held * plan.kv_token_bytes / pcie
+    first_extra += weights_promoted * plan.weight_layer_bytes / pcie
     steps = plan.capacity - held - 1
     exposed = 0.0  # prefill's weight copies not under compute (see the module docstring)
     if plan.streamed_weight_layers and plan.weight_slots == 1:
@@ -194,7 +212,9 @@ def forecast(
         decode_compute_s=compute,
         decode_transfer_s=transfer,
         decode_tok_s=1 / step if step > 0 else float("inf"),
-        decode_bound="transfer" if transfer > compute else "compute",
+        decode_bound=max(
+            (("transfer", transfer), ("compute", compute), ("host", host)), key=lambda b: b[1]
+        )[0],
         first_step_extra_s=first_extra,
         decode_call_tok_s=steps / (steps * step + first_extra) if steps and step > 0 else 0.0,
         attention_kernel=attention_kernel,
@@ -202,4 +222,7 @@ def forecast(
         calibration=CALIBRATION
         if pcie_bps is None
         else f"{CALIBRATION}; PCIe stated: {pcie_bps / 1e9:g} GB/s",
+        decode_attention="host" if host_attention else "device",
+        decode_host_s=host,
+        weights_promoted_in_decode=weights_promoted,
     )

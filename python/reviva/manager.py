@@ -44,6 +44,7 @@ from reviva.planner import (
     Plan,
     budget_for,
     device_state,
+    host_decode_mix,
     host_state,
     make_plan,
     spread,
@@ -737,7 +738,8 @@ class RevivaManager:
     # first, as long as the step stays bound by its copies: for w layers promoted, the copies
     # take (streamed - w) x weight bytes / copy_bps, the host (layers still streamed after the
     # K/V promotions the rest of the room allows) x (K/V bytes / host_attention_bps + a fixed
-    # cost), and w minimizes the larger of the two (MemoryModel's rates, measured on the H200).
+    # cost), and w minimizes the larger of the two (planner.host_decode_mix; MemoryModel's rates,
+    # measured on the H200; the forecast uses the same split).
     def _promote_weights_for_host_decode(self) -> None:
         plan, cache, weights = self._plan, self._cache, self.weights
         if plan is None or cache is None or weights is None:
@@ -745,27 +747,11 @@ class RevivaManager:
         if not self._phase.get("host_attention", False):
             return
         streamed = [i for i in range(plan.weight_layers) if not weights.resident(i)]
-        wb = plan.weight_layer_bytes
-        if not streamed or wb <= 0:
-            return
-        m = MODEL
-        kv_layers = plan.num_layers - len(plan.resident_layers)
-        room = plan.budget - plan.baseline - plan.decode_working_set
-        room -= len(plan.resident_layers) * plan.layer_kv_bytes + plan.weight_decode_device_bytes
-        most = min(len(streamed), max(room, 0) // wb)
-        kv_bytes = plan.capacity * plan.kv_token_bytes  # (a layer's K/V at the call's end)
-
-        def step_s(w: int) -> float:
-            kv_kept = min(kv_layers, max(room - w * wb, 0) // plan.layer_kv_bytes)
-            host = (kv_layers - kv_kept) * (
-                kv_bytes / m.host_attention_bps + m.host_attention_layer_s
-            )
-            return max((len(streamed) - w) * wb / m.copy_bps, host)
-
-        best = min(range(most + 1), key=lambda w: (step_s(w), w))
+        best, _ = host_decode_mix(plan, MODEL)
         self._phase["weights_promoted_for_host"] = 0
-        if best == 0:
+        if best <= 0 or not streamed:
             return
+        wb = plan.weight_layer_bytes
         if self.layout.device.type == "cuda":
             torch.cuda.empty_cache()  # prefill's cached working set: the device's again
             free = torch.cuda.mem_get_info(self.layout.device)[0]

@@ -691,6 +691,35 @@ def _residency(
     return None if best is None else best[1]
 
 
+def host_decode_mix(plan: Plan, model: MemoryModel = MODEL) -> tuple[int, int]:
+    """Note [Weights first when the host attends] (manager.py): with decode's streamed K/V
+    attended on the host, how the room prefill leaves is shared in decode: (weight layers made
+    resident, K/V layers made resident with the rest), the weights' count the one that makes a
+    step's longer part, the weights' copies or the host's attention, the shortest (ties: fewer
+    weights, less host time). (0, promotable K/V) when no weight streams."""
+    streamed = plan.streamed_weight_layers
+    kv_layers = plan.streamed_layers
+    kv_unit = plan.layer_kv_bytes
+    wb = plan.weight_layer_bytes
+    room = plan.budget - plan.baseline - plan.decode_working_set
+    room -= len(plan.resident_layers) * kv_unit + plan.weight_decode_device_bytes
+    room = max(room, 0)
+
+    def kv_kept(w: int) -> int:
+        return min(kv_layers, (room - w * wb) // kv_unit) if kv_unit > 0 else 0
+
+    if streamed <= 0 or wb <= 0:
+        return 0, kv_kept(0)
+    kv_bytes = plan.capacity * plan.kv_token_bytes  # (a layer's K/V at the call's end)
+    per_layer = kv_bytes / model.host_attention_bps + model.host_attention_layer_s
+
+    def step_s(w: int) -> float:
+        return max((streamed - w) * wb / model.copy_bps, (kv_layers - kv_kept(w)) * per_layer)
+
+    best = min(range(min(streamed, room // wb) + 1), key=lambda w: (step_s(w), w))
+    return best, kv_kept(best)
+
+
 def spread(count: int, total: int) -> tuple[int, ...]:
     """`count` layer indices out of `total`, evenly spread, so that streamed layers' copies
     overlap the compute of resident layers between them."""
