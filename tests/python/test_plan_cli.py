@@ -96,7 +96,16 @@ def test_streamed_weights_plan_and_estimate_against_the_h200(
     tok_s: float,
 ) -> None:
     out = plan_json(
-        capsys, "--model", model, "--card", card, "--context", "32k", "--no-host-embedding"
+        capsys,
+        "--model",
+        model,
+        "--card",
+        card,
+        "--context",
+        "32k",
+        "--no-host-embedding",
+        "--decode-attention",
+        "device",  # (as measured then: Note [Attention on the host] came later)
     )
     assert out["weights_streamed"] and not out["embedding_on_host"]
     plan, f = out["plan"], out["forecast"]
