@@ -11,46 +11,133 @@
 // rows are read once, in token order (the store's layout, a row of every sequence's keys and
 // values per token), in blocks of kBlock tokens whose scores, maximum and weighted values are
 // done while the block is in cache (online softmax); threads take contiguous key ranges and
-// their (max, sum, accumulator) are merged at the end. Vectorized by the compiler for AVX-512,
-// AVX2 or neither (chosen by the CPU's features at the first call), exp included
-// (exp_nonpositive).
+// their (max, sum, accumulator) are merged at the end.
+//
+// Laid out for the registers and the prefetchers, because a straightforward version was bound by
+// neither memory nor FMAs: on one thread of the 2-core box (a Zen 4 VM, noisy), a 32k-token layer
+// of bf16 took 45-55 ms (2.5-3 GB/s), now 9-12 ms (11-14 GB/s); fp32 60-70 ms, now 22-30 ms.
+// - Per block and K/V head, all the query heads of its group (4 at the 8B shape) are done
+//   together, so each key and value is widened to fp32 once, straight from the rows, and used by
+//   every query of the group.
+// - Scores: a tile of 4 heads by 4 keys keeps its 16 dot products in registers as 16-lane
+//   accumulators over head_dim (a key's and a query's vector feed 4 FMAs each), summed across
+//   lanes once per tile, all 16 together (sum_lanes_16). Transposing the block's keys to
+//   [head_dim][key] instead, so that scores need no sums across lanes, was tried: the
+//   transposition the compiler makes of it cost more than the sums it saves (2.5x this tile).
+// - Weighted values: a tile of 4 heads by 64 of head_dim keeps its accumulators in registers over
+//   the block's keys, the weight broadcast into 4 FMAs per value vector; the accumulators are
+//   loaded and stored once per block, not per key.
+// - The next block's rows are prefetched into L2 a few lines per key scored, in address order,
+//   so that a block is in cache when it is done. The hardware prefetchers do not do it: one K/V
+//   head's keys in a block are a row apart (4 KiB at the 8B shape, a page each), and they follow
+//   runs within a page. Blocks are kBlock tokens or fewer (a long row: a batch) so that a block
+//   and the next fit in L2 (kBlockBytes).
+// The 16-lane vectors are GCC/Clang vector types: a zmm register under AVX-512, two ymm under
+// AVX2, four xmm otherwise, the variant chosen by the CPU's features at the first call, with
+// tiles that fit each register file; exp is exp_nonpositive, which the compiler vectorizes. No
+// -ffast-math: every sum is in a fixed order, the same on every variant (bar FMA's rounding on
+// the baseline).
+//
+// Threads come from a pool made at the first call that wants more than one and grown to the
+// most asked for (Note [Attention's thread pool]): the caller makes a call per layer, 32 per
+// decode step at 8B, and making a thread per call and part cost tens of microseconds each.
 #include <reviva/error.h>
 #include <reviva/host_attention.h>
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 namespace reviva {
 namespace {
 
-constexpr std::size_t kBlock = 32;  // tokens whose scores are kept at once
+constexpr std::size_t kBlock = 64;               // tokens whose scores are kept at once, at most
+constexpr std::size_t kBlockBytes = 512 * 1024;  // a block's rows, at most (bar a tile's keys)
+constexpr std::size_t kLanes = 16;               // floats in a Vec
+constexpr std::size_t kHeads = 4;                // query heads done together (the 8B shape's group)
 
-[[gnu::always_inline]] inline float bf16_to_float(std::uint16_t v) {
+// 16 floats. Passed by reference only: a by-value vector parameter would change the calling
+// convention between the ISA variants (-Wpsabi); all of these are inlined anyway.
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+// (GCC 12 and Clang; without it, sums lane by lane and bf16 widened by convertvector)
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#define REVIVA_HAVE_SHUFFLEVECTOR 1
+#endif
+
+[[gnu::always_inline]] inline float to_float(float v) { return v; }
+[[gnu::always_inline]] inline float to_float(std::uint16_t v) {
   const std::uint32_t bits = static_cast<std::uint32_t>(v) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
 
-// One thread's share: keys [t0, t1) for every sequence and head; m, l, acc per (b, h).
-struct Partial {
-  std::vector<float> m, l, acc;
+// What differs between the ISA variants: tiles whose accumulators leave room in the register
+// file for their operands (JT keys by 4 heads of scores, DT x kLanes of head_dim by 4 heads of
+// values: 16 of 32 zmm; 8 of 16 ymm, a Vec being two), and how bf16 is widened. (The baseline's
+// SSE registers take the AVX2 tiles, spilling some: it is there to be correct.)
+struct Avx512 {
+  static constexpr std::size_t JT = 4, DT = 4;
+  static constexpr bool word_permute = true;  // (AVX512BW's vpermw: one instruction)
 };
+struct Avx2 {
+  static constexpr std::size_t JT = 1, DT = 1;
+  static constexpr bool word_permute = false;  // (a 16-bit permute is element by element here)
+};
+using Baseline = Avx2;
 
-template <typename T>
-[[gnu::always_inline]] inline float load(const T* p, std::size_t i);
-template <>
-[[gnu::always_inline]] inline float load<float>(const float* p, std::size_t i) {
-  return p[i];
+// kLanes consecutive elements as floats (unaligned).
+template <typename Isa>
+[[gnu::always_inline]] inline void load(Vec& out, const float* p) {
+  std::memcpy(&out, p, sizeof out);
 }
-template <>
-[[gnu::always_inline]] inline float load<std::uint16_t>(const std::uint16_t* p, std::size_t i) {
-  return bf16_to_float(p[i]);
+template <typename Isa>
+[[gnu::always_inline]] inline void load(Vec& out, const std::uint16_t* p) {
+  // bf16 is fp32's top half: each element below 16 zero bits.
+  typedef std::uint16_t Narrow __attribute__((vector_size(kLanes * sizeof(std::uint16_t))));
+  Narrow narrow;
+  std::memcpy(&narrow, p, sizeof narrow);
+#ifdef REVIVA_HAVE_SHUFFLEVECTOR
+  if constexpr (Isa::word_permute) {
+    // (GCC 12 widens with convertvector in two halves and a merge, three shuffles, not one)
+    typedef std::uint16_t Words __attribute__((vector_size(2 * kLanes * sizeof(std::uint16_t))));
+    const Narrow zero = {};
+    const Words words =
+        __builtin_shufflevector(zero, narrow, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                                23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    std::memcpy(&out, &words, sizeof out);
+    return;
+  }
+#endif
+  typedef std::uint32_t Wide __attribute__((vector_size(kLanes * sizeof(std::uint32_t))));
+  const Wide wide = __builtin_convertvector(narrow, Wide) << 16;
+  std::memcpy(&out, &wide, sizeof out);
+}
+[[gnu::always_inline]] inline void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof v); }
+
+// The lanes' sum, halves first (a fixed order: the same result on every ISA).
+[[gnu::always_inline]] inline float sum_lanes(const Vec& v) {
+  typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+  typedef float Quarter __attribute__((vector_size(kLanes / 4 * sizeof(float))));
+  Half lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const Half h = lo + hi;
+  Quarter a, b;
+  std::memcpy(&a, &h, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof a, sizeof b);
+  const Quarter q = a + b;
+  return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 // e^x for x <= 0 (a score less the running maximum), to ~2e-7 relative: 2^n e^r with
@@ -73,71 +160,233 @@ template <>
   return p * scale;
 }
 
-// q.k in kLanes independent sums (a float sum in one order cannot be vectorized without
-// -ffast-math; kLanes partial sums can, and are as accurate).
-constexpr std::size_t kLanes = 16;
+// One thread's share: keys [t0, t1) for every sequence and head; m, l, acc per (b, h), and the
+// scores (then weights) of a block for kHeads heads. Sized by the caller, before the threads
+// start: the threads allocate nothing.
+struct Partial {
+  std::vector<float> m, l, acc, scores;
+};
 
-[[gnu::always_inline]] inline float dot(const float* __restrict a, const float* __restrict b,
-                                        std::size_t n) {
-  float part[kLanes] = {};
-  std::size_t d = 0;
-  for (; d + kLanes <= n; d += kLanes)
-    for (std::size_t l = 0; l < kLanes; ++l) part[l] += a[d + l] * b[d + l];
-  float sum = 0.0f;
-  for (; d < n; ++d) sum += a[d] * b[d];
-  for (std::size_t l = 0; l < kLanes; ++l) sum += part[l];
-  return sum;
+// Where the tiles read: the rows' geometry, and the next block's rows, which are prefetched a
+// little per key scored.
+struct Tile {
+  std::size_t row;        // elements per token
+  std::size_t D;          // head_dim
+  const char* ahead;      // the next block's rows not yet prefetched
+  const char* ahead_end;  // their end
+  std::size_t lines;      // cache lines to prefetch per key scored
+};
+
+// Prefetches the next `keys` keys' share of the next block, into L2 (L1 holds 32-48 KiB, less
+// than a block).
+[[gnu::always_inline]] inline void prefetch_ahead(Tile& tile, std::size_t keys) {
+  if (tile.ahead >= tile.ahead_end) return;
+  const std::size_t lines = tile.lines * keys;
+#pragma GCC unroll 8
+  for (std::size_t i = 0; i < lines; ++i) __builtin_prefetch(tile.ahead + 64 * i, 0, 1);
+  tile.ahead += 64 * lines;
 }
 
-template <typename T>
+#ifdef REVIVA_HAVE_SHUFFLEVECTOR
+// The lane sums of 16 vectors v[j][h] in one vector, its lane 4h + j the sum of v[j][h], in
+// 45 operations instead of 16 sum_lanes' ~200, and in sum_lanes' order (halves, quarters, then
+// (0 + 2) + (1 + 3)): the same results. Each step adds pairs of lanes of two vectors at once.
+// (Below, v[i] is v flattened: v[j][h] is v[4j + h].)
+[[gnu::always_inline]] inline void sum_lanes_16(const Vec (&v)[4][4], Vec& out) {
+  Vec x[8], z[4], u[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // halves: x[i] = v[2i]'s 8 in lanes 0-7, v[2i+1]'s in 8-15
+    x[i] = __builtin_shufflevector(v[i / 2][i % 2 * 2], v[i / 2][i % 2 * 2 + 1], 0, 1, 2, 3, 4, 5,
+                                   6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[i / 2][i % 2 * 2], v[i / 2][i % 2 * 2 + 1], 8, 9, 10, 11, 12,
+                                   13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // quarters: z[i] has v[4i..4i+3]'s 4 in its four 128-bit lanes
+    z[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                                   24, 25, 26, 27) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // (0 + 2), (1 + 3): u[i]'s 128-bit lane k has v[8i+k]'s two
+    u[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25,
+                                   12, 13, 28, 29) +  // and v[8i+4+k]'s two
+           __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
+                                   27, 14, 15, 30, 31);
+  out = __builtin_shufflevector(u[0], u[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28,
+                                30) +
+        __builtin_shufflevector(u[0], u[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29,
+                                31);
+}
+#endif
+
+// scores[h][j] = q_h . k_j * scale for HT heads (q: HT rows of D) and JT keys from k (a row
+// apart), into s[h * kBlock + j].
+template <typename Isa, std::size_t HT, std::size_t JT, typename T>
+[[gnu::always_inline]] inline void score_tile(const T* k, const float* q, float scale,
+                                              const Tile& tile, float* s) {
+  const std::size_t D = tile.D;
+  Vec acc[JT][HT] = {};
+  std::size_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    Vec key[JT];
+#pragma GCC unroll 16
+    for (std::size_t j = 0; j < JT; ++j) load<Isa>(key[j], k + j * tile.row + d);
+#pragma GCC unroll 16
+    for (std::size_t h = 0; h < HT; ++h) {
+      Vec query;
+      load<Isa>(query, q + h * D + d);
+#pragma GCC unroll 16
+      for (std::size_t j = 0; j < JT; ++j) acc[j][h] += query * key[j];
+    }
+  }
+#ifdef REVIVA_HAVE_SHUFFLEVECTOR
+  if constexpr (HT == 4 && JT == 4) {
+    if (d == D) {
+      Vec sums;
+      sum_lanes_16(acc, sums);
+      sums *= scale;
+#pragma GCC unroll 4
+      for (std::size_t h = 0; h < 4; ++h)
+        std::memcpy(s + h * kBlock, reinterpret_cast<const char*>(&sums) + h * 4 * sizeof(float),
+                    4 * sizeof(float));
+      return;
+    }
+  }
+#endif
+#pragma GCC unroll 16
+  for (std::size_t h = 0; h < HT; ++h) {
+#pragma GCC unroll 16
+    for (std::size_t j = 0; j < JT; ++j) {
+      float sum = sum_lanes(acc[j][h]);
+      for (std::size_t e = d; e < D; ++e) sum += q[h * D + e] * to_float(k[j * tile.row + e]);
+      s[h * kBlock + j] = sum * scale;
+    }
+  }
+}
+
+// acc[h][d0 + d] += sum_j w[h][j] v_j[d0 + d] for HT heads (acc: HT rows of D), n values from v
+// (a row apart, at d0) and d < DT * kLanes.
+template <typename Isa, std::size_t HT, std::size_t DT, typename T>
+[[gnu::always_inline]] inline void value_tile(const T* v, std::size_t n, const float* w,
+                                              const Tile& tile, float* acc) {
+  Vec sum[HT][DT];
+#pragma GCC unroll 16
+  for (std::size_t h = 0; h < HT; ++h)
+#pragma GCC unroll 16
+    for (std::size_t c = 0; c < DT; ++c) load<Isa>(sum[h][c], acc + h * tile.D + c * kLanes);
+  for (std::size_t j = 0; j < n; ++j) {
+    Vec value[DT];
+#pragma GCC unroll 16
+    for (std::size_t c = 0; c < DT; ++c) load<Isa>(value[c], v + j * tile.row + c * kLanes);
+#pragma GCC unroll 16
+    for (std::size_t h = 0; h < HT; ++h) {
+      const float weight = w[h * kBlock + j];
+#pragma GCC unroll 16
+      for (std::size_t c = 0; c < DT; ++c) sum[h][c] += weight * value[c];
+    }
+  }
+#pragma GCC unroll 16
+  for (std::size_t h = 0; h < HT; ++h)
+#pragma GCC unroll 16
+    for (std::size_t c = 0; c < DT; ++c) store(acc + h * tile.D + c * kLanes, sum[h][c]);
+}
+
+// One block of n tokens for HT query heads sharing a K/V head: k and v are the first token's key
+// and value, q the heads' queries, m/l/acc their running maximum, sum and accumulator, s the
+// block's scores.
+template <typename Isa, std::size_t HT, typename T>
+[[gnu::always_inline]] inline void attend_heads(const T* k, const T* v, std::size_t n,
+                                                const float* q, float scale, Tile& tile, float* m,
+                                                float* l, float* acc, float* s) {
+  constexpr std::size_t JT = Isa::JT, DT = Isa::DT;
+  const std::size_t D = tile.D, row = tile.row;
+  std::size_t j = 0;
+  for (; j + JT <= n; j += JT) {
+    score_tile<Isa, HT, JT>(k + j * row, q, scale, tile, s + j);
+    prefetch_ahead(tile, JT);
+  }
+  for (; j < n; ++j) {
+    score_tile<Isa, HT, 1>(k + j * row, q, scale, tile, s + j);
+    prefetch_ahead(tile, 1);
+  }
+  // (maximum, exp and sum in kLanes lanes, which the compiler vectorizes; the padding to a
+  // multiple of kLanes is -inf for the maximum and 0 after the exp)
+  const std::size_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (std::size_t h = 0; h < HT; ++h) {
+    float* __restrict w = s + h * kBlock;
+    std::fill(w + n, w + padded, -std::numeric_limits<float>::infinity());
+    float lane[kLanes];
+    std::fill(lane, lane + kLanes, m[h]);
+    for (std::size_t i = 0; i < padded; i += kLanes)
+      for (std::size_t e = 0; e < kLanes; ++e) lane[e] = std::max(lane[e], w[i + e]);
+    float top = m[h];
+    for (std::size_t e = 0; e < kLanes; ++e) top = std::max(top, lane[e]);
+    if (top > m[h]) {
+      // (0 from -inf: nothing yet)
+      const float f = std::isinf(m[h]) ? 0.0f : exp_nonpositive(m[h] - top);
+      float* __restrict a = acc + h * D;
+      for (std::size_t d = 0; d < D; ++d) a[d] *= f;
+      l[h] *= f;
+      m[h] = top;
+    }
+    for (std::size_t i = 0; i < padded; ++i) w[i] = exp_nonpositive(w[i] - top);
+    std::fill(w + n, w + padded, 0.0f);
+    std::fill(lane, lane + kLanes, 0.0f);
+    for (std::size_t i = 0; i < padded; i += kLanes)
+      for (std::size_t e = 0; e < kLanes; ++e) lane[e] += w[i + e];
+    float sum = 0.0f;
+    for (std::size_t e = 0; e < kLanes; ++e) sum += lane[e];
+    l[h] += sum;
+  }
+  std::size_t d = 0;
+  for (; d + DT * kLanes <= D; d += DT * kLanes)
+    value_tile<Isa, HT, DT>(v + d, n, s, tile, acc + d);
+  for (; d + kLanes <= D; d += kLanes) value_tile<Isa, HT, 1>(v + d, n, s, tile, acc + d);
+  for (; d < D; ++d) {  // (head_dim not a multiple of kLanes)
+    for (std::size_t h = 0; h < HT; ++h) {
+      float a = acc[h * D + d];
+      for (std::size_t i = 0; i < n; ++i) a += s[h * kBlock + i] * to_float(v[i * row + d]);
+      acc[h * D + d] = a;
+    }
+  }
+}
+
+template <typename Isa, typename T>
 [[gnu::always_inline]] inline void attend_range_body(const T* rows, const HostAttentionShape& s,
                                                      std::size_t t0, std::size_t t1, const float* q,
                                                      float scale, Partial& part) {
   const std::size_t B = s.batch, G = s.kv_heads, H = s.heads, D = s.head_dim;
-  const std::size_t per_group = H / G;
-  const std::size_t row = 2 * B * G * D;  // elements per token
-  part.m.assign(B * H, -std::numeric_limits<float>::infinity());
-  part.l.assign(B * H, 0.0f);
-  part.acc.assign(B * H * D, 0.0f);
-  float scores[kBlock];
-  std::vector<float> kv(2 * kBlock * D);  // one (b, g)'s keys then values of a block, in fp32
-  for (std::size_t t = t0; t < t1; t += kBlock) {
-    const std::size_t n = std::min(kBlock, t1 - t);
+  const std::size_t per_group = H / G, head_groups = (per_group + kHeads - 1) / kHeads;
+  Tile tile{2 * B * G * D, D, nullptr, nullptr, 0};
+  // Tokens per block: kBlock, or fewer where rows are long (a batch), so that a block and the
+  // next one, prefetched, stay within L2.
+  const std::size_t row_bytes = tile.row * sizeof(T);
+  const std::size_t block =
+      std::clamp<std::size_t>(kBlockBytes / row_bytes / Isa::JT * Isa::JT, Isa::JT, kBlock);
+  std::fill(part.m.begin(), part.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(part.l.begin(), part.l.end(), 0.0f);
+  std::fill(part.acc.begin(), part.acc.end(), 0.0f);
+  float* const scores = part.scores.data();
+  for (std::size_t t = t0; t < t1; t += block) {
+    const std::size_t n = std::min(block, t1 - t);
+    const std::size_t t_next = std::min(t1, t + block), n_next = std::min(block, t1 - t_next);
+    tile.ahead = reinterpret_cast<const char*>(rows + t_next * tile.row);
+    tile.ahead_end = tile.ahead + n_next * row_bytes;
+    tile.lines =
+        (n_next * row_bytes / 64 + B * G * head_groups * n - 1) / (B * G * head_groups * n);
     for (std::size_t b = 0; b < B; ++b) {
       for (std::size_t g = 0; g < G; ++g) {
-        float* __restrict keys = kv.data();
-        float* __restrict values = kv.data() + kBlock * D;
-        for (std::size_t j = 0; j < n; ++j) {
-          const T* k = rows + (t + j) * row + (b * G + g) * D;
-          const T* v = k + B * G * D;
-          for (std::size_t d = 0; d < D; ++d) {
-            keys[j * D + d] = load(k, d);
-            values[j * D + d] = load(v, d);
-          }
-        }
-        for (std::size_t hh = 0; hh < per_group; ++hh) {
-          const std::size_t h = g * per_group + hh;
-          const float* qv = q + (b * H + h) * D;
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (std::size_t j = 0; j < n; ++j) {
-            scores[j] = dot(qv, keys + j * D, D) * scale;
-            block_max = std::max(block_max, scores[j]);
-          }
-          const std::size_t i = b * H + h;
-          float* __restrict acc = part.acc.data() + i * D;
-          if (block_max > part.m[i]) {
-            // (0 from -inf: nothing yet)
-            const float f = std::isinf(part.m[i]) ? 0.0f : exp_nonpositive(part.m[i] - block_max);
-            for (std::size_t d = 0; d < D; ++d) acc[d] *= f;
-            part.l[i] *= f;
-            part.m[i] = block_max;
-          }
-          float weights[kBlock];
-          const float top = part.m[i];
-          for (std::size_t j = 0; j < n; ++j) weights[j] = exp_nonpositive(scores[j] - top);
-          for (std::size_t j = 0; j < n; ++j) {
-            part.l[i] += weights[j];
-            for (std::size_t d = 0; d < D; ++d) acc[d] += weights[j] * values[j * D + d];
+        const T* k = rows + t * tile.row + (b * G + g) * D;
+        const T* v = k + B * G * D;
+        for (std::size_t h0 = 0; h0 < per_group; h0 += kHeads) {
+          const std::size_t i = b * H + g * per_group + h0;
+          float *m = part.m.data() + i, *l = part.l.data() + i, *acc = part.acc.data() + i * D;
+          const float* qh = q + i * D;
+          switch (std::min(kHeads, per_group - h0)) {
+            case 4: attend_heads<Isa, 4>(k, v, n, qh, scale, tile, m, l, acc, scores); break;
+            case 3: attend_heads<Isa, 3>(k, v, n, qh, scale, tile, m, l, acc, scores); break;
+            case 2: attend_heads<Isa, 2>(k, v, n, qh, scale, tile, m, l, acc, scores); break;
+            default: attend_heads<Isa, 1>(k, v, n, qh, scale, tile, m, l, acc, scores); break;
           }
         }
       }
@@ -145,31 +394,34 @@ template <typename T>
   }
 }
 
-// The body compiled three times, for AVX-512, AVX2 with FMA and the baseline, chosen once by the
-// CPU's features (not by target_clones: its load-time resolver crashed the ThreadSanitizer
-// build before main).
+// The body compiled three times, for AVX-512 (with BW, for vpermw), AVX2 with FMA and the
+// baseline, chosen once by the CPU's features (not by target_clones: its load-time resolver
+// crashed the ThreadSanitizer build before main).
 template <typename T>
-[[gnu::target("avx512f")]] void attend_range_avx512(const T* rows, const HostAttentionShape& s,
-                                                    std::size_t t0, std::size_t t1, const float* q,
-                                                    float scale, Partial& part) {
-  attend_range_body(rows, s, t0, t1, q, scale, part);
+[[gnu::target("avx512f,avx512bw")]] void attend_range_avx512(const T* rows,
+                                                             const HostAttentionShape& s,
+                                                             std::size_t t0, std::size_t t1,
+                                                             const float* q, float scale,
+                                                             Partial& part) {
+  attend_range_body<Avx512>(rows, s, t0, t1, q, scale, part);
 }
 template <typename T>
 [[gnu::target("avx2,fma")]] void attend_range_avx2(const T* rows, const HostAttentionShape& s,
                                                    std::size_t t0, std::size_t t1, const float* q,
                                                    float scale, Partial& part) {
-  attend_range_body(rows, s, t0, t1, q, scale, part);
+  attend_range_body<Avx2>(rows, s, t0, t1, q, scale, part);
 }
 template <typename T>
 void attend_range_baseline(const T* rows, const HostAttentionShape& s, std::size_t t0,
                            std::size_t t1, const float* q, float scale, Partial& part) {
-  attend_range_body(rows, s, t0, t1, q, scale, part);
+  attend_range_body<Baseline>(rows, s, t0, t1, q, scale, part);
 }
 
 template <typename T>
 void attend_range(const T* rows, const HostAttentionShape& s, std::size_t t0, std::size_t t1,
                   const float* q, float scale, Partial& part) {
-  static const int level = __builtin_cpu_supports("avx512f")                                 ? 2
+  static const int level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                               ? 2
                            : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
                                                                                              : 0;
   if (level == 2)
@@ -178,6 +430,118 @@ void attend_range(const T* rows, const HostAttentionShape& s, std::size_t t0, st
     attend_range_avx2(rows, s, t0, t1, q, scale, part);
   else
     attend_range_baseline(rows, s, t0, t1, q, scale, part);
+}
+
+// Note [Attention's thread pool]
+// Workers made at the first call that wants them and kept, grown to the most threads asked for;
+// a call runs part 0 on the calling thread and parts 1..n-1 on workers 1..n-1, which wait on a
+// condition variable for the next generation of work. Whole calls are serialized (a mutex):
+// callers on several threads are safe, and one call at a time is what a decode step makes.
+// At exit a static destructor stops and joins the workers; idle, they wait on the condition
+// variable only, so nothing is held that the exit could deadlock on. In a child process after
+// fork() the workers do not exist (only the forking thread is copied) while the pool's state
+// says they do: there the pool is not used (parts run one after another on the caller), nor
+// destroyed at exit (joining the workers, or destroying a condition variable they wait on,
+// would wait forever), just left.
+class Pool {
+ public:
+  Pool() : pid_(getpid()) {}
+
+  // (only in the process that made the pool: see forked())
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_cv_.notify_all();
+    for (std::thread& t : workers_) t.join();
+  }
+
+  // Whether this is a child process forked since the pool was made.
+  bool forked() const { return getpid() != pid_; }
+
+  // work(w) for w in [0, n), on up to n threads. work must not throw.
+  template <typename F>
+  void run(std::size_t n, F& work) {
+    if (n <= 1 || forked()) {
+      for (std::size_t w = 0; w < n; ++w) work(w);
+      return;
+    }
+    std::lock_guard<std::mutex> call(call_mutex_);
+    grow(n - 1);
+    const std::size_t workers = std::min(n - 1, workers_.size());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = [](void* f, std::size_t w) { (*static_cast<F*>(f))(w); };
+      job_arg_ = &work;
+      parts_ = workers + 1;
+      pending_ = workers;
+      ++generation_;
+    }
+    work_cv_.notify_all();
+    work(0);
+    // (a part no worker could be made for, if any: on this thread)
+    for (std::size_t w = workers + 1; w < n; ++w) work(w);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_cv_.wait(lock, [&] { return pending_ == 0; });
+  }
+
+ private:
+  // At least `count` workers, or as many as the system lets us make.
+  void grow(std::size_t count) {
+    while (workers_.size() < count) {
+      const std::size_t index = workers_.size() + 1;
+      std::uint64_t seen;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        seen = generation_;  // (a new worker waits for the next call, not the last one)
+      }
+      try {
+        workers_.emplace_back([this, index, seen] { serve(index, seen); });
+      } catch (const std::system_error&) {
+        return;  // (the caller runs the parts left over)
+      }
+    }
+  }
+
+  void serve(std::size_t index, std::uint64_t seen) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      work_cv_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+      if (stopping_) return;
+      seen = generation_;
+      if (index >= parts_) continue;
+      void (*job)(void*, std::size_t) = job_;
+      void* arg = job_arg_;
+      lock.unlock();
+      job(arg, index);
+      lock.lock();
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  const pid_t pid_;
+  std::mutex call_mutex_;  // held through a call
+  std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  void (*job_)(void*, std::size_t) = nullptr;  // guarded by mutex_
+  void* job_arg_ = nullptr;                    // guarded by mutex_
+  std::size_t parts_ = 0;                      // guarded by mutex_
+  std::size_t pending_ = 0;                    // guarded by mutex_: workers not done
+  std::uint64_t generation_ = 0;               // guarded by mutex_
+  bool stopping_ = false;                      // guarded by mutex_
+  std::vector<std::thread> workers_;           // guarded by call_mutex_
+};
+
+Pool& pool() {
+  static struct Holder {
+    Pool* pool = new Pool;
+    ~Holder() {
+      if (!pool->forked()) delete pool;
+    }
+  } holder;
+  return *holder.pool;
 }
 
 }  // namespace
@@ -196,10 +560,17 @@ void host_decode_attention(const void* rows, RowType type, const HostAttentionSh
                    " must be a positive multiple of kv_heads ", shape.kv_heads);
   REVIVA_CHECK_ARG(threads >= 1, "host_decode_attention: threads must be >= 1, got ", threads);
   const std::size_t keys = last - first;
+  const std::size_t BH = shape.batch * shape.heads, D = shape.head_dim;
   // (at least a block per thread: fewer threads for short ranges)
   const std::size_t n =
       std::min<std::size_t>(static_cast<std::size_t>(threads), (keys + kBlock - 1) / kBlock);
   std::vector<Partial> parts(n);
+  for (Partial& p : parts) {
+    p.m.resize(BH);
+    p.l.resize(BH);
+    p.acc.resize(BH * D);
+    p.scores.resize(kHeads * kBlock);
+  }
   auto work = [&](std::size_t w) {
     const std::size_t t0 = first + keys * w / n, t1 = first + keys * (w + 1) / n;
     if (type == RowType::BFloat16)
@@ -207,13 +578,8 @@ void host_decode_attention(const void* rows, RowType type, const HostAttentionSh
     else
       attend_range(static_cast<const float*>(rows), shape, t0, t1, q, scale, parts[w]);
   };
-  std::vector<std::thread> pool;
-  pool.reserve(n - 1);
-  for (std::size_t w = 1; w < n; ++w) pool.emplace_back(work, w);
-  work(0);
-  for (std::thread& t : pool) t.join();
+  pool().run(n, work);
   // Merge by log-sum-exp: out = sum_w acc_w e^(m_w - M) / sum_w l_w e^(m_w - M).
-  const std::size_t BH = shape.batch * shape.heads, D = shape.head_dim;
   for (std::size_t i = 0; i < BH; ++i) {
     float M = -std::numeric_limits<float>::infinity();
     for (const Partial& p : parts) M = std::max(M, p.m[i]);

@@ -1,7 +1,8 @@
 // Attention of decode queries over K/V rows in host memory, on the host's cores: the building
 // block of attention on the host (issue 14's lever for an 8B model on an 8 GB card: a streamed
-// layer's K/V would stay on the host and only a query and its output cross PCIe; Note [Attention
-// on the host] in host_attention.cpp). Not yet used by the Python package.
+// layer's K/V stays on the host and only a query and its output cross PCIe; Note [Attention on
+// the host] in host_attention.cpp). Used by the binding's KVStore.host_attend (decode with
+// RevivaConfig(decode_attention="host"), Note [Host-side appends] in offload_manager.cpp).
 #pragma once
 
 #include <reviva/export.h>
@@ -23,7 +24,9 @@ struct HostAttentionShape {
 // One query per sequence and head attends to keys [first, last) of token-major rows: row t is
 // [2][batch][kv_heads][head_dim] (its keys, then its values) of `type`, rows back to back from
 // `rows`. q: [batch][heads][head_dim] fp32 (scores are q.k * scale); out: the same shape, fp32.
-// `threads` >= 1 split the keys (their partial results merged by log-sum-exp). Throws
+// `threads` >= 1 split the keys (their partial results merged by log-sum-exp): the calling thread
+// and threads - 1 workers of a pool kept between calls; calls from several threads at once are
+// safe, their parallel parts taking turns. Throws
 // InvalidArgument naming a bad value (an empty range, heads not a multiple of kv_heads, null
 // pointers, threads < 1).
 REVIVA_API void host_decode_attention(const void* rows, RowType type,

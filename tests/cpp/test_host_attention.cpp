@@ -1,7 +1,9 @@
 // host_decode_attention (Note [Attention on the host]): one query per sequence and head over
 // token-major K/V rows, against a double-precision softmax, for fp32 and bf16 rows, grouped
-// heads, a batch, a key range starting past 0 (a window), ranges shorter than a block and one
-// thread per key, any number of threads; misuse is refused naming the values.
+// heads (groups of 4, fewer, more), a batch, a key range starting past 0 (a window), ranges
+// shorter than a block and one thread per key, any number of threads, a head_dim not a multiple
+// of the vector width, rows long enough to shorten the blocks; calls from several threads at
+// once (Note [Attention's thread pool]); misuse is refused naming the values.
 #include "test_util.h"
 
 #include <reviva/host_attention.h>
@@ -10,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 namespace reviva::test {
@@ -111,6 +114,53 @@ TEST(HostAttention, MatchesTheSoftmaxInDoubleForEveryLayoutAndThreadCount) {
     }
     check({gqa, 40, 0, 40, 64, bf16});  // more threads than blocks
   }
+}
+
+TEST(HostAttention, MatchesTheSoftmaxInDoubleForOtherShapes) {
+  const HostAttentionShape eight{1, 1, 8, 40};    // two groups of 4 queries; 40 = 2 x 16 + 8
+  const HostAttentionShape mha{2, 3, 3, 48};      // one query per K/V head
+  const HostAttentionShape batch{8, 8, 32, 128};  // 8 sequences: rows of 32-64 KiB
+  const HostAttentionShape five{1, 2, 10, 17};    // a group of 4 and 1; 17 = 16 + 1
+  for (bool bf16 : {false, true}) {
+    for (int threads : {1, 2}) {
+      check({eight, 300, 0, 300, threads, bf16});
+      check({mha, 300, 7, 300, threads, bf16});
+      check({batch, 100, 0, 100, threads, bf16});
+      check({five, 130, 1, 130, threads, bf16});
+    }
+  }
+}
+
+// Calls from several threads at once, with different thread counts (the pool grows while other
+// calls wait), give what the same call gives alone: the same split, the same sums.
+TEST(HostAttention, CallsFromSeveralThreadsAtOnce) {
+  const HostAttentionShape s{1, 8, 32, 128};
+  const std::size_t tokens = 600;
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> rows(tokens * 2 * s.batch * s.kv_heads * s.head_dim);
+  for (float& x : rows) x = normal(gen);
+  std::vector<float> q(s.batch * s.heads * s.head_dim);
+  for (float& x : q) x = normal(gen);
+  const int counts[] = {1, 2, 3, 5};
+  std::vector<std::vector<float>> alone(4, std::vector<float>(q.size()));
+  for (int c = 0; c < 4; ++c)
+    host_decode_attention(rows.data(), RowType::Float32, s, 0, tokens, q.data(), 0.1f,
+                          alone[c].data(), counts[c]);
+  std::vector<int> mismatches(4, 0);
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 4; ++c) {
+    callers.emplace_back([&, c] {
+      std::vector<float> out(q.size());
+      for (int r = 0; r < 20; ++r) {
+        host_decode_attention(rows.data(), RowType::Float32, s, 0, tokens, q.data(), 0.1f,
+                              out.data(), counts[c]);
+        if (out != alone[c]) ++mismatches[c];
+      }
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  for (int c = 0; c < 4; ++c) EXPECT_EQ(mismatches[c], 0) << counts[c] << " threads";
 }
 
 TEST(HostAttention, MisuseIsRefusedNamingTheValues) {
