@@ -342,7 +342,7 @@ def _plan(args: argparse.Namespace) -> int:
     promoted = min(plan.promotable_layers(), plan.streamed_layers)
     decode_slots = plan.decode_slots if plan.streamed_layers > promoted else 0
     if host:  # (Note [Weights first when the host attends])
-        _, promoted = host_decode_mix(plan)
+        promoted = host_decode_mix(plan).kv_promoted
         decode_slots = 0
     print(f"reviva plan: {shape}")
     print(f"  {call} on a {args.card} card (CUDA context {CUDA_CONTEXT_BYTES / gb:.2f} GB)")

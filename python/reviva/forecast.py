@@ -172,8 +172,9 @@ def forecast(
     streamed_ids = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
     promote = min(max(int(plan.promotable_layers()), 0), len(streamed_ids))
     weights_promoted = 0
-    if host_attention:
-        weights_promoted, promote = host_decode_mix(plan, MODEL)
+    mix = host_decode_mix(plan, MODEL) if host_attention else None
+    if mix is not None:
+        weights_promoted, promote = mix.weights_promoted, mix.kv_promoted
     full = [i for i in streamed_ids if windows[i] is None]
     windowed = [i for i in streamed_ids if windows[i] is not None]
     promoted_ids = set((full + windowed)[:promote])
@@ -181,13 +182,14 @@ def forecast(
     fetched = [read[i] if tails else mean_len for i in streamed_ids if i not in promoted_ids]
     weight_copies = plan.streamed_weight_layers * plan.weight_layer_bytes / pcie
     host = 0.0
-    if host_attention:  # nothing fetched; the host reads the rows where they are
-        host = sum(fetched) * plan.kv_token_bytes / MODEL.host_attention_bps
-        host += len(fetched) * MODEL.host_attention_layer_s
+    if mix is not None:  # nothing fetched; the host reads the rows where they are
+        host = mix.host_s
         transfer = weight_copies - weights_promoted * plan.weight_layer_bytes / pcie
+        # (the host's time in weight-resident layers, and beyond a streamed layer's copy, adds)
+        step = max(compute, transfer, mix.step_s)
     else:
         transfer = sum(fetched) * plan.kv_token_bytes / pcie + weight_copies
-    step = max(compute, transfer, host)
+        step = max(compute, transfer)
     first_extra = promote * held * plan.kv_token_bytes / pcie
     first_extra += weights_promoted * plan.weight_layer_bytes / pcie
     steps = plan.capacity - held - 1
@@ -212,9 +214,9 @@ def forecast(
         decode_compute_s=compute,
         decode_transfer_s=transfer,
         decode_tok_s=1 / step if step > 0 else float("inf"),
-        decode_bound=max(
-            (("transfer", transfer), ("compute", compute), ("host", host)), key=lambda b: b[1]
-        )[0],
+        decode_bound="compute"
+        if step == compute
+        else ("transfer" if mix is None or step <= transfer * 1.001 else "transfer+host"),
         first_step_extra_s=first_extra,
         decode_call_tok_s=steps / (steps * step + first_extra) if steps and step > 0 else 0.0,
         attention_kernel=attention_kernel,

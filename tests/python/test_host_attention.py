@@ -217,7 +217,7 @@ def test_gpu_bf16_host_attention_as_close_to_fp32_as_the_devices() -> None:
     gpu_model = gpu_llama(8, 8192, torch.bfloat16)
     with torch.no_grad():
         gpu_model.lm_head.weight.mul_(8.0)
-    prompt, new = 4096, 8
+    prompt, new = 16384, 8  # (long enough that K/V still streams after decode's promotions)
     ids = torch.randint(1, 32000, (1, prompt), device="cuda")
     kwargs = dict(
         max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True
@@ -231,7 +231,7 @@ def test_gpu_bf16_host_attention_as_close_to_fp32_as_the_devices() -> None:
         manager = RevivaManager(
             copy.deepcopy(cpu_model), RevivaConfig(decode_attention=choice, **fixed)
         )
-        budget_where(manager, prompt, new, lambda p: len(p.weight_resident_layers) >= 3)
+        budget_where(manager, prompt, new, lambda p: True)  # (the least: most streams)
         out = manager.generate(ids, **kwargs)
         st = manager.get_memory_stats()
         assert st.weights_streamed and st.streamed_layers >= 2, st.summary()
