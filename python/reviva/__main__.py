@@ -301,20 +301,13 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"reviva plan: {shape}\n  {call} on a {args.card} card: does not fit\n  {e}")
         return 1
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
-    # RevivaConfig(decode_attention): "auto" attends streamed K/V on the host where weights
-    # stream (RevivaManager._decode_attention_on_host; bf16/fp32 K/V, not paged)
-    host_ok = (
-        not plan.kv_fp8
-        and not plan.page_tokens
-        and layout.dtype
-        in (
-            torch.bfloat16,
-            torch.float32,
-        )
+    # RevivaConfig(decode_attention): "auto" keeps decode's attention on the device for now
+    # (RevivaManager._decode_attention_on_host); "host" needs bf16/fp32 K/V, not paged
+    host_ok = not plan.kv_fp8 and not plan.page_tokens and layout.dtype in (
+        torch.bfloat16,
+        torch.float32,
     )
-    host = args.decode_attention == "host" or (
-        args.decode_attention == "auto" and host_ok and plan.streamed_weight_layers > 0
-    )
+    host = args.decode_attention == "host"
     if host and not host_ok:
         print(
             "reviva plan: --decode-attention host needs bf16/fp32 K/V without pages",

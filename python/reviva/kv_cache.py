@@ -227,7 +227,13 @@ class RevivaCache(Cache):
         # Note [Attention on the host] (src/host_attention.cpp): layers whose decode reads their
         # K/V on the host, the host threads that do it, and what it took (seconds)
         self._host_layers: set[int] = set()
-        self.host_threads = max(1, len(os.sched_getaffinity(0)))
+        self.host_threads = int(
+            os.environ.get("REVIVA_HOST_ATTENTION_THREADS") or len(os.sched_getaffinity(0))
+        )
+        if self.host_threads < 1:
+            raise ValueError(
+                f"REVIVA_HOST_ATTENTION_THREADS={self.host_threads} must be >= 1 (host threads)"
+            )
         self.host_wait_s = 0.0  # waiting for compute before the queries could cross
         self.host_attention_s = 0.0  # the host's attention calls (writes of the new rows in)
         self.host_attention_calls = 0
