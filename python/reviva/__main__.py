@@ -303,9 +303,14 @@ def _plan(args: argparse.Namespace) -> int:
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
     # RevivaConfig(decode_attention): "auto" keeps decode's attention on the device for now
     # (RevivaManager._decode_attention_on_host); "host" needs bf16/fp32 K/V, not paged
-    host_ok = not plan.kv_fp8 and not plan.page_tokens and layout.dtype in (
-        torch.bfloat16,
-        torch.float32,
+    host_ok = (
+        not plan.kv_fp8
+        and not plan.page_tokens
+        and layout.dtype
+        in (
+            torch.bfloat16,
+            torch.float32,
+        )
     )
     host = args.decode_attention == "host"
     if host and not host_ok:
