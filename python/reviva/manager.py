@@ -706,8 +706,6 @@ class RevivaManager:
         # its tokens: full layers are promoted first
         full = [i for i in streamed if i not in cache.fetch_windows]
         windowed = [i for i in streamed if i in cache.fetch_windows]
-        picks = [full[k] for k in spread(min(int(count), len(full)), len(full))]
-        picks += [windowed[k] for k in spread(int(count) - len(picks), len(windowed))]
         if host and self.weights is not None:
             # Note [Weights first when the host attends]: a layer whose weights stay has no copy
             # to hide its host attention under: its K/V comes first
@@ -716,6 +714,9 @@ class RevivaManager:
             picks = stay[: int(count)]
             more = int(count) - len(picks)
             picks += [rest[k] for k in spread(min(more, len(rest)), len(rest))]
+        else:
+            picks = [full[k] for k in spread(min(int(count), len(full)), len(full))]
+            picks += [windowed[k] for k in spread(int(count) - len(picks), len(windowed))]
         promoted = refused = 0
         first_refusal: dict | None = None
         for layer in picks:
@@ -786,12 +787,11 @@ class RevivaManager:
                 cache.attend_on_host(i)
         while cache.drop_slot():
             pass
-        self._phase["host_attended_layers"] = len(cache._host_layers)
 
     def _decode_attention_on_host(self, plan: Plan, beams: int, padded: bool, share: int) -> bool:
         """Whether this call's decode attends its streamed K/V on the host (RevivaConfig.
-        decode_attention): "auto" when weights stream (the host's attention overlaps their
-        copies) and nothing below rules it out; "host" raises naming what rules it out."""
+        decode_attention): "host" unless something below rules it out, and then it raises
+        naming it; "auto" and "device" keep attention on the device (see the comment below)."""
         choice = self.config.decode_attention
         if choice == "device":
             return False
