@@ -13,7 +13,9 @@ ballast of device total - card, torch's default allocator settings):
   `dispatch_model`, max_memory card - 2 GiB), a short prompt: its decode rate (weight-bound: the
   prompt's length barely changes it).
 - `reviva_8b`, `accelerate_8b`: the Llama-3-8B shape on an 8 GB card, 32k prompt (check
-  `card8_8b`).
+  `card8_8b`, RevivaConfig's defaults); `reviva_8b_host` and `reviva_8b_device` the same with
+  decode_attention forced to "host" or "device" (checks `card8_8b_host_attention`,
+  `card8_8b_device_attention`).
 
 A process's first call pays its kernels' set-up, its host memory's pinning and the like, and
 varies from process to process more than later calls do: `--processes N` runs every scenario N
@@ -62,9 +64,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "reviva_32b_fp8": dict(shape="32b", card_gb=24, kind="reviva", kv_dtype="fp8", batch8=False),
     "reviva_8b": dict(shape="8b", card_gb=8, kind="reviva"),
     "reviva_8b_fp8": dict(shape="8b", card_gb=8, kind="reviva", kv_dtype="fp8"),
-    # decode's streamed K/V attended on the host (Note [Attention on the host]; "auto" keeps it
-    # on the device): the A/B of card8_8b in one run
+    # decode's streamed K/V attended on the host (Note [Attention on the host]) or fetched, each
+    # forced ("auto" takes the host where planner.host_attention_pays): the A/B of card8_8b
     "reviva_8b_host": dict(shape="8b", card_gb=8, kind="reviva", decode_attention="host"),
+    "reviva_8b_device": dict(shape="8b", card_gb=8, kind="reviva", decode_attention="device"),
     "accelerate_8b": dict(shape="8b", card_gb=8, kind="accelerate"),
 }
 
@@ -434,6 +437,7 @@ def analyse(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         ("card8_8b", "reviva_8b", 8, 5.0, None, acc8),
         ("card8_8b_fp8", "reviva_8b_fp8", 8, 5.0, None, acc8),
         ("card8_8b_host_attention", "reviva_8b_host", 8, 5.0, None, acc8),
+        ("card8_8b_device_attention", "reviva_8b_device", 8, 5.0, None, acc8),
     ):
         runs = calls_by_process(results, key, 1, args.prompt)
         if runs:

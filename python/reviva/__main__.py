@@ -200,7 +200,13 @@ def _plan(args: argparse.Namespace) -> int:
     import reviva
     from reviva.adapters import inspect_model
     from reviva.forecast import CUDA_CONTEXT_BYTES, forecast
-    from reviva.planner import DeviceState, HostState, host_decode_mix, make_plan
+    from reviva.planner import (
+        DeviceState,
+        HostState,
+        host_attention_pays,
+        host_decode_mix,
+        make_plan,
+    )
     from reviva.weights import decode_slot_bytes, layer_weight_bytes
 
     if args.model in PRESETS:
@@ -301,8 +307,8 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"reviva plan: {shape}\n  {call} on a {args.card} card: does not fit\n  {e}")
         return 1
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
-    # RevivaConfig(decode_attention): "auto" keeps decode's attention on the device for now
-    # (RevivaManager._decode_attention_on_host); "host" needs bf16/fp32 K/V, not paged
+    # RevivaConfig(decode_attention) as RevivaManager._decode_attention_on_host decides it:
+    # "host" needs bf16/fp32 K/V, not paged; "auto" takes it where it pays
     host_ok = (
         not plan.kv_fp8
         and not plan.page_tokens
@@ -312,7 +318,9 @@ def _plan(args: argparse.Namespace) -> int:
             torch.float32,
         )
     )
-    host = args.decode_attention == "host"
+    host = args.decode_attention == "host" or (
+        args.decode_attention == "auto" and host_ok and host_attention_pays(plan)
+    )
     if host and not host_ok:
         print(
             "reviva plan: --decode-attention host needs bf16/fp32 K/V without pages",
@@ -331,6 +339,7 @@ def _plan(args: argparse.Namespace) -> int:
             "promotable_layers": plan.promotable_layers(),
             "weights_streamed": stream,
             "embedding_on_host": host_embedding,
+            "decode_attention": "host" if host else "device",
             "forecast": f.to_dict(),
         }
         print(json.dumps(out, indent=1))

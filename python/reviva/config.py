@@ -76,12 +76,13 @@ class RevivaConfig:
                     (each such layer's K/V is copied to the device at every step), "host" (it
                     stays in pinned host memory and the host's cores attend it there: a query
                     and an output cross PCIe instead of the layer's K/V; Note [Attention on the
-                    host] in src/host_attention.cpp), or "auto" (the device for now: on an
-                    H200 the host's attention was faster in one call and slower in the next;
-                    README, issue 14). REVIVA_HOST_ATTENTION_THREADS sets the host's threads
-                    (default: every core the process may use).
-                    "host" needs bf16 or fp32 K/V without pages, beams, a shared prompt, a
-                    padding mask or sliding-window layers, and is refused otherwise.
+                    host] in src/host_attention.cpp), or "auto" (the host on a GPU where the
+                    weights stream too and the planner's step with the host attending is 10%
+                    shorter than with the K/V fetched, planner.host_attention_pays; else the
+                    device). REVIVA_HOST_ATTENTION_THREADS sets the host's threads (default:
+                    every core the process may use).
+                    "host" needs bf16 or fp32 K/V without pages, beams, a shared prompt or a
+                    padding mask, and is refused otherwise ("auto" then takes the device).
     progress:       a progress line on stderr through prefill (layer i of N, tokens a second):
                     "auto" (when stderr is a terminal and the prompt has 16k tokens or more,
                     unless REVIVA_PROGRESS=0), True or False.

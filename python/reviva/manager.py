@@ -44,6 +44,7 @@ from reviva.planner import (
     Plan,
     budget_for,
     device_state,
+    host_attention_pays,
     host_decode_mix,
     host_state,
     make_plan,
@@ -52,7 +53,7 @@ from reviva.planner import (
 from reviva.resources import device_resources
 from reviva.stats import GenerateStats, PhaseStats
 from reviva.trace import PrefillProgress, Ranges, chrome_trace, span, store_spans, write_trace
-from reviva.weights import HostEmbedding, StreamedWeights
+from reviva.weights import DECODE_ROOMS, HOST_DECODE_ROOMS, HostEmbedding, StreamedWeights
 
 log = logging.getLogger(__name__)
 
@@ -691,7 +692,7 @@ class RevivaManager:
         # (layers attended on the host need no slot: their room goes to promotions too, and
         # the last slot goes once they are on the host, _attend_on_host_after_prefill)
         host = self._phase.get("host_attention", False)
-        count = plan.promotable_layers(0 if host else None)
+        count = plan.promotable_layers(host)
         # (Note [Weights first when the host attends]: the weights promoted took room first)
         count -= -(-self._phase.get("weight_promoted_bytes", 0) // plan.layer_kv_bytes)
         if count <= 0:
@@ -791,7 +792,7 @@ class RevivaManager:
     def _decode_attention_on_host(self, plan: Plan, beams: int, padded: bool, share: int) -> bool:
         """Whether this call's decode attends its streamed K/V on the host (RevivaConfig.
         decode_attention): "host" unless something below rules it out, and then it raises
-        naming it; "auto" and "device" keep attention on the device (see the comment below)."""
+        naming it; "device" never; "auto" where nothing rules it out and it pays (below)."""
         choice = self.config.decode_attention
         if choice == "device":
             return False
@@ -816,11 +817,12 @@ class RevivaManager:
                     "or 'device'"
                 )
             return True
-        # "auto" keeps decode's attention on the device: on the H200 (8B shape, 8 GB card, 32k)
-        # the host's attention ran at 4.65 and 3.82 tok/s in two calls against 4.20 / 4.22 with
-        # the K/V fetched (4c9cf4f): faster or slower as the host's cores were free or not, so
-        # not a default (Note [Weights first when the host attends])
-        return False
+        # "auto": on a GPU, where the weights stream too and the model plans a shorter step
+        # with the host attending (planner.host_attention_pays; Note [Decode rooms when the host
+        # attends] in weights.py); never on the CPU, whose cores are the device's already
+        return (
+            why is None and self.layout.device.type == "cuda" and host_attention_pays(plan, MODEL)
+        )
 
     def _refusal_state(self, by: str, free: int | None, promoted: int) -> dict:
         """What the device and the arena held when a promotion was first refused (bytes)."""
@@ -873,7 +875,9 @@ class RevivaManager:
         if cache is not None and plan is not None and cache.fp8 and plan.kv_decode_block_tokens:
             cache.block_tokens = plan.kv_decode_block_tokens
         if self.weights is not None:
-            self._phase["weight_bytes_given_back"] = self.weights.enter_decode()
+            # (Note [Decode rooms when the host attends] in weights.py)
+            rooms = HOST_DECODE_ROOMS if self._phase.get("host_attention", False) else DECODE_ROOMS
+            self._phase["weight_bytes_given_back"] = self.weights.enter_decode(rooms)
             self._promote_weights_for_host_decode()
         self._promote_after_prefill()
         self._attend_on_host_after_prefill()

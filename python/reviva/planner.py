@@ -29,6 +29,7 @@ from reviva._C import RevivaOutOfMemoryError
 from reviva.adapters import DecoderLayout
 from reviva.config import RevivaConfig
 from reviva.sizes import format_bytes as _fmt
+from reviva.weights import DECODE_ROOMS, HOST_DECODE_ROOMS
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,10 @@ class MemoryModel:
     copy_bps: float = 55e9
     host_attention_bps: float = 34e9
     host_attention_layer_s: float = 3e-4
+    # RevivaConfig(decode_attention="auto") attends on the host where a step planned so is this
+    # much shorter than with the K/V fetched (host_attention_pays): the host's time varies with
+    # what else runs on its cores (2.5-4.8 ms a 32k layer between calls on the H200's host).
+    host_attention_margin: float = 0.9
 
 
 MODEL = MemoryModel()
@@ -232,6 +237,16 @@ class Plan:
         return len(self.weight_resident_layers) * self.weight_layer_bytes + room
 
     @property
+    def weight_decode_block_bytes(self) -> int:
+        """One block of decode's room for streamed weights (half of weight_decode_slot_bytes)
+        where layers are taken in blocks (Note [Layers in parts] in reviva/weights.py), else 0."""
+        if self.weight_decode_slot_bytes == 0 or self.weight_decode_slot_bytes >= (
+            self.weight_layer_bytes
+        ):
+            return 0
+        return self.weight_decode_slot_bytes // 2
+
+    @property
     def residual_host_bytes(self) -> int:
         """Pinned bytes of the prompt's hidden states when they live on the host (else 0)."""
         if not self.residual_on_host:
@@ -252,13 +267,16 @@ class Plan:
         """Pinned bytes of the streamed layers' host copies."""
         return self.streamed_layers * self.capacity * self.kv_token_bytes
 
-    def promotable_layers(self, decode_slots: int | None = None) -> int:
-        """Streamed layers that fit once prefill's working set is gone and the slots beyond
-        `decode_slots` (the plan's when None; 0 where decode attends streamed K/V on the host)
-        are given up, and streamed weights need only decode's room."""
-        slots = self.decode_slots if decode_slots is None else decode_slots
+    def promotable_layers(self, host_attention: bool = False) -> int:
+        """Streamed layers that fit once prefill's working set is gone and the slots beyond the
+        plan's decode_slots (all of them where decode attends streamed K/V on the host) are given
+        up, and streamed weights need only decode's room (with host_attention, a block more:
+        Note [Decode rooms when the host attends] in reviva/weights.py)."""
+        slots = 0 if host_attention else self.decode_slots
         held = (len(self.resident_layers) + slots) * self.layer_kv_bytes
         held += self.page_slots * self.page_bytes + self.weight_decode_device_bytes
+        if host_attention and self.streamed_weight_layers > 0:
+            held += (HOST_DECODE_ROOMS - DECODE_ROOMS) * self.weight_decode_block_bytes
         room = self.budget - self.baseline - self.decode_working_set - held
         return min(max(room, 0) // self.layer_kv_bytes, self.streamed_layers)
 
@@ -707,7 +725,8 @@ class HostDecodeMix:
 def host_decode_mix(plan: Plan, model: MemoryModel = MODEL) -> HostDecodeMix:
     """Note [Weights first when the host attends] (manager.py): how the room prefill leaves is
     shared in decode when the streamed K/V is attended on the host. A layer whose weights stream
-    takes max(its copy, its host attention) (the next blocks' copies run while the host works);
+    takes max(its copy, its host attention) (the next blocks' copies run while the host works,
+    in decode's room of HOST_DECODE_ROOMS blocks: Note [Decode rooms when the host attends]);
     a layer whose weights stay and whose K/V is on the host adds its host time in full. So the
     K/V kept goes to weight-resident layers first, and the weights promoted are the count that
     makes a step shortest (ties: fewer)."""
@@ -718,6 +737,8 @@ def host_decode_mix(plan: Plan, model: MemoryModel = MODEL) -> HostDecodeMix:
     wb = plan.weight_layer_bytes
     room = plan.budget - plan.baseline - plan.decode_working_set
     room -= len(plan.resident_layers) * kv_unit + plan.weight_decode_device_bytes
+    if streamed > 0:  # Note [Decode rooms when the host attends] (reviva/weights.py)
+        room -= (HOST_DECODE_ROOMS - DECODE_ROOMS) * plan.weight_decode_block_bytes
     room = max(room, 0)
     kv_bytes = plan.capacity * plan.kv_token_bytes  # (a layer's K/V at the call's end)
     per_layer = kv_bytes / model.host_attention_bps + model.host_attention_layer_s
@@ -733,6 +754,26 @@ def host_decode_mix(plan: Plan, model: MemoryModel = MODEL) -> HostDecodeMix:
 
     most = min(streamed, room // wb) if streamed > 0 and wb > 0 else 0
     return min((mix(w) for w in range(most + 1)), key=lambda m: (m.step_s, m.weights_promoted))
+
+
+def device_decode_step_s(plan: Plan, model: MemoryModel = MODEL) -> float:
+    """A decode step's copies with the streamed K/V fetched (decode_attention="device"): the
+    streamed weights and the K/V of the layers still streamed after prefill's promotions, each
+    at the call's final length, at the model's copy rate."""
+    fetched = plan.streamed_layers - min(plan.promotable_layers(), plan.streamed_layers)
+    copies = plan.streamed_weight_layers * plan.weight_layer_bytes
+    copies += fetched * plan.capacity * plan.kv_token_bytes
+    return copies / model.copy_bps
+
+
+def host_attention_pays(plan: Plan, model: MemoryModel = MODEL) -> bool:
+    """Whether RevivaConfig(decode_attention="auto") attends the streamed K/V on the host: where
+    weights stream too (measured there: bench_weights' card8_8b) and the step host_decode_mix
+    plans is shorter than device_decode_step_s by the model's margin."""
+    if plan.streamed_weight_layers == 0 or plan.streamed_layers == 0:
+        return False
+    host = host_decode_mix(plan, model).step_s
+    return host <= model.host_attention_margin * device_decode_step_s(plan, model)
 
 
 def spread(count: int, total: int) -> tuple[int, ...]:

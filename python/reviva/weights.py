@@ -164,6 +164,23 @@ def decode_slot_bytes(layers: list[nn.Module], granularity: int = 1) -> int:
     return min(2 * max(blocks), whole)
 
 
+# Note [Decode rooms when the host attends]
+# A decode step with attention on the host (Note [Attention on the host] in
+# src/host_attention.cpp) blocks the Python thread in each host-attended layer: it waits for the
+# layer's queries, then attends on the host's cores (~2.5 ms a 32k bf16 layer on the H200), and
+# only then reaches the MLP's first projection, whose pre-hook acquires its block, which is
+# where the store issues the next block's copy (Note [Layers in parts]: a window of one block in a
+# room of two). So with two rooms, each streamed layer's copies stop for about the host's time
+# less one block's copy: the H200 at 6bd5b9d ran card8_8b at 4.83-4.93 tok/s, 0.84-0.86 of its
+# 5.73 roofline, with the copy engine idle ~0.7 ms per streamed layer. HOST_DECODE_ROOMS blocks of
+# room with a window of one less keep two blocks' copies queued while the host works (two of
+# Llama-3-8B's 112 MiB projections take ~4.3 ms at 55 GB/s, the host ~2.5 ms); the third block
+# is room a step does not keep resident (one block's copy a step), which the planner counts
+# (planner.host_decode_mix).
+DECODE_ROOMS = 2
+HOST_DECODE_ROOMS = 3
+
+
 # Note [Layers in parts]
 # A decoder layer's weights are several blocks of the WeightStore: its attention (and norms),
 # then its MLP, as one block, or, for the gated MLPs whose projections run one after the other
@@ -303,6 +320,7 @@ class StreamedWeights:
         self.decode_slot_bytes = decode_slot_bytes(layers, granule)
         largest = max(_round_up(b, granule) for b in block_bytes)
         self._decode_block_bytes = largest if self.decode_slot_bytes == 2 * largest else 0
+        self._decode_rooms = 0  # blocks of decode's room (enter_decode; 0: not in decode)
 
     def _outside_a_call(self, i: int) -> Callable[..., None]:
         ref = weakref.ref(self)  # (the model's hooks must not keep the weights' owner alive)
@@ -391,6 +409,7 @@ class StreamedWeights:
         with a prefill: the slots hold whole layers again (Note [Layers in parts]; enter_decode
         lowers them)."""
         self.store.set_slot_bytes(max(self.layer_device_bytes), 0)
+        self._decode_rooms = 0
         wanted = {b for i in resident for b in self._parts[i]}
         for b in list(self._device_views):
             if b not in wanted:
@@ -402,19 +421,39 @@ class StreamedWeights:
         self.store.set_residency(sorted(wanted), slots, window if slots else 0)
         self._resident_blocks = wanted
 
-    def enter_decode(self) -> int:
+    def decode_room_bytes(self, rooms: int = DECODE_ROOMS) -> int:
+        """Decode's room for streamed weights with `rooms` blocks (Note [Layers in parts]; Note
+        [Decode rooms when the host attends]); the largest whole layer where the layer is not
+        taken in blocks."""
+        if self._decode_block_bytes == 0 or self.decode_slot_bytes >= max(self.layer_device_bytes):
+            return self.decode_slot_bytes
+        return rooms * self._decode_block_bytes
+
+    def enter_decode(self, rooms: int = DECODE_ROOMS) -> int:
         """The call's prefill is over: from here on each streamed layer is taken one block at a
-        time, so the slot is lowered to decode's room (Note [Layers in parts]); streamed blocks
-        on the device leave and the cycle starts again. Returns the device bytes given back
-        (0 when nothing streams or the room stays a whole layer). Not while a layer is held."""
+        time, so the slots are lowered to decode's room of `rooms` blocks (>= 2) with a window of
+        one less (Note [Layers in parts]; Note [Decode rooms when the host attends]); streamed
+        blocks on the device leave and the cycle starts again. Returns the device bytes given
+        back (0 when nothing streams or a layer is not taken in blocks). Not while a layer is
+        held."""
+        if isinstance(rooms, bool) or not isinstance(rooms, int) or rooms < 2:
+            raise ValueError(
+                f"StreamedWeights.enter_decode: rooms must be an int >= 2, got {rooms!r}"
+            )
         whole = max(self.layer_device_bytes)
         st = self.store.stats()
         if st["streamed_layers"] == 0 or self.decode_slot_bytes >= whole:
             return 0
-        self.store.set_slot_bytes(self.decode_slot_bytes, self._decode_block_bytes)
-        if st["slots"] > 1:  # (one room of two blocks: decode's window is one block)
-            self.store.set_residency(sorted(self._resident_blocks), 1, 1)
-        return int(st["slots"]) * whole - self.decode_slot_bytes
+        block = self._decode_block_bytes
+        if rooms == DECODE_ROOMS:  # one slot of two blocks, a window of one block
+            self.store.set_slot_bytes(self.decode_slot_bytes, block)
+            if st["slots"] > 1:
+                self.store.set_residency(sorted(self._resident_blocks), 1, 1)
+        else:  # slots of one block each: the store's window counts slots (at most as many)
+            self.store.set_slot_bytes(block, block)
+            self.store.set_residency(sorted(self._resident_blocks), rooms, rooms - 1)
+            self._decode_rooms = rooms
+        return int(st["slots"]) * whole - rooms * block
 
     def promote(self, layers: list[int]) -> bool:
         """In decode (after enter_decode): `layers`, streamed now, stay on the device from here on
@@ -426,14 +465,23 @@ class StreamedWeights:
         if wanted == before:
             return True
         streams = len(wanted) < len(self._slots)  # (blocks)
+        rooms, window = self._decode_slots()
         try:
-            self.store.set_residency(sorted(wanted), 1 if streams else 0, 1 if streams else 0)
+            self.store.set_residency(
+                sorted(wanted), rooms if streams else 0, window if streams else 0
+            )
         except RevivaOutOfMemoryError:
-            self.store.set_residency(sorted(before), 1, 1)
+            self.store.set_residency(sorted(before), rooms, window)
             self._resident_blocks = before
             return False
         self._resident_blocks = wanted
         return True
+
+    def _decode_slots(self) -> tuple[int, int]:
+        """The store's slots and window in this call's decode (enter_decode's: one slot (of two
+        blocks, or a whole layer where the layer is not taken in blocks) and a window of one,
+        or `rooms` slots of one block and a window of one less)."""
+        return (self._decode_rooms, self._decode_rooms - 1) if self._decode_rooms else (1, 1)
 
     def _acquire_block(self, b: int) -> None:
         block = self.store.acquire(b)

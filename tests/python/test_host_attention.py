@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from test_weights import budget_where
 from transformers.generation.streamers import BaseStreamer
 
 from reviva import RevivaConfig, RevivaManager
+from reviva.kv_cache import RevivaCache
+from reviva.planner import host_attention_pays
+from reviva.weights import DECODE_ROOMS, HOST_DECODE_ROOMS
 
 PROMPT, NEW = 40, 10
 
@@ -112,6 +116,7 @@ def test_weights_promoted_first_when_the_host_attends(monkeypatch: pytest.Monkey
 
     def room_for_weights(p) -> int:  # noqa: ANN001  (what decode leaves, as the manager counts)
         room = p.budget - p.baseline - p.decode_working_set - p.weight_decode_device_bytes
+        room -= (HOST_DECODE_ROOMS - DECODE_ROOMS) * p.weight_decode_block_bytes
         return (room - len(p.resident_layers) * p.layer_kv_bytes) // p.weight_layer_bytes
 
     while room_for_weights(plan) < 1:  # a budget a little larger, until a layer's room is left
@@ -128,6 +133,77 @@ def test_weights_promoted_first_when_the_host_attends(monkeypatch: pytest.Monkey
         assert st.weight_resident_layers == (
             len(plan.weight_resident_layers) + st.weight_layers_promoted_in_decode
         )
+
+
+def copies_issued_when_the_host_attends(
+    manager: RevivaManager, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[int, Counter]]:
+    """Each host attention of a streamed-weight layer in decode: the layer, and how many copies
+    of each of the store's blocks (indices) had been issued by then since the manager was made
+    (the store's copies waited for there, then its timeline read: block ids count from 1)."""
+    weights = manager.weights
+    seen: list[tuple[int, Counter]] = []
+    attend = RevivaCache.host_attend
+
+    def spy(cache, layer_idx, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if not weights.resident(layer_idx):
+            weights.store.synchronize()
+            events = weights.store.timeline()
+            copies = Counter(e["block"] - 1 for e in events if e["kind"] == "copy_to_device")
+            seen.append((layer_idx, copies))
+        return attend(cache, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(RevivaCache, "host_attend", spy)
+    return seen
+
+
+def test_decode_room_holds_a_block_more_when_the_host_attends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Note [Decode rooms when the host attends] (weights.py): with the host attending, decode's
+    room for streamed weights is HOST_DECODE_ROOMS blocks with a window of one less, so that when
+    the host starts a streamed layer's attention (the Python thread blocked there) the copies of
+    its MLP's first two projections have been issued; with the K/V fetched, decode keeps its
+    room of two blocks, one ahead. The planner leaves that block out of what it promotes."""
+    model = tiny_model("llama", seed=14)
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(15))
+    ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    for choice in ("host", "device"):
+        manager = RevivaManager(
+            copy.deepcopy(model), RevivaConfig(decode_attention=choice, stream_weights=True)
+        )
+        _, plan = budget_where(manager, PROMPT, NEW, lambda p: p.streamed_weight_layers <= 3)
+        assert plan.streamed_weight_layers >= 2 and plan.streamed_layers >= 2, plan
+        assert plan.weight_decode_block_bytes > 0, plan
+        seen = copies_issued_when_the_host_attends(manager, monkeypatch)
+        out = manager.generate(ids, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(out, ref), f"{choice}: {(out != ref).sum().item()} tokens differ"
+        st = manager.get_memory_stats()
+        w = manager.weights
+        block = plan.weight_decode_block_bytes
+        if choice == "host":
+            check_host_stats(manager)
+            assert (st.weight_slots, st.weight_prefetch_blocks) == (
+                HOST_DECODE_ROOMS,
+                HOST_DECODE_ROOMS - 1,
+            ), st.summary()
+            assert st.weight_slot_bytes == block
+            assert w.decode_room_bytes(HOST_DECODE_ROOMS) == HOST_DECODE_ROOMS * block
+            # each time (after the call's first): the layer's up projection (its third block)
+            # was copied since the host attention before, i.e. this step's copy was issued
+            # before the host started (with two rooms it comes only after)
+            assert len(seen) >= 2 * (NEW - 1), len(seen)
+            for (_, before), (i, now) in zip(seen, seen[1:]):
+                up = w.parts[i][2]
+                assert now[up] == before[up] + 1, (i, w.parts[i], before, now)
+            # one block more than the device's room, out of what the planner promotes
+            assert plan.promotable_layers(True) <= plan.promotable_layers(False)
+        else:
+            assert not seen and st.host_attended_layers == 0
+            assert (st.weight_slots, st.weight_prefetch_blocks) == (1, 1), st.summary()
+            assert st.weight_slot_bytes == DECODE_ROOMS * block
+        again = manager.generate(ids, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(again, ref)
 
 
 def test_auto_and_device_keep_decode_on_the_device_on_the_cpu() -> None:

@@ -114,10 +114,31 @@ def test_streamed_weights_plan_and_estimate_against_the_h200(
     assert abs(f["decode_call_tok_s"] / tok_s - 1) <= 0.12, (f["decode_call_tok_s"], tok_s)
     assert f["decode_bound"] == "transfer"
     # the table on the host frees the device for more resident weights (not measured yet)
-    host = plan_json(capsys, "--model", model, "--card", card, "--context", "32k")
+    host = plan_json(
+        capsys, "--model", model, "--card", card, "--context", "32k", "--decode-attention", "device"
+    )
     assert host["embedding_on_host"]
     assert len(host["plan"]["weight_resident_layers"]) > resident
     assert host["forecast"]["decode_call_tok_s"] > f["decode_call_tok_s"]
+
+
+def test_auto_attends_on_the_host_where_the_weights_stream_and_it_pays(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """RevivaConfig(decode_attention="auto") as the planner decides it (host_attention_pays):
+    the 8B shape at 32k on an 8 GB card (weights and K/V streamed) attends on the host, and its
+    forecast step is the host's; with every weight on an 80 GB card, or with fp8 K/V (which the
+    host does not read), the device."""
+    card8 = ("--model", "llama3-8b", "--card", "8GB", "--context", "32k")
+    auto = plan_json(capsys, *card8)
+    device = plan_json(capsys, *card8, "--decode-attention", "device")
+    assert auto["weights_streamed"] and auto["decode_attention"] == "host"
+    assert device["decode_attention"] == "device"
+    assert auto["forecast"]["decode_call_tok_s"] > device["forecast"]["decode_call_tok_s"]
+    roomy = plan_json(capsys, "--model", "llama3-8b", "--card", "80GB", "--context", "32k")
+    assert not roomy["weights_streamed"] and roomy["decode_attention"] == "device"
+    fp8 = plan_json(capsys, *card8, "--kv-dtype", "fp8")
+    assert fp8["decode_attention"] == "device"
 
 
 def test_text_output_and_bad_input(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # noqa: ANN001
