@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import Counter
+from itertools import pairwise
 
 import pytest
 import torch
@@ -22,7 +23,6 @@ from transformers.generation.streamers import BaseStreamer
 
 from reviva import RevivaConfig, RevivaManager
 from reviva.kv_cache import RevivaCache
-from reviva.planner import host_attention_pays
 from reviva.weights import DECODE_ROOMS, HOST_DECODE_ROOMS
 
 PROMPT, NEW = 40, 10
@@ -193,7 +193,7 @@ def test_decode_room_holds_a_block_more_when_the_host_attends(
             # was copied since the host attention before, i.e. this step's copy was issued
             # before the host started (with two rooms it comes only after)
             assert len(seen) >= 2 * (NEW - 1), len(seen)
-            for (_, before), (i, now) in zip(seen, seen[1:]):
+            for (_, before), (i, now) in pairwise(seen):
                 up = w.parts[i][2]
                 assert now[up] == before[up] + 1, (i, w.parts[i], before, now)
             # one block more than the device's room, out of what the planner promotes
