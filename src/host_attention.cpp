@@ -10,8 +10,8 @@
 // decode query's K/V at 0.5 GB/s (bf16) on 2 threads here, so this is a kernel of its own: the
 // rows are read once, in token order (the store's layout, a row of every sequence's keys and
 // values per token), in blocks of kBlock tokens whose scores, maximum and weighted values are
-// done while the block is in cache (online softmax); threads take contiguous key ranges and
-// their (max, sum, accumulator) are merged at the end.
+// done while the block is in cache (online softmax); threads take chunks of the key range (Note
+// [Chunks taken as threads come free]) whose (max, sum, accumulator) are merged at the end.
 //
 // Laid out for the registers and the prefetchers, because a straightforward version was bound by
 // neither memory nor FMAs: on one thread of the 2-core box (a Zen 4 VM, noisy), a 32k-token layer
@@ -38,6 +38,16 @@
 // -ffast-math: every sum is in a fixed order, the same on every variant (bar FMA's rounding on
 // the baseline).
 //
+// Note [Chunks taken as threads come free]
+// The keys are split into kChunksPerThread chunks per thread, which the threads take one at a
+// time as they finish the last (an atomic counter), each into a partial (max, sum, accumulator)
+// of its own, merged in chunk order at the end: the result does not depend on which thread did
+// which chunk. With one contiguous range per thread (until fb31dd2), a call took as long as its
+// slowest thread, so a thread that lost its core for a while (to the process's other threads, or
+// the driver's) held every other one up; now it leaves its later chunks to the others. (On the
+// H200's host, with every core attending, a 32k bf16 layer took 2.9 ms a call in some decode
+// calls and 4.1 ms in others at fb31dd2: the variation this is meant to remove.)
+//
 // Threads come from a pool made at the first call that wants more than one and grown to the
 // most asked for (Note [Attention's thread pool]): the caller makes a call per layer, 32 per
 // decode step at 8B, and making a thread per call and part cost tens of microseconds each.
@@ -45,6 +55,7 @@
 #include <reviva/host_attention.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -64,6 +75,7 @@ constexpr std::size_t kBlock = 64;               // tokens whose scores are kept
 constexpr std::size_t kBlockBytes = 512 * 1024;  // a block's rows, at most (bar a tile's keys)
 constexpr std::size_t kLanes = 16;               // floats in a Vec
 constexpr std::size_t kHeads = 4;                // query heads done together (the 8B shape's group)
+constexpr std::size_t kChunksPerThread = 4;      // Note [Chunks taken as threads come free]
 
 // 16 floats. Passed by reference only: a by-value vector parameter would change the calling
 // convention between the ISA variants (-Wpsabi); all of these are inlined anyway.
@@ -562,24 +574,30 @@ void host_decode_attention(const void* rows, RowType type, const HostAttentionSh
   const std::size_t keys = last - first;
   const std::size_t BH = shape.batch * shape.heads, D = shape.head_dim;
   // (at least a block per thread: fewer threads for short ranges)
-  const std::size_t n =
-      std::min<std::size_t>(static_cast<std::size_t>(threads), (keys + kBlock - 1) / kBlock);
-  std::vector<Partial> parts(n);
+  const std::size_t blocks = (keys + kBlock - 1) / kBlock;
+  const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(threads), blocks);
+  // Note [Chunks taken as threads come free]
+  const std::size_t chunks = std::min(blocks, n * kChunksPerThread);
+  std::vector<Partial> parts(chunks);
   for (Partial& p : parts) {
     p.m.resize(BH);
     p.l.resize(BH);
     p.acc.resize(BH * D);
     p.scores.resize(kHeads * kBlock);
   }
-  auto work = [&](std::size_t w) {
-    const std::size_t t0 = first + keys * w / n, t1 = first + keys * (w + 1) / n;
-    if (type == RowType::BFloat16)
-      attend_range(static_cast<const std::uint16_t*>(rows), shape, t0, t1, q, scale, parts[w]);
-    else
-      attend_range(static_cast<const float*>(rows), shape, t0, t1, q, scale, parts[w]);
+  std::atomic<std::size_t> next{0};
+  auto work = [&](std::size_t) {
+    for (std::size_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      const std::size_t t0 = first + keys * c / chunks, t1 = first + keys * (c + 1) / chunks;
+      if (type == RowType::BFloat16)
+        attend_range(static_cast<const std::uint16_t*>(rows), shape, t0, t1, q, scale, parts[c]);
+      else
+        attend_range(static_cast<const float*>(rows), shape, t0, t1, q, scale, parts[c]);
+    }
   };
   pool().run(n, work);
-  // Merge by log-sum-exp: out = sum_w acc_w e^(m_w - M) / sum_w l_w e^(m_w - M).
+  // Merge by log-sum-exp, in chunk order: out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M).
   for (std::size_t i = 0; i < BH; ++i) {
     float M = -std::numeric_limits<float>::infinity();
     for (const Partial& p : parts) M = std::max(M, p.m[i]);

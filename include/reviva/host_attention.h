@@ -24,8 +24,9 @@ struct HostAttentionShape {
 // One query per sequence and head attends to keys [first, last) of token-major rows: row t is
 // [2][batch][kv_heads][head_dim] (its keys, then its values) of `type`, rows back to back from
 // `rows`. q: [batch][heads][head_dim] fp32 (scores are q.k * scale); out: the same shape, fp32.
-// `threads` >= 1 split the keys (their partial results merged by log-sum-exp): the calling thread
-// and threads - 1 workers of a pool kept between calls; calls from several threads at once are
+// `threads` >= 1 share the keys, in chunks each takes as it comes free (their partial results
+// merged by log-sum-exp, in key order): the calling thread and threads - 1 workers of a pool kept
+// between calls; calls from several threads at once are
 // safe, their parallel parts taking turns. Throws
 // InvalidArgument naming a bad value (an empty range, heads not a multiple of kv_heads, null
 // pointers, threads < 1).
