@@ -76,11 +76,12 @@ class RevivaConfig:
                     (each such layer's K/V is copied to the device at every step), "host" (it
                     stays in pinned host memory and the host's cores attend it there: a query
                     and an output cross PCIe instead of the layer's K/V; Note [Attention on the
-                    host] in src/host_attention.cpp), or "auto" (the host on a GPU where the
-                    weights stream too and the planner's step with the host attending is 10%
-                    shorter than with the K/V fetched, planner.host_attention_pays; else the
-                    device). REVIVA_HOST_ATTENTION_THREADS sets the host's threads (default:
-                    every core the process may use).
+                    host] in src/host_attention.cpp), or "auto" (the host for one sequence on
+                    a GPU where the weights stream too and the planner's step with the host
+                    attending is 10% shorter than with the K/V fetched,
+                    planner.host_attention_pays; else the device).
+                    REVIVA_HOST_ATTENTION_THREADS sets the host's threads (default: every core
+                    the process may use).
                     "host" needs bf16 or fp32 K/V without pages, beams, a shared prompt or a
                     padding mask, and is refused otherwise ("auto" then takes the device).
     progress:       a progress line on stderr through prefill (layer i of N, tokens a second):

@@ -767,10 +767,14 @@ def device_decode_step_s(plan: Plan, model: MemoryModel = MODEL) -> float:
 
 
 def host_attention_pays(plan: Plan, model: MemoryModel = MODEL) -> bool:
-    """Whether RevivaConfig(decode_attention="auto") attends the streamed K/V on the host: where
-    weights stream too (measured there: bench_weights' card8_8b) and the step host_decode_mix
-    plans is shorter than device_decode_step_s by the model's margin."""
-    if plan.streamed_weight_layers == 0 or plan.streamed_layers == 0:
+    """Whether RevivaConfig(decode_attention="auto") attends the streamed K/V on the host: for
+    one sequence where weights stream too (where it was measured to pay: bench_weights'
+    card8_8b and card24_32b) and the step host_decode_mix plans is shorter than
+    device_decode_step_s by the model's margin. Not for a batch: on the H200 at 5ce5c4c, 8
+    sequences of 4k on the 32B shape took 11.8 ms a layer on the host against 3.3 ms for one of
+    32k (as many rows), and decoded at 5.6 tokens a second, against 8.66 with the K/V fetched
+    at 76490f3."""
+    if plan.batch > 1 or plan.streamed_weight_layers == 0 or plan.streamed_layers == 0:
         return False
     host = host_decode_mix(plan, model).step_s
     return host <= model.host_attention_margin * device_decode_step_s(plan, model)

@@ -408,8 +408,14 @@ class StreamedWeights:
         near them, and compute waits for a fill only when it acquires the layer). A call starts
         with a prefill: the slots hold whole layers again (Note [Layers in parts]; enter_decode
         lowers them)."""
+        if self._decode_rooms:
+            # (decode's one-block slots, HOST_DECODE_ROOMS of them: one first, at a block's
+            # bytes, so that raising the slot to a whole layer maps one layer's room, not that
+            # many layers': on the H200 at 5ce5c4c the 32B shape's call after a host-attended one
+            # prefetched three whole layers there and ran out of memory on a 24 GB card)
+            self.store.set_residency(sorted(self._resident_blocks), 1, 1)
+            self._decode_rooms = 0
         self.store.set_slot_bytes(max(self.layer_device_bytes), 0)
-        self._decode_rooms = 0
         wanted = {b for i in resident for b in self._parts[i]}
         for b in list(self._device_views):
             if b not in wanted:

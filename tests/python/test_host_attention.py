@@ -157,6 +157,22 @@ def copies_issued_when_the_host_attends(
     return seen
 
 
+class SlotSpy:
+    """A WeightStore's stand-in that records, at each set_slot_bytes, the bytes asked for and the
+    slots the store had then (everything else goes to the store)."""
+
+    def __init__(self, store) -> None:  # noqa: ANN001
+        self._store = store
+        self.raised: list[tuple[int, int]] = []
+
+    def set_slot_bytes(self, nbytes: int, block_bytes: int = 0) -> None:
+        self.raised.append((nbytes, int(self._store.stats()["slots"])))
+        self._store.set_slot_bytes(nbytes, block_bytes)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._store, name)
+
+
 def test_decode_room_holds_a_block_more_when_the_host_attends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -176,6 +192,8 @@ def test_decode_room_holds_a_block_more_when_the_host_attends(
         assert plan.streamed_weight_layers >= 2 and plan.streamed_layers >= 2, plan
         assert plan.weight_decode_block_bytes > 0, plan
         seen = copies_issued_when_the_host_attends(manager, monkeypatch)
+        spy = SlotSpy(manager.weights.store)
+        manager.weights.store = spy
         out = manager.generate(ids, max_new_tokens=NEW, do_sample=False)
         assert torch.equal(out, ref), f"{choice}: {(out != ref).sum().item()} tokens differ"
         st = manager.get_memory_stats()
@@ -204,6 +222,11 @@ def test_decode_room_holds_a_block_more_when_the_host_attends(
             assert st.weight_slot_bytes == DECODE_ROOMS * block
         again = manager.generate(ids, max_new_tokens=NEW, do_sample=False)
         assert torch.equal(again, ref)
+        # a call's start raises the slot to a whole layer with at most one slot (after a decode
+        # of HOST_DECODE_ROOMS one-block slots too): the room it maps is one layer's
+        whole = max(w.layer_device_bytes)
+        starts = [slots for nbytes, slots in spy.raised if nbytes == whole]
+        assert len(starts) >= 2 and max(starts) <= max(plan.weight_slots, 1), spy.raised
 
 
 def test_auto_and_device_keep_decode_on_the_device_on_the_cpu() -> None:

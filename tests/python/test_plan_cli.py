@@ -127,8 +127,8 @@ def test_auto_attends_on_the_host_where_the_weights_stream_and_it_pays(
 ) -> None:
     """RevivaConfig(decode_attention="auto") as the planner decides it (host_attention_pays):
     the 8B shape at 32k on an 8 GB card (weights and K/V streamed) attends on the host, and its
-    forecast step is the host's; with every weight on an 80 GB card, or with fp8 K/V (which the
-    host does not read), the device."""
+    forecast step is the host's; with every weight on an 80 GB card, with fp8 K/V (which the
+    host does not read) or for a batch, the device."""
     card8 = ("--model", "llama3-8b", "--card", "8GB", "--context", "32k")
     auto = plan_json(capsys, *card8)
     device = plan_json(capsys, *card8, "--decode-attention", "device")
@@ -139,6 +139,8 @@ def test_auto_attends_on_the_host_where_the_weights_stream_and_it_pays(
     assert not roomy["weights_streamed"] and roomy["decode_attention"] == "device"
     fp8 = plan_json(capsys, *card8, "--kv-dtype", "fp8")
     assert fp8["decode_attention"] == "device"
+    batch = plan_json(capsys, *card8, "--batch", "2")  # (a batch: not measured to pay)
+    assert batch["weights_streamed"] and batch["decode_attention"] == "device"
 
 
 def test_text_output_and_bad_input(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # noqa: ANN001
