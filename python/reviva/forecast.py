@@ -113,8 +113,9 @@ def forecast(
     `pcie_bps`: the host-to-device copy rate to assume (bytes a second; None: the H200's 55 GB/s
     measured), for another machine's PCIe; the compute rates stay the H200's. `host_attention`:
     decode attends the streamed K/V on the host (RevivaConfig(decode_attention); "auto" takes it
-    where weights stream): the room after prefill is shared as planner.host_decode_mix shares it,
-    no K/V is fetched, and the host's time (MemoryModel's rate) bounds a step too."""
+    where planner.host_attention_pays): the room after prefill is shared as
+    planner.host_decode_mix shares it, no K/V is fetched, and the host's time (MemoryModel's
+    rate) bounds a step too."""
     if attention_kernel not in ("auto", "cudnn", "flash"):
         raise ValueError(
             f"attention_kernel must be 'auto', 'cudnn' or 'flash', got {attention_kernel!r}"

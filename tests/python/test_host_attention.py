@@ -5,8 +5,9 @@ rows there and attends them on the host's cores. Tiny models give plain HF's gre
 sampling tokens with it, for every family (sliding windows included) and with weights streamed
 too; nothing of those layers moves to the device in decode (counted); the same manager serves
 repeated calls, a returned cache and a call that raises; what it cannot serve is refused by
-name. ("auto" keeps attention on the device; the CUDA path is measured on the H200:
-bench_weights' reviva_8b_host.)"""
+name; with streamed weights, decode's room holds a block more (Note [Decode rooms when the host
+attends]). ("auto" takes the host only on a GPU, where planner.host_attention_pays: see
+test_plan_cli; the CUDA path is measured on the H200: bench_weights' reviva_8b, reviva_8b_host.)"""
 
 from __future__ import annotations
 
@@ -230,8 +231,9 @@ def test_decode_room_holds_a_block_more_when_the_host_attends(
 
 
 def test_auto_and_device_keep_decode_on_the_device_on_the_cpu() -> None:
-    """ "auto" (for now: the H200's measurements in README) and "device" fetch decode's streamed
-    K/V as before: the same tokens, nothing attended on the host."""
+    """ "auto" (which takes the host only on a GPU: the CPU's cores are the device's already)
+    and "device" fetch decode's streamed K/V as before: the same tokens, nothing attended on the
+    host."""
     model = tiny_model("llama")
     ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
