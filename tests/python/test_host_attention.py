@@ -230,6 +230,42 @@ def test_decode_room_holds_a_block_more_when_the_host_attends(
         assert len(starts) >= 2 and max(starts) <= max(plan.weight_slots, 1), spy.raised
 
 
+def test_host_and_device_calls_alternate_on_one_manager_with_streamed_weights() -> None:
+    """The H200's sequence at 5ce5c4c (a batch-1 call on the device after host-attended ones ran
+    out of memory): calls attending on the host and on the device, of different shapes, take
+    turns on one manager with streamed weights under one budget; each gives plain HF's tokens,
+    and each call's start maps at most one whole layer's room for streamed weights."""
+    model = tiny_model("llama", seed=16)
+    gen = torch.Generator().manual_seed(17)
+    one = torch.randint(1, 211, (1, PROMPT), generator=gen)
+    two = torch.randint(1, 211, (2, PROMPT // 2), generator=gen)
+    refs = {
+        1: model.generate(one, max_new_tokens=NEW, do_sample=False),
+        2: model.generate(two, max_new_tokens=NEW, do_sample=False),
+    }
+    manager = RevivaManager(
+        copy.deepcopy(model), RevivaConfig(decode_attention="host", stream_weights=True)
+    )
+    _, plan = budget_where(manager, PROMPT, NEW, lambda p: p.streamed_weight_layers <= 3)
+    assert plan.streamed_weight_layers >= 2 and plan.streamed_layers >= 2, plan
+    spy = SlotSpy(manager.weights.store)
+    manager.weights.store = spy
+    base = manager.config
+    for choice, batch in (("host", 1), ("device", 2), ("host", 1), ("device", 1), ("host", 2)):
+        manager.config = dataclasses.replace(base, decode_attention=choice)
+        ids = one if batch == 1 else two
+        out = manager.generate(ids, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(out, refs[batch]), f"{choice}, batch {batch}"
+        st = manager.get_memory_stats()
+        assert st.decode_attention == choice
+        rooms = HOST_DECODE_ROOMS if choice == "host" else 1
+        if st.weight_streamed_layers:
+            assert st.weight_slots == rooms, (choice, st.summary())
+    whole = max(manager.weights.layer_device_bytes)
+    starts = [slots for nbytes, slots in spy.raised if nbytes == whole]
+    assert len(starts) == 5 and max(starts) <= max(plan.weight_slots, 1), spy.raised
+
+
 def test_auto_and_device_keep_decode_on_the_device_on_the_cpu() -> None:
     """ "auto" (which takes the host only on a GPU: the CPU's cores are the device's already)
     and "device" fetch decode's streamed K/V as before: the same tokens, nothing attended on the
