@@ -233,8 +233,9 @@ def test_decode_room_holds_a_block_more_when_the_host_attends(
 def test_host_and_device_calls_alternate_on_one_manager_with_streamed_weights() -> None:
     """The H200's sequence at 5ce5c4c (a batch-1 call on the device after host-attended ones ran
     out of memory): calls attending on the host and on the device, of different shapes, take
-    turns on one manager with streamed weights under one budget; each gives plain HF's tokens,
-    and each call's start maps at most one whole layer's room for streamed weights."""
+    turns on one manager with streamed weights under one budget, one of them raising mid-decode;
+    each gives plain HF's tokens, and each call's start maps at most one whole layer's room for
+    streamed weights."""
     model = tiny_model("llama", seed=16)
     gen = torch.Generator().manual_seed(17)
     one = torch.randint(1, 211, (1, PROMPT), generator=gen)
@@ -261,9 +262,15 @@ def test_host_and_device_calls_alternate_on_one_manager_with_streamed_weights() 
         rooms = HOST_DECODE_ROOMS if choice == "host" else 1
         if st.weight_streamed_layers:
             assert st.weight_slots == rooms, (choice, st.summary())
+    # a host-attended call that raises mid-decode (its three rooms held), then the next call
+    manager.config = dataclasses.replace(base, decode_attention="host")
+    with pytest.raises(RuntimeError, match="streamer failed"):
+        manager.generate(one, max_new_tokens=NEW, do_sample=False, streamer=Boom(4))
+    manager.config = dataclasses.replace(base, decode_attention="device")
+    assert torch.equal(manager.generate(one, max_new_tokens=NEW, do_sample=False), refs[1])
     whole = max(manager.weights.layer_device_bytes)
     starts = [slots for nbytes, slots in spy.raised if nbytes == whole]
-    assert len(starts) == 5 and max(starts) <= max(plan.weight_slots, 1), spy.raised
+    assert len(starts) == 7 and max(starts) <= max(plan.weight_slots, 1), spy.raised
 
 
 def test_auto_and_device_keep_decode_on_the_device_on_the_cpu() -> None:
