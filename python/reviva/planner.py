@@ -267,17 +267,22 @@ class Plan:
         """Pinned bytes of the streamed layers' host copies."""
         return self.streamed_layers * self.capacity * self.kv_token_bytes
 
-    def promotable_layers(self, host_attention: bool = False) -> int:
-        """Streamed layers that fit once prefill's working set is gone and the slots beyond the
-        plan's decode_slots (all of them where decode attends streamed K/V on the host) are given
-        up, and streamed weights need only decode's room (with host_attention, a block more:
-        Note [Decode rooms when the host attends] in reviva/weights.py)."""
+    def decode_room(self, host_attention: bool = False) -> int:
+        """The bytes left in decode for promotions (may be < 0): the budget less the baseline,
+        decode's working set, the resident layers' K/V, the K/V slots beyond the plan's
+        decode_slots (all of them where decode attends streamed K/V on the host), the pages and
+        the weights' decode room (with host_attention, a block more: Note [Decode rooms when the
+        host attends] in reviva/weights.py)."""
         slots = 0 if host_attention else self.decode_slots
         held = (len(self.resident_layers) + slots) * self.layer_kv_bytes
         held += self.page_slots * self.page_bytes + self.weight_decode_device_bytes
         if host_attention and self.streamed_weight_layers > 0:
             held += (HOST_DECODE_ROOMS - DECODE_ROOMS) * self.weight_decode_block_bytes
-        room = self.budget - self.baseline - self.decode_working_set - held
+        return self.budget - self.baseline - self.decode_working_set - held
+
+    def promotable_layers(self, host_attention: bool = False) -> int:
+        """Streamed layers whose K/V fits in decode_room once prefill's working set is gone."""
+        room = self.decode_room(host_attention)
         return min(max(room, 0) // self.layer_kv_bytes, self.streamed_layers)
 
 
@@ -735,11 +740,7 @@ def host_decode_mix(plan: Plan, model: MemoryModel = MODEL) -> HostDecodeMix:
     kv_streamed = plan.streamed_layers
     kv_unit = plan.layer_kv_bytes
     wb = plan.weight_layer_bytes
-    room = plan.budget - plan.baseline - plan.decode_working_set
-    room -= len(plan.resident_layers) * kv_unit + plan.weight_decode_device_bytes
-    if streamed > 0:  # Note [Decode rooms when the host attends] (reviva/weights.py)
-        room -= (HOST_DECODE_ROOMS - DECODE_ROOMS) * plan.weight_decode_block_bytes
-    room = max(room, 0)
+    room = max(plan.decode_room(host_attention=True), 0)
     kv_bytes = plan.capacity * plan.kv_token_bytes  # (a layer's K/V at the call's end)
     per_layer = kv_bytes / model.host_attention_bps + model.host_attention_layer_s
     copy_layer = wb / model.copy_bps if wb > 0 else 0.0
