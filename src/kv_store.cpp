@@ -25,6 +25,15 @@
 // the rest. Layers resident from the start stay whole (one contiguous block), as without pages.
 // The budget: a layer's bytes per whole resident layer and per slot, the kept pages' bytes, and
 // a page's bytes per page slot.
+//
+// Note [Layers of their own size]
+// A sliding-window layer reads only its last W tokens, so the K/V cache keeps it as a ring of a
+// few more than W (reviva/kv_cache.py, Note [Window rings]): its block holds that many tokens
+// however long the call, where a global layer's holds every token. So each layer has its own
+// capacity (options.layer_capacity_tokens): its append block, its pinned host copy and its
+// resident bytes are its own size. The budget counts each whole resident layer by its own bytes
+// and each slot by the largest layer that may stream (not resident, not read on the host): a
+// slot holds any streamed layer. Pages keep one capacity (a ring is whole).
 #include <reviva/error.h>
 #include <reviva/kv_store.h>
 
@@ -48,6 +57,18 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceA
                    " bytes exceed what a layer may hold (1 TiB)");
   REVIVA_CHECK_ARG(options_.prefetch_layers >= 0, "KVStore: prefetch_layers must be >= 0, got ",
                    options_.prefetch_layers);
+  const auto& caps = options_.layer_capacity_tokens;
+  REVIVA_CHECK_ARG(caps.empty() || caps.size() == static_cast<std::size_t>(options_.num_layers),
+                   "KVStore: layer_capacity_tokens has ", caps.size(), " entries for ",
+                   options_.num_layers, " layers (empty: capacity_tokens each)");
+  for (std::size_t i = 0; i < caps.size(); ++i)
+    REVIVA_CHECK_ARG(caps[i] > 0 && caps[i] <= options_.capacity_tokens,
+                     "KVStore: layer_capacity_tokens[", i, "] = ", caps[i], " must be in [1, ",
+                     options_.capacity_tokens, "] (capacity_tokens)");
+  REVIVA_CHECK_ARG(caps.empty() || options_.page_tokens == 0,
+                   "KVStore: layers of their own capacity (layer_capacity_tokens) cannot be paged "
+                   "(page_tokens ",
+                   options_.page_tokens, ")");
   allocator_ = std::make_shared<ArenaDeviceAllocator>(arena_);
   OffloadManagerOptions mo;
   mo.budget_bytes = 1;  // set_budget(): a layer's bytes per resident layer and per slot
@@ -57,7 +78,7 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceA
   const std::size_t per_layer = page > 0 ? (options_.capacity_tokens + page - 1) / page : 0;
   for (int i = 0; i < options_.num_layers; ++i) {
     blocks_.push_back(
-        manager_->register_append_block(layer_bytes(), "K/V of layer " + std::to_string(i)));
+        manager_->register_append_block(layer_bytes(i), "K/V of layer " + std::to_string(i)));
     std::vector<BlockId> pages;
     for (std::size_t j = 0; j < per_layer; ++j)
       pages.push_back(manager_->register_append_block(
@@ -101,6 +122,15 @@ void KVStore::check_open(const char* what) const {
 std::size_t KVStore::layer_bytes() const noexcept {
   return options_.token_bytes * options_.capacity_tokens;
 }
+
+std::size_t KVStore::capacity(int layer) const {
+  REVIVA_CHECK_ARG(layer >= 0 && layer < options_.num_layers, "KVStore::capacity: layer ", layer,
+                   " out of range [0, ", options_.num_layers, ")");
+  const auto& caps = options_.layer_capacity_tokens;
+  return caps.empty() ? options_.capacity_tokens : caps[static_cast<std::size_t>(layer)];
+}
+
+std::size_t KVStore::layer_bytes(int layer) const { return options_.token_bytes * capacity(layer); }
 
 BlockId KVStore::block_at(int layer, const char* what) const {
   check_open(what);
@@ -149,11 +179,20 @@ std::size_t KVStore::page_bytes(std::size_t page) const {
 void KVStore::set_budget() {
   // (a whole layer being promoted counts before it is marked resident: promote() raises the
   // budget first, to make its room)
-  const auto whole = static_cast<std::size_t>(counts_.resident_layers - promoted_pages_);
   const std::size_t page = options_.page_tokens > 0 ? page_bytes(0) : 0;
-  const std::size_t bytes = (whole + static_cast<std::size_t>(slots_)) * layer_bytes() +
+  const std::size_t bytes = resident_bytes_ + static_cast<std::size_t>(slots_) * slot_bytes() +
                             kept_page_bytes_ + static_cast<std::size_t>(page_slots_) * page;
   manager_->set_budget_bytes(std::max<std::size_t>(bytes, 1));
+}
+
+// A slot's room (Note [Layers of their own size]): the largest layer that may stream (one not
+// resident and not read on the host), or the largest of all when none is left.
+std::size_t KVStore::slot_bytes() const {
+  std::size_t most = 0;
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (!resident_[i] && !host_attended_[i])
+      most = std::max(most, layer_bytes(static_cast<int>(i)));
+  return most > 0 ? most : layer_bytes();
 }
 
 // The decode cycle: one group per whole layer; for a paged layer, a decode step's accesses in
@@ -191,6 +230,7 @@ void KVStore::make_resident(int layer) {
   pages_[i].clear();
   page_acquired_[i].clear();
   resident_[i] = true;
+  resident_bytes_ += layer_bytes(layer);
   ++counts_.resident_layers;
   --counts_.streamed_layers;
   set_budget();
@@ -239,6 +279,7 @@ bool KVStore::promote(int layer) {
     return true;
   }
   ++counts_.resident_layers;
+  resident_bytes_ += layer_bytes(layer);
   set_budget();  // room for it beside the slots
   // Into memory of its own: a layer on the device (prefetched) leaves its memory to the
   // streamed layers (it is clean: nothing is copied), so that a promotion never takes the
@@ -248,6 +289,7 @@ bool KVStore::promote(int layer) {
   manager_->offload(id);
   if (!manager_->keep_resident(id)) {
     --counts_.resident_layers;
+    resident_bytes_ -= layer_bytes(layer);
     set_budget();
     ++counts_.promotion_failures;
     return false;
@@ -341,8 +383,9 @@ void* KVStore::acquire(int layer, const Stream& compute) {
 
 void KVStore::reserve(int layer, std::size_t tokens) {
   check_acquired(layer, "reserve");
-  REVIVA_CHECK_ARG(tokens <= options_.capacity_tokens, "KVStore::reserve: ", tokens,
-                   " tokens exceed the capacity of ", options_.capacity_tokens, " tokens");
+  const std::size_t cap = capacity(layer);
+  REVIVA_CHECK_ARG(tokens <= cap, "KVStore::reserve: ", tokens, " tokens exceed layer ", layer,
+                   "'s capacity of ", cap, " tokens");
   if (tokens == 0) return;
   manager_->grow(blocks_[static_cast<std::size_t>(layer)], tokens * options_.token_bytes);
 }
@@ -363,9 +406,9 @@ void KVStore::wrote(int layer, std::size_t first, std::size_t count, const Strea
   const std::size_t length = KVStore::length(layer);
   REVIVA_CHECK_ARG(first <= length, "KVStore::wrote: tokens from ", first, " would leave a gap",
                    " after the layer's ", length, " tokens");
-  REVIVA_CHECK_ARG(count <= options_.capacity_tokens && first <= options_.capacity_tokens - count,
-                   "KVStore::wrote: tokens [", first, ", ", first + count,
-                   ") exceed the capacity of ", options_.capacity_tokens, " tokens");
+  const std::size_t cap = capacity(layer);
+  REVIVA_CHECK_ARG(count <= cap && first <= cap - count, "KVStore::wrote: tokens [", first, ", ",
+                   first + count, ") exceed layer ", layer, "'s capacity of ", cap, " tokens");
   const std::size_t reserved = reserved_tokens(layer);
   REVIVA_CHECK_ARG(first + count <= reserved, "KVStore::wrote: tokens [", first, ", ",
                    first + count, ") of layer ", layer, " were not reserved (", reserved,
@@ -588,9 +631,10 @@ void KVStore::host_wrote(int layer, std::size_t first, std::size_t count, const 
   const BlockId id = block_at(layer, "host_wrote");
   REVIVA_CHECK_ARG(host_attended_[static_cast<std::size_t>(layer)], "KVStore::host_wrote: layer ",
                    layer, " is not attended on the host (attend_on_host)");
-  REVIVA_CHECK_ARG(count <= options_.capacity_tokens && first <= options_.capacity_tokens - count,
-                   "KVStore::host_wrote: tokens [", first, ", ", first + count,
-                   ") exceed the capacity of ", options_.capacity_tokens, " tokens");
+  const std::size_t cap = capacity(layer);
+  REVIVA_CHECK_ARG(count <= cap && first <= cap - count, "KVStore::host_wrote: tokens [", first,
+                   ", ", first + count, ") exceed layer ", layer, "'s capacity of ", cap,
+                   " tokens");
   const std::size_t tb = options_.token_bytes;
   manager_->host_wrote(id, first * tb, rows, count * tb);
   counts_.bytes_written_on_host += count * tb;

@@ -55,6 +55,10 @@ struct KVStoreOptions {
   int prefetch_layers = 2;            // streamed layers kept in flight ahead of compute
   std::size_t timeline_capacity = 0;  // copy and stall events kept for timeline() (0: none)
   std::size_t page_tokens = 0;        // > 0: layers not resident from the start are paged
+  // Tokens each layer may hold, when they differ (Note [Layers of their own size] in
+  // kv_store.cpp): num_layers entries, each in [1, capacity_tokens]; empty: capacity_tokens each.
+  // A sliding-window layer kept as a ring of its window holds fewer. Not with page_tokens.
+  std::vector<std::size_t> layer_capacity_tokens;
 };
 
 struct KVStoreStats {
@@ -177,7 +181,9 @@ class REVIVA_API KVStore {
   // The host wrote tokens [first, first + count) of a host-attended layer: `rows` (count *
   // token_bytes bytes) go into its host copy; first <= length() (no gap), within the capacity.
   void host_wrote(int layer, std::size_t first, std::size_t count, const void* rows);
-  std::size_t layer_bytes() const noexcept;  // capacity_tokens * token_bytes
+  std::size_t layer_bytes() const noexcept;  // capacity_tokens * token_bytes (the largest layer)
+  std::size_t layer_bytes(int layer) const;  // the layer's capacity * token_bytes
+  std::size_t capacity(int layer) const;     // tokens the layer may hold
   const KVStoreOptions& options() const noexcept { return options_; }
   // Waits for every copy in flight. (How long compute waited for fills is the engine's stall
   // meter: TransferEngine::stats().)
@@ -202,6 +208,7 @@ class REVIVA_API KVStore {
   void check_whole(int layer, const char* what) const;
   std::size_t page_bytes(std::size_t page) const;
   std::size_t write_page(int layer) const;
+  std::size_t slot_bytes() const;
   void set_budget();
   void declare_cycle();
   void check_open(const char* what) const;
@@ -224,6 +231,7 @@ class REVIVA_API KVStore {
   std::vector<std::vector<void*>> page_acquired_;
   std::vector<std::size_t> cycle_write_page_;
   std::size_t kept_page_bytes_ = 0;
+  std::size_t resident_bytes_ = 0;      // whole resident layers' bytes (each its own capacity's)
   std::size_t staged_pages_bytes_ = 0;  // bytes of the pages compute holds that are not kept
   int promoted_pages_ = 0;        // paged layers promoted (resident, counted by their kept pages)
   int prefill_order_layer_ = -1;  // the paged layer whose prefill order is declared, or -1

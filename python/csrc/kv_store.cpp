@@ -64,7 +64,8 @@ class PyKVStore {
  public:
   PyKVStore(py::object engine, std::shared_ptr<DeviceArena> arena, int num_layers, int64_t batch,
             int64_t kv_heads, int64_t head_dim, py::object dtype, int64_t capacity_tokens,
-            int prefetch_layers, std::size_t timeline_capacity, int64_t page_tokens)
+            int prefetch_layers, std::size_t timeline_capacity, int64_t page_tokens,
+            const std::vector<int64_t>& layer_capacity_tokens)
       : rt_(runtime_of(engine)) {
     REVIVA_CHECK_ARG(arena != nullptr, "KVStore: arena is None");
     REVIVA_CHECK_ARG(batch > 0 && kv_heads > 0 && head_dim > 0,
@@ -91,6 +92,10 @@ class PyKVStore {
     o.prefetch_layers = prefetch_layers;
     o.timeline_capacity = timeline_capacity;
     o.page_tokens = static_cast<std::size_t>(page_tokens);
+    for (int64_t c : layer_capacity_tokens) {
+      REVIVA_CHECK_ARG(c > 0, "KVStore: layer_capacity_tokens must be > 0, got ", c);
+      o.layer_capacity_tokens.push_back(static_cast<std::size_t>(c));
+    }
     store_ = std::make_unique<KVStore>(engine_of(engine), std::move(arena), o);
   }
 
@@ -172,9 +177,10 @@ class PyKVStore {
                      "KVStore::write: expected tensors on ", rt_->device().str(), ", got ",
                      describe(key), " and ", describe(value));
     const int64_t n = key.size(2);
-    const auto capacity = static_cast<int64_t>(store_->options().capacity_tokens);
+    const auto capacity = static_cast<int64_t>(store_->capacity(layer));
     REVIVA_CHECK_ARG(first >= 0 && n <= capacity && first <= capacity - n,
-                     "KVStore::write: ", first + n, " tokens exceed the capacity of ", capacity,
+                     "KVStore::write: ", first + n, " tokens exceed layer ", layer,
+                     "'s capacity of ", capacity,
                      " tokens (prompt + max_new_tokens) planned for this generate call");
     if (store_->paged(layer)) {
       write_pages(layer, first, key, value);
@@ -372,11 +378,11 @@ void bind_kv_store(py::module_& m) {
                         "host memory, append blocks of an OffloadManager driven by a "
                         "PrefetchScheduler (see include/reviva/kv_store.h)")
       .def(py::init<py::object, std::shared_ptr<DeviceArena>, int, int64_t, int64_t, int64_t,
-                    py::object, int64_t, int, std::size_t, int64_t>(),
+                    py::object, int64_t, int, std::size_t, int64_t, const std::vector<int64_t>&>(),
            py::arg("engine"), py::arg("arena"), py::arg("num_layers"), py::arg("batch"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("capacity_tokens"),
            py::arg("prefetch_layers") = 2, py::arg("timeline_capacity") = 0,
-           py::arg("page_tokens") = 0)
+           py::arg("page_tokens") = 0, py::arg("layer_capacity_tokens") = std::vector<int64_t>{})
       .def("make_resident", [](PyKVStore& s, int layer) { s.store().make_resident(layer); })
       .def(
           "promote",
@@ -479,7 +485,13 @@ void bind_kv_store(py::module_& m) {
              s.store().close();
            })
       .def_property_readonly("closed", [](PyKVStore& s) { return s.store().closed(); })
-      .def_property_readonly("layer_bytes", [](PyKVStore& s) { return s.store().layer_bytes(); });
+      .def_property_readonly("layer_bytes", [](PyKVStore& s) { return s.store().layer_bytes(); })
+      .def(
+          "capacity", [](PyKVStore& s, int layer) { return s.store().capacity(layer); },
+          py::arg("layer"))
+      .def(
+          "layer_bytes_of", [](PyKVStore& s, int layer) { return s.store().layer_bytes(layer); },
+          py::arg("layer"));
 }
 
 }  // namespace reviva::python

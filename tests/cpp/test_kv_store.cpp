@@ -13,7 +13,8 @@ constexpr std::size_t kTokenBytes = 192;  // one token of one layer: its K and V
 
 struct Rig {
   Rig(std::shared_ptr<Backend> b, int layers, std::size_t capacity, int prefetch, int slots,
-      std::vector<int> resident_layers, std::size_t arena_limit = 0)
+      std::vector<int> resident_layers, std::size_t arena_limit = 0,
+      std::vector<std::size_t> layer_capacities = {})
       : backend(std::move(b)) {
     pool = PinnedHostPool::create(backend, {});
     staging = PinnedHostPool::create(backend, {});
@@ -27,6 +28,7 @@ struct Rig {
     o.token_bytes = kTokenBytes;
     o.capacity_tokens = capacity;
     o.prefetch_layers = prefetch;
+    o.layer_capacity_tokens = std::move(layer_capacities);
     store = std::make_unique<KVStore>(engine, arena, o);
     // Host copies are pinned ahead (a new slab may synchronize the device, which would wait for
     // the gates below forever): the store's allocations are then cache hits.
@@ -358,6 +360,84 @@ TEST_P(KVStoreTest, HostAttendedLayersAreReadAndWrittenOnTheHostAndNeverFetched)
   for (auto& e : rig.expected) e.clear();
   rig.step(4, 77, false);
   rig.step(0, 78);
+}
+
+TEST_P(KVStoreTest, LayersOfTheirOwnSizeHoldRingsThatWrapExactly) {
+  // Note [Layers of their own size]: layers 1 and 3 hold 12 tokens (a sliding window's ring),
+  // 0 and 2 hold 64. A ring's writes wrap: token p goes to row p mod 12, over the rows written
+  // before (a write inside the valid rows is allowed); every fetch of a streamed ring brings its
+  // 12 rows exactly as last written, its host copy is 12 rows, and a write past its own
+  // capacity is refused naming it. One slot streams layers 1-3: its room is the largest of them.
+  constexpr std::size_t kRing = 12;
+  Rig rig(backend_, 4, 64, 1, 1, {0}, 0, {64, kRing, 64, kRing});
+  EXPECT_EQ(rig.store->capacity(1), kRing);
+  EXPECT_EQ(rig.store->capacity(2), 64u);
+  EXPECT_EQ(rig.store->layer_bytes(3), kRing * kTokenBytes);
+  std::size_t tokens = 0;
+  auto pass = [&](std::size_t count, std::uint64_t seed) {
+    for (int l = 0; l < 4; ++l) {
+      void* buffer = rig.store->acquire(l, *rig.compute);
+      rig.check_contents(l, buffer);
+      const std::size_t cap = rig.store->capacity(l);
+      auto& e = rig.expected[static_cast<std::size_t>(l)];
+      for (std::size_t p = tokens; p < tokens + count; ++p) {
+        const std::size_t at = p % cap;  // (one token at a time: a wrap splits the writes)
+        rig.store->reserve(l, std::max(rig.store->length(l), at + 1));
+        PinnedBlock block = rig.staging->allocate(kTokenBytes);
+        std::vector<std::uint8_t> bytes = random_bytes(kTokenBytes, seed * 1000 + p * 10 + l);
+        std::memcpy(block.data(), bytes.data(), bytes.size());
+        rig.backend->copy_async(static_cast<char*>(buffer) + at * kTokenBytes, block.data(),
+                                bytes.size(), rig.compute->handle());
+        block.record_use(rig.compute);
+        if (e.size() < (at + 1) * kTokenBytes) e.resize((at + 1) * kTokenBytes);
+        std::copy(bytes.begin(), bytes.end(),
+                  e.begin() + static_cast<std::ptrdiff_t>(at * kTokenBytes));
+        rig.store->wrote(l, at, 1, *rig.compute);
+      }
+      rig.store->release(l, *rig.compute);
+    }
+    tokens += count;
+  };
+  pass(10, 1);                                                  // prefill: 10 tokens, no wrap yet
+  for (int s = 0; s < scaled(9); ++s) pass(1 + s % 3, 10 + s);  // wraps the rings
+  pass(0, 99);                                                  // checks every layer
+  ASSERT_GT(tokens, 2 * kRing);
+  EXPECT_EQ(rig.store->length(1), kRing) << "a wrapped ring keeps its rows valid";
+  EXPECT_EQ(rig.store->length(2), tokens);
+  rig.store->synchronize();
+  const KVStoreStats st = rig.store->stats();
+  EXPECT_EQ(st.host_bytes, (2 * kRing + 64) * kTokenBytes) << "host copies of their own size";
+  rig.store->acquire(1, *rig.compute);
+  try {
+    rig.store->wrote(1, kRing, 1, *rig.compute);
+    ADD_FAILURE() << "a write past the ring's capacity was taken";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 1's capacity of 12"), std::string::npos)
+        << e.what();
+  }
+  rig.store->release(1, *rig.compute);
+  // A ring promoted keeps its rows and takes a ring's room.
+  EXPECT_TRUE(rig.store->promote(3));
+  pass(2, 300);
+  pass(0, 301);
+  auto refused = [&](std::vector<std::size_t> caps, std::size_t page, const char* what) {
+    KVStoreOptions o;
+    o.num_layers = 2;
+    o.token_bytes = kTokenBytes;
+    o.capacity_tokens = 64;
+    o.page_tokens = page;
+    o.layer_capacity_tokens = std::move(caps);
+    try {
+      KVStore s(rig.engine, rig.arena, o);
+      ADD_FAILURE() << "taken: " << what;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused({64}, 0, "has 1 entries for 2 layers");
+  refused({64, 65}, 0, "layer_capacity_tokens[1] = 65 must be in [1, 64]");
+  refused({64, 0}, 0, "layer_capacity_tokens[1] = 0");
+  refused({64, 12}, 8, "cannot be paged");
 }
 
 TEST_P(KVStoreTest, AllResidentMovesNothing) {
