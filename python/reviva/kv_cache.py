@@ -79,6 +79,31 @@ from reviva.block_attention import attention_with_lse, merge
 # write. Paged layers are refused with beams (their rows are spread over pages).
 
 
+# Note [Window rings]
+# A sliding-window layer's query at position p reads the keys of (p - W, p] alone (Note [Sliding
+# windows] in llama_layer.py), so once a call's tokens pass its window, every older token is
+# dead weight: held on the device when the layer is resident, pinned on the host and copied each
+# step when it streams. Such a layer is kept as a ring of R = W - 1 + S tokens instead (S: the
+# most tokens written at once after the window, a prefill chunk or RING_SLACK_TOKENS at least,
+# planner.window_ring_tokens): position p lives in row p mod R of the store's block for the
+# layer, whose capacity is R (Note [Layers of their own size] in src/kv_store.cpp), so its
+# device memory, its pinned host copy and each fetch are R tokens however long the call, and the
+# planner counts it so (Plan.kv_bytes: more layers stay resident). A write of positions
+# [first, first + n) goes to rows first mod R on, in two writes where it wraps (each written
+# through to the host copy as any write); the rows of positions [high - R, high) are the ones
+# intact (high: the furthest position written). A read of positions [lo, hi) (window_kv) is a
+# view of the rows, or both pieces in position order where it wraps (a copy of at most R
+# tokens). Reviva's own attention reads the window of its first query on, with the band mask
+# in those coordinates (attend_cache); HF's own attention reads what update() returns: the
+# window's last W - 1 tokens and the new ones, as HF's DynamicSlidingWindowLayer returns them,
+# and the layer reports is_sliding and HF's mask sizes, so HF's masks start where they do. A
+# crop (assisted decoding) keeps rows intact for up to S tokens back; a returned cache holds a
+# ring layer's last W - 1 tokens, as HF's sliding layers do. Not with fp8 or paged K/V (refused
+# with short windows) nor a shared prompt, and not for layers attended on the host (the manager
+# plans without rings when the host attends: their K/V lives in host memory). REVIVA_WINDOW_RINGS=0
+# keeps every token, to compare.
+
+
 class RevivaCacheLayer(CacheLayerMixin):
     """One layer of a RevivaCache (HF's per-layer interface over the shared store)."""
 
@@ -109,7 +134,12 @@ class RevivaCacheLayer(CacheLayerMixin):
         return self._cache.get_seq_length(self._layer_idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        ring = self._cache.rings.get(self._layer_idx)
+        if ring is None:
+            return self.get_seq_length() + query_length, 0
+        # Note [Window rings]: the keys update() returns, as HF's sliding layers
+        window, length = ring[0], self.get_seq_length()
+        return min(length, window - 1) + query_length, max(length - window + 1, 0)
 
     def get_max_length(self) -> int:
         return self._cache.capacity
@@ -161,8 +191,26 @@ class RevivaCache(Cache):
         attention_kernel: str = "flash",
         share: int = 1,
         device: torch.device | None = None,
+        rings: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         super().__init__(layers=[RevivaCacheLayer(self, i) for i in range(num_layers)])
+        # Note [Window rings]: layer -> (window, ring tokens)
+        self.rings: dict[int, tuple[int, int]] = dict(rings or {})
+        for i, (window, ring) in self.rings.items():
+            if not 0 <= i < num_layers or not 1 <= window <= ring <= capacity:
+                raise ValueError(
+                    f"RevivaCache: ring of layer {i}: window {window}, {ring} tokens; needs a "
+                    f"layer in [0, {num_layers}) and 1 <= window <= ring tokens <= the capacity "
+                    f"({capacity})"
+                )
+            self.layers[i].is_sliding = True
+        if self.rings and (kv_fp8 or page_tokens or share > 1):
+            raise ValueError(
+                "RevivaCache: window rings need whole layers of bf16/fp32 K/V, one per row, got "
+                f"kv_fp8={kv_fp8}, page_tokens={page_tokens}, share={share}"
+            )
+        self._ring_len = dict.fromkeys(self.rings, 0)  # positions held
+        self._ring_high = dict.fromkeys(self.rings, 0)  # the furthest position written
         # Note [Shared prompt K/V]: `batch` rows, every `share` of them one prompt's; the store
         # holds batch // share rows (the prompts) and the rows' generated tokens live apart.
         if share < 1 or batch % share:
@@ -213,6 +261,9 @@ class RevivaCache(Cache):
             prefetch_layers,
             timeline_capacity,
             page_tokens,
+            [self.rings[i][1] if i in self.rings else capacity for i in range(num_layers)]
+            if self.rings
+            else [],
         )
         self.page_tokens = page_tokens
         for layer in resident_layers:
@@ -295,7 +346,12 @@ class RevivaCache(Cache):
                 prompt = self.store.length(i)
                 # (a host-attended layer is read where it lives: its host copy)
                 host = self.host_attended(i)
-                k, v = self.store.host_kv(i, prompt) if host else self.store.kv(i, prompt)
+                if i in self.rings:  # (its window's last tokens alone, as HF's: Note [Window rings])
+                    k, v = self.window_kv(i, max(length - self.rings[i][0] + 1, 0), length)
+                elif host:
+                    k, v = self.store.host_kv(i, prompt)
+                else:
+                    k, v = self.store.kv(i, prompt)
                 if self.share > 1:  # (one row per sequence: the prompt's rows repeated)
                     k_g, v_g = self._generated.get(i, (k[:, :, :0], v[:, :, :0]))
                     g = self._generated_len.get(i, 0)
@@ -360,6 +416,13 @@ class RevivaCache(Cache):
             elif not self.fp8:
                 k, v = k.to(self.dtype), v.to(self.dtype)
             first = max(length - k.shape[2], 0)
+            if i in self.rings:  # Note [Window rings]: the tokens a ring can hold, at their places
+                self.acquire(i)
+                try:
+                    self._load_ring(i, first, k, v, writer)
+                finally:
+                    self.release(i)
+                continue
             self.acquire(i)
             try:
                 self.reserve(i, first + k.shape[2])
@@ -370,7 +433,76 @@ class RevivaCache(Cache):
             finally:
                 self.release(i)
 
+    def _load_ring(self, i: int, first: int, k: torch.Tensor, v: torch.Tensor, writer) -> None:  # noqa: ANN001
+        """An empty ring layer takes a parked layer's tokens [first, first + n): the last ring's
+        worth of them, at their rows; rows before the first of them are zeros, never read."""
+        ring = self.rings[i][1]
+        n = k.shape[2]
+        if n > ring:
+            k, v, first, n = k[:, :, n - ring :], v[:, :, n - ring :], first + n - ring, ring
+        row = first % ring
+        if row:  # (the store's rows fill from 0: rows before the first one, zeros never read)
+            zeros = k.new_zeros(k.shape[0], k.shape[1], row, k.shape[3])
+            writer(i, 0, zeros, zeros)
+        self._ring_len[i] = self._ring_high[i] = first
+        self._write_ring(i, first, k, v, writer, bulk=True)
+
     # --- used by the layer wrappers --------------------------------------------------------------
+
+    def ring(self, layer_idx: int) -> tuple[int, int] | None:
+        """Note [Window rings]: (window, ring tokens) of a layer kept as a ring, else None."""
+        return self.rings.get(layer_idx)
+
+    def window_kv(self, layer_idx: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Note [Window rings]: an acquired ring layer's K and V of positions [lo, hi) in order,
+        [batch, kv_heads, hi - lo, D]: views of its rows, or (where they wrap) a copy of both
+        pieces. Raises when the ring no longer holds them."""
+        _, ring = self.rings[layer_idx]
+        high, length = self._ring_high[layer_idx], self._ring_len[layer_idx]
+        if not (0 <= lo <= hi <= length and hi - lo <= ring and lo >= high - ring):
+            raise RuntimeError(
+                f"RevivaCache: layer {layer_idx} is a ring of {ring} tokens holding positions "
+                f"[{max(high - ring, 0)}, {length}); positions [{lo}, {hi}) were asked"
+            )
+        k_all, v_all = self.store.kv(layer_idx, self.store.length(layer_idx))
+        start = lo % ring
+        end = start + (hi - lo)
+        if end <= ring:
+            return k_all[:, :, start:end], v_all[:, :, start:end]
+        k = torch.cat([k_all[:, :, start:], k_all[:, :, : end - ring]], dim=2)
+        v = torch.cat([v_all[:, :, start:], v_all[:, :, : end - ring]], dim=2)
+        return k, v
+
+    def _write_ring(self, i: int, first: int, key, value, writer=None, bulk=False) -> None:  # noqa: ANN001
+        """Note [Window rings]: positions [first, first + n) into rows first mod R on (at most
+        R - W + 1 of them, so that their queries' windows stay in the ring; `bulk`: a parked
+        layer's, up to R, read by later queries alone)."""
+        window, ring = self.rings[i]
+        writer = writer or self.store.write
+        n = key.shape[2]
+        limit = ring if bulk else ring - window + 1
+        if first > self._ring_len[i]:
+            raise ValueError(
+                f"RevivaCache: layer {i}'s tokens written from {first} would leave a gap after "
+                f"its {self._ring_len[i]}"
+            )
+        if n > limit:
+            raise ValueError(
+                f"RevivaCache: {n} tokens written at once into layer {i}, a ring of {ring} "
+                f"tokens for a window of {window}: at most {limit} (Note [Window rings]: the "
+                "planner sizes rings by the prefill chunk)"
+            )
+        if self.capacity < first + n:
+            raise ValueError(
+                f"RevivaCache: {first + n} tokens exceed the {self.capacity} planned for the call"
+            )
+        row = first % ring
+        head = min(n, ring - row)
+        writer(i, row, key[:, :, :head], value[:, :, :head])
+        if head < n:
+            writer(i, 0, key[:, :, head:], value[:, :, head:])
+        self._ring_len[i] = max(self._ring_len[i], first + n)
+        self._ring_high[i] = max(self._ring_high[i], first + n)
 
     def paged(self, layer_idx: int) -> bool:
         """Whether the layer's K/V lives in pages (read by page_blocks, never whole)."""
@@ -384,6 +516,11 @@ class RevivaCache(Cache):
         """Note [Attention on the host] (src/host_attention.cpp): the streamed layer's K/V stays
         in its pinned host copy from now on; decode steps write their rows there and attend them
         on the host's cores (host_attend). It leaves the device and is never fetched again."""
+        if layer_idx in self.rings:
+            raise RuntimeError(
+                f"RevivaCache: layer {layer_idx} is a window ring (Note [Window rings]); the host "
+                "attends whole layers (the manager plans without rings when the host attends)"
+            )
         self.store.attend_on_host(layer_idx)
         self._host_layers.add(layer_idx)
 
@@ -484,7 +621,7 @@ class RevivaCache(Cache):
                 k[:, :, :n] = k[rows, :, :n]
                 v[:, :, :n] = v[rows, :, :n]
             return
-        self._beam_prefix.setdefault(layer_idx, self.store.length(layer_idx))
+        self._beam_prefix.setdefault(layer_idx, self.get_seq_length(layer_idx))
         earlier = self._pending_rows.get(layer_idx)
         beam_idx = beam_idx.to(torch.long)
         # (row j after both reorders is row earlier[beam_idx[j]] before either)
@@ -494,6 +631,15 @@ class RevivaCache(Cache):
         """Rewrites the acquired layer's generated tokens [prompt, length) with each row taken
         from `rows` (written through to its host copy like any write)."""
         first, length = self._beam_prefix[layer_idx], self.store.length(layer_idx)
+        if layer_idx in self.rings:  # (positions: the generated ones the ring still holds)
+            length = self._ring_len[layer_idx]
+            first = max(first, length - self.rings[layer_idx][1], self._ring_high[layer_idx] - self.rings[layer_idx][1])
+            if length <= first:
+                return
+            k, v = self.window_kv(layer_idx, first, length)
+            rows = rows.to(k.device)
+            self._write_ring(layer_idx, first, k[rows], v[rows], bulk=True)
+            return
         if length <= first:
             return
         k, v = self.store.kv(layer_idx, length)  # (fp8: uint8 rows, moved as they are)
@@ -511,6 +657,8 @@ class RevivaCache(Cache):
     def reserve(self, layer_idx: int, tokens: int) -> None:
         """Maps an acquired whole layer's first `tokens` tokens at once (a paged layer maps its
         pages as they are written)."""
+        if layer_idx in self.rings:  # (a ring holds its rows at most)
+            tokens = min(tokens, self.rings[layer_idx][1])
         if not self.paged(layer_idx):
             self.store.reserve(layer_idx, tokens)
 
@@ -553,6 +701,9 @@ class RevivaCache(Cache):
         the tokens after it one row per sequence (into the generated rows)."""
         if self.share > 1 and key.shape[0] == self.batch:
             self._write_generated(layer_idx, first, key, value)
+            return
+        if layer_idx in self.rings:
+            self._write_ring(layer_idx, first, key, value)
             return
         if not self.fp8:
             self.store.write(layer_idx, first, key, value)
@@ -626,6 +777,26 @@ class RevivaCache(Cache):
     def truncate(self, layer_idx: int, tokens: int) -> None:
         """Keeps the layer's first `tokens` tokens (a rollback: rejected candidates of assisted
         decoding); the next write continues from there. Not while the layer is acquired."""
+        if layer_idx in self.rings:
+            window, ring = self.rings[layer_idx]
+            high = self._ring_high[layer_idx]
+            if tokens > self._ring_len[layer_idx]:
+                raise ValueError(
+                    f"RevivaCache: truncate layer {layer_idx} to {tokens} tokens, of "
+                    f"{self._ring_len[layer_idx]}"
+                )
+            if high <= ring:  # (never wrapped: its rows are its positions)
+                self.store.truncate(layer_idx, tokens)
+                self._ring_high[layer_idx] = tokens
+            elif max(tokens - window + 1, 0) < high - ring:
+                raise ValueError(
+                    f"RevivaCache: layer {layer_idx} is a ring of {ring} tokens (window "
+                    f"{window}) that wrote up to {high}: cut back to {tokens}, its window's "
+                    "tokens are overwritten (Note [Window rings]: at most "
+                    f"{ring - window + 1} tokens back)"
+                )
+            self._ring_len[layer_idx] = tokens
+            return
         if self.share > 1:
             prompt = self.store.length(layer_idx)
             if tokens >= prompt:
@@ -647,6 +818,8 @@ class RevivaCache(Cache):
                 f"RevivaCache: layer {layer_idx} is paged (kv_page_tokens={self.page_tokens}): "
                 "it is read page by page (page_blocks), never as a whole layer"
             )
+        if layer_idx in self.rings:  # (whole only while its rows are its positions)
+            return self.window_kv(layer_idx, 0, length)
         return self.store.kv(layer_idx, length)
 
     def rows(self, layer_idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -673,6 +846,11 @@ class RevivaCache(Cache):
             raise ValueError(
                 f"RevivaCache: batch {key.shape[0]} differs from the planned batch {self.batch}"
             )
+        if layer_idx in self.rings:  # Note [Window rings]: as HF's DynamicSlidingWindowLayer
+            first = self._ring_len[layer_idx]
+            self.write(layer_idx, first, key, value)
+            lo = max(first - self.rings[layer_idx][0] + 1, 0)
+            return self.window_kv(layer_idx, lo, first + key.shape[2])
         first = self.store.length(layer_idx)
         self.write(layer_idx, first, key, value)
         return self.view(layer_idx, first + key.shape[2])
@@ -682,6 +860,8 @@ class RevivaCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self.parked is not None:
             return self.parked_length
+        if layer_idx in self.rings:
+            return self._ring_len[layer_idx]
         return self.store.length(layer_idx) + self._generated_len.get(layer_idx, 0)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -695,6 +875,8 @@ class RevivaCache(Cache):
         self.store.clear()
         self._host_layers.clear()
         self._generated_len.clear()
+        for i in self.rings:
+            self._ring_len[i] = self._ring_high[i] = 0
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         # (several sequences per prompt repeat the prompt's rows before prefill, when the cache

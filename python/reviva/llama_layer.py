@@ -77,7 +77,8 @@ class LlamaLayerPath:
             cache.reserve(i, past + h.shape[1])
             if past:
                 self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, None, past)
-            elif whole or not plan.whole_attention or cache.paged(i):  # (pages: by chunks)
+            elif whole or not plan.whole_attention or cache.paged(i) or cache.ring(i):
+                # (pages and rings: by chunks, Note [Window rings] in kv_cache.py)
                 with cache.prefill_order(i, h.shape[1], plan.chunk_tokens):
                     self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, interface)
             else:
@@ -426,6 +427,14 @@ def attend_cache(
             )
         blocks = itertools.chain(earlier, [(k, v, first)])
         return block_attention(q, blocks, first, scale, cache.attention_kernel)
+    ring = cache.ring(i)
+    if ring is not None:  # Note [Window rings] (kv_cache.py): from the first query's window on
+        lo = max(first - ring[0] + 1, 0)
+        k_w, v_w = cache.window_kv(i, lo, last)
+        rows = None if mask is None else mask[:, :, :, lo:]
+        return chunk_attention(
+            q, k_w, v_w, rows, first - lo, last - lo, scale, cache.attention_kernel, ring[0]
+        )
     if not cache.fp8:
         k_all, v_all = cache.view(i, last)
         return chunk_attention(
@@ -463,8 +472,9 @@ def chunk_attention(
     mask: HF's 4D mask (padding) of these queries, [B, 1, n, >= end], or None.
     kernel "cudnn": the earlier keys and the chunk's own in two calls merged by log-sum-exp
     (Note [Prefill attention kernel] in block_attention.py)."""
-    if window is not None and start - window + 1 > 0:
-        lo = start - window + 1  # the first query's oldest key: older ones are outside every window
+    if window is not None and end > window:  # (some query's window leaves keys out)
+        # the first query's oldest key: older ones are outside every window
+        lo = max(start - window + 1, 0)
         n = end - start
         if mask is not None:  # HF's sliding mask (with padding): its columns in the window
             band = mask[:, :, :, lo:end]

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -692,9 +692,11 @@ class RevivaManager:
         # (layers attended on the host need no slot: their room goes to promotions too, and
         # the last slot goes once they are on the host, _attend_on_host_after_prefill)
         host = self._phase.get("host_attention", False)
-        count = plan.promotable_layers(host)
-        # (Note [Weights first when the host attends]: the weights promoted took room first)
-        count -= -(-self._phase.get("weight_promoted_bytes", 0) // plan.layer_kv_bytes)
+        # (Note [Weights first when the host attends]: the weights promoted took room first, in
+        # whole layers' K/V)
+        taken = -(-self._phase.get("weight_promoted_bytes", 0) // plan.layer_kv_bytes)
+        full_count, ring_count = plan.promotable_split(host, taken * plan.layer_kv_bytes)
+        count = full_count + ring_count
         if count <= 0:
             return
         for _ in range(plan.slots - (min(plan.decode_slots, 1) if host else plan.decode_slots)):
@@ -702,10 +704,12 @@ class RevivaManager:
         cuda = self.layout.device.type == "cuda"
         if cuda:
             torch.cuda.empty_cache()  # prefill's cached working set: the device's again
-        streamed = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
+        streamed = list(plan.streamed_layer_ids)
         # Note [Fetch tails]: a sliding layer streamed moves its window a step, a full one all
-        # its tokens: full layers are promoted first
-        full = [i for i in streamed if i not in cache.fetch_windows]
+        # its tokens: full layers are promoted first. Rings (Note [Window rings] in
+        # kv_cache.py) take the room left, by their own bytes.
+        rings = [i for i in streamed if i in plan.ring_layers]
+        full = [i for i in streamed if i not in cache.fetch_windows and i not in rings]
         windowed = [i for i in streamed if i in cache.fetch_windows]
         if host and self.weights is not None:
             # Note [Weights first when the host attends]: a layer whose weights stay has no copy
@@ -716,8 +720,9 @@ class RevivaManager:
             more = int(count) - len(picks)
             picks += [rest[k] for k in spread(min(more, len(rest)), len(rest))]
         else:
-            picks = [full[k] for k in spread(min(int(count), len(full)), len(full))]
-            picks += [windowed[k] for k in spread(int(count) - len(picks), len(windowed))]
+            picks = [full[k] for k in spread(min(full_count, len(full)), len(full))]
+            picks += [windowed[k] for k in spread(full_count - len(picks), len(windowed))]
+            picks += [rings[k] for k in spread(ring_count, len(rings))]
         promoted = refused = 0
         first_refusal: dict | None = None
         for layer in picks:
@@ -726,7 +731,7 @@ class RevivaManager:
                 # arena's to map again: freed weight slots and dropped K/V slots are there)
                 free = torch.cuda.mem_get_info(self.layout.device)[0]
                 free += int(self.arena.stats()["retiring_bytes"])
-                if free < plan.layer_kv_bytes + plan.decode_working_set:
+                if free < plan.kv_bytes(layer) + plan.decode_working_set:
                     refused += 1
                     first_refusal = first_refusal or self._refusal_state("device", free, promoted)
                     continue
@@ -916,11 +921,15 @@ class RevivaManager:
         new_tokens: int,
         padded: bool = False,
         past_tokens: int = 0,
+        rings: bool | None = None,
     ) -> Plan:
         """How a generate call of this shape would use the budget now (reviva.planner); raises
         RevivaOutOfMemoryError naming the numbers when even one layer's K/V cannot fit.
         past_tokens: the tokens of a returned cache the call continues from, before its
-        prompt_tokens."""
+        prompt_tokens. rings: sliding layers kept as rings of their window (Note [Window rings]
+        in kv_cache.py); None: as generate decides (yes, unless REVIVA_WINDOW_RINGS=0)."""
+        if rings is None:
+            rings = _rings_wanted()
         state = device_state(self.layout, self.arena, self._streamed_param_bytes())
         host = host_state(self.pool)
         w = self.weights
@@ -937,6 +946,7 @@ class RevivaManager:
             weight_layer_bytes=max(w.layer_device_bytes) if w is not None else 0,
             weight_decode_slot_bytes=w.decode_slot_bytes if w is not None else 0,
             past_tokens=past_tokens,
+            rings=rings,
         )
 
     def budget_for(
@@ -968,8 +978,7 @@ class RevivaManager:
         will need now. Optional: a call pins what the pool lacks before its compute starts, and
         the process's pool keeps it for later calls."""
         plan = self.plan(batch, prompt_tokens, new_tokens, padded=padded)
-        if plan.streamed_layers:
-            self.pool.reserve(plan.streamed_layers, plan.host_bytes // plan.streamed_layers)
+        _reserve_host_copies(self.pool, plan, plan.streamed_layer_ids)
         return plan
 
     def offload_activations(self, min_bytes: int = 0) -> Any:
@@ -1079,10 +1088,15 @@ class RevivaManager:
         share = 1 if continued else self._share_rows(rows, tokens + new_tokens, padded, gen, kwargs)
         # (a continued call's prefill runs the tokens after the returned cache's alone)
         past_tokens = 0 if continued is None else continued[2]
-        plan = self.plan(batch // share, tokens - past_tokens, new_tokens, padded, past_tokens)
+        # Note [Window rings] (kv_cache.py): not for a padded batch continuing a returned cache
+        # (HF's mask of its new tokens would start at the ring's first token)
+        rings = _rings_wanted() and not (continued is not None and padded)
+        plan = self.plan(
+            batch // share, tokens - past_tokens, new_tokens, padded, past_tokens, rings
+        )
         if share > 1 and (plan.kv_fp8 or plan.page_tokens or plan.residual_on_host):
             share = 1  # (K/V attended by blocks or pages, or a prefill from the host: per row)
-            plan = self.plan(batch, tokens, new_tokens, padded=padded)
+            plan = self.plan(batch, tokens, new_tokens, padded=padded, rings=rings)
         if continued is not None and plan.residual_on_host:
             raise ValueError(
                 "RevivaManager.generate: continuing from a returned cache (past_key_values) with "
@@ -1144,6 +1158,12 @@ class RevivaManager:
         self._phase["t0"] = time.perf_counter()  # (the call's start on the host: Note [Traces])
         self._phase["padded"] = padded
         self._phase["host_attention"] = self._decode_attention_on_host(plan, beams, padded, share)
+        if self._phase["host_attention"] and plan.ring_layers:
+            # (the host attends whole layers: its K/V is in host memory, where a ring saves
+            # little; Note [Window rings] in kv_cache.py)
+            plan = self.plan(
+                batch // share, tokens - past_tokens, new_tokens, padded, past_tokens, False
+            )
         self._ranges.close()
         self._ranges.push("reviva.generate")
         self._ranges.push("reviva.prefill")
@@ -1199,6 +1219,7 @@ class RevivaManager:
                 attention_kernel=self._call_kernel,
                 share=share,
                 device=self.layout.device,
+                rings={i: (self.layout.windows[i], plan.ring_tokens) for i in plan.ring_layers},
             )
             self._phase["store_host"] = time.perf_counter()  # (its timeline's origin)
             if plan.page_slots:
@@ -1214,7 +1235,11 @@ class RevivaManager:
             ):
                 # Note [Fetch tails] (src/offload_manager.cpp): a sliding layer's reads are all
                 # Reviva's own window-sliced calls here, so its fetches copy its window alone
-                cache.set_fetch_windows(self.layout.windows_shorter_than(plan.capacity))
+                # (a ring is fetched whole: it is its window already)
+                windows = self.layout.windows_shorter_than(plan.capacity)
+                cache.set_fetch_windows(
+                    {i: w for i, w in windows.items() if i not in plan.ring_layers}
+                )
             setup["cache_made"] = (time.perf_counter() - t_setup) * 1e3
             self._cache, self._plan = cache, plan
             self._share = share
@@ -1314,16 +1339,16 @@ class RevivaManager:
         if plan.streamed_layers == 0:
             return 0.0
         t = time.perf_counter()
-        count, size = plan.streamed_layers, plan.host_bytes // plan.streamed_layers
+        streamed = plan.streamed_layer_ids
         self._phase["pin_mode"] = _pin_mode()
         if self._phase["pin_mode"] == "before_compute":
-            self.pool.reserve(count, size)
+            _reserve_host_copies(self.pool, plan, streamed)
             return time.perf_counter() - t
-        early = range(min(_PIN_AFTER_LAYER, plan.num_layers))
-        first = sum(1 for i in early if i not in plan.resident_layers)
+        first = [i for i in streamed if i < _PIN_AFTER_LAYER]
+        rest = [i for i in streamed if i >= _PIN_AFTER_LAYER]
         if first:
-            self.pool.reserve(first, size)
-        if first == count:
+            _reserve_host_copies(self.pool, plan, first)
+        if not rest:
             return time.perf_counter() - t
         go = threading.Event()
 
@@ -1334,7 +1359,7 @@ class RevivaManager:
             t0 = time.perf_counter()
             try:
                 # (the early layers hold their blocks by now: layer 2 is issued after them)
-                self.pool.reserve(count - first, size)
+                _reserve_host_copies(self.pool, plan, rest)
             except Exception as e:  # noqa: BLE001 (the call's own allocations raise theirs)
                 self._phase["pin_error"] = f"{type(e).__name__}: {e}"[:300]
             finally:
@@ -1474,7 +1499,8 @@ class RevivaManager:
         decode_s = self._elapsed_s(prefill_end, ph["end"])
         steps = ph.get("decode_steps", 0)
         layer_kv = plan.layer_kv_bytes
-        kv_total = plan.num_layers * plan.capacity * plan.kv_token_bytes
+        # (rings hold their rows alone: Note [Window rings] in kv_cache.py)
+        kv_total = sum(plan.kv_tokens(i) for i in range(plan.num_layers)) * plan.kv_token_bytes
         # Compute's waits for K/V fetches: the store's manager's meter (the one stall meter of
         # the residency engine; the store is the call's own).
         stall_ms = st["compute_stall_ms"]
@@ -1545,6 +1571,8 @@ class RevivaManager:
             shared_prompt_rows=cache.share,
             # Note [Fetch tails]: sliding layers fetched as their window alone
             fetch_window_layers=len(cache.fetch_windows),
+            window_ring_layers=len(cache.rings),
+            window_ring_tokens=plan.ring_tokens if cache.rings else 0,
             generated_rows_bytes=cache.generated_bytes,
             resident_layers=resident_end,
             # which layers' K/V streamed at the call's end (decode, after promotions)
@@ -1703,3 +1731,20 @@ class RevivaManager:
         a mapping too (`stats["streamed_layers"]`, `stats.to_dict()` for JSON). None before any
         call."""
         return self._last_stats
+
+
+def _rings_wanted() -> bool:
+    """Note [Window rings] (kv_cache.py): whether calls keep sliding layers as rings
+    (REVIVA_WINDOW_RINGS=0 keeps every token, to compare)."""
+    return os.environ.get("REVIVA_WINDOW_RINGS", "1") != "0"
+
+
+def _reserve_host_copies(pool: Any, plan: Plan, layers: Iterable[int]) -> None:
+    """Pins the host copies of these streamed layers now, each of its own size (a ring's or the
+    call's: Note [Window rings] in kv_cache.py)."""
+    sizes: dict[int, int] = {}
+    for i in layers:
+        size = plan.kv_tokens(i) * plan.kv_token_bytes
+        sizes[size] = sizes.get(size, 0) + 1
+    for size, count in sizes.items():
+        pool.reserve(count, size)

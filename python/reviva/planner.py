@@ -218,6 +218,32 @@ class Plan:
     # Note [A returned cache] (kv_cache.py): tokens whose K/V a continued call starts from; its
     # prefill runs prompt_tokens more after them, attending all of them
     past_tokens: int = 0
+    # Note [Window rings] (kv_cache.py): sliding layers kept as rings of ring_tokens tokens
+    # (ring_kv_bytes each, in arena granules) instead of the call's capacity; () / 0: none
+    ring_tokens: int = 0
+    ring_layers: tuple[int, ...] = ()
+    ring_kv_bytes: int = 0
+
+    def kv_bytes(self, layer: int) -> int:
+        """Layer `layer`'s K/V at its most, in arena granules: its ring's, or the call's."""
+        return self.ring_kv_bytes if layer in self.ring_layers else self.layer_kv_bytes
+
+    def kv_tokens(self, layer: int) -> int:
+        """The tokens layer `layer` holds at most (its ring's, or the call's capacity)."""
+        return self.ring_tokens if layer in self.ring_layers else self.capacity
+
+    @property
+    def streamed_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.resident_layers)
+
+    @property
+    def slot_kv_bytes(self) -> int:
+        """A slot's room: the largest streamed layer's K/V (a slot holds any of them)."""
+        return max((self.kv_bytes(i) for i in self.streamed_layer_ids), default=self.layer_kv_bytes)
+
+    @property
+    def resident_kv_bytes(self) -> int:
+        return sum(self.kv_bytes(i) for i in self.resident_layers)
 
     @property
     def streamed_weight_layers(self) -> int:
@@ -265,7 +291,7 @@ class Plan:
     @property
     def host_bytes(self) -> int:
         """Pinned bytes of the streamed layers' host copies."""
-        return self.streamed_layers * self.capacity * self.kv_token_bytes
+        return sum(self.kv_tokens(i) for i in self.streamed_layer_ids) * self.kv_token_bytes
 
     def decode_room(self, host_attention: bool = False) -> int:
         """The bytes left in decode for promotions (may be < 0): the budget less the baseline,
@@ -274,16 +300,28 @@ class Plan:
         the weights' decode room (with host_attention, a block more: Note [Decode rooms when the
         host attends] in reviva/weights.py)."""
         slots = 0 if host_attention else self.decode_slots
-        held = (len(self.resident_layers) + slots) * self.layer_kv_bytes
+        held = self.resident_kv_bytes + slots * self.slot_kv_bytes
         held += self.page_slots * self.page_bytes + self.weight_decode_device_bytes
         if host_attention and self.streamed_weight_layers > 0:
             held += (HOST_DECODE_ROOMS - DECODE_ROOMS) * self.weight_decode_block_bytes
         return self.budget - self.baseline - self.decode_working_set - held
 
     def promotable_layers(self, host_attention: bool = False) -> int:
-        """Streamed layers whose K/V fits in decode_room once prefill's working set is gone."""
-        room = self.decode_room(host_attention)
-        return min(max(room, 0) // self.layer_kv_bytes, self.streamed_layers)
+        """Streamed layers whose K/V fits in decode_room once prefill's working set is gone
+        (full layers first, then rings: promotable_split)."""
+        return sum(self.promotable_split(host_attention))
+
+    def promotable_split(self, host_attention: bool = False, taken: int = 0) -> tuple[int, int]:
+        """(full layers, rings) of the streamed ones that decode_room (less `taken` bytes)
+        holds: full layers first (each saves the call's K/V a step), then rings (Note [Window
+        rings] in kv_cache.py) in what is left."""
+        room = max(self.decode_room(host_attention) - taken, 0)
+        streamed = self.streamed_layer_ids
+        rings = sum(1 for i in streamed if i in self.ring_layers)
+        full = min(room // self.layer_kv_bytes, len(streamed) - rings)
+        room -= full * self.layer_kv_bytes
+        ring = min(room // self.ring_kv_bytes, rings) if rings else 0
+        return int(full), int(ring)
 
 
 def _check_shape(batch: int, prompt_tokens: int, new_tokens: int) -> None:
@@ -310,6 +348,7 @@ def make_plan(
     weight_layer_bytes: int = 0,
     weight_decode_slot_bytes: int = 0,
     past_tokens: int = 0,
+    rings: bool = False,
 ) -> Plan:
     """How a generate call of this shape uses the budget; raises RevivaOutOfMemoryError naming
     the numbers when the weights, the minimum working set and one layer's K/V do not fit, or
@@ -330,7 +369,10 @@ def make_plan(
 
     past_tokens: a call continued from a returned cache (Note [A returned cache] in kv_cache.py)
     holds that many tokens' K/V before its prefill of prompt_tokens: the K/V is planned for all of
-    them, the working set for the prompt_tokens' queries over every key."""
+    them, the working set for the prompt_tokens' queries over every key.
+
+    rings: sliding-window layers whose window leaves keys out keep a ring of their window (Note
+    [Window rings] in kv_cache.py): each is planned by its ring's bytes, not the call's."""
     _check_shape(batch, prompt_tokens, new_tokens)
     if isinstance(past_tokens, bool) or not isinstance(past_tokens, int) or past_tokens < 0:
         raise ValueError(f"plan: past_tokens must be an int >= 0, got {past_tokens!r}")
@@ -356,6 +398,7 @@ def make_plan(
         host,
         weights,
         past_tokens,
+        rings,
     )
     mode = config.prefill_residual
     if mode == "host":
@@ -380,6 +423,7 @@ def _make_plan(
     host: HostState | None,
     weights: tuple[int, int, int],
     past_tokens: int,
+    rings: bool,
     host_residual: bool,
 ) -> Plan:
     lay = layout
@@ -493,8 +537,21 @@ def _make_plan(
     working = max(prefill + margin, decode + decode_margin)
     avail = budget - baseline - working
     unit = page_bytes if paged else layer_kv
+    # Note [Window rings] (kv_cache.py): sliding layers as rings of ring_tokens, planned apart
+    ring_tokens = window_ring_tokens(lay, capacity, chunk) if rings and not (fp8 or paged) else 0
+    ring_ids = tuple(i for i, w in enumerate(lay.windows) if ring_tokens and w is not None)
+    ring_kv = _round_up(ring_tokens * kv_token, state.granularity) if ring_ids else 0
     mix = _residency(
-        avail, n, layer_kv, unit, window, weight_layers, weight_bytes, model.weight_slots
+        avail,
+        n - len(ring_ids),
+        layer_kv,
+        unit,
+        window,
+        weight_layers,
+        weight_bytes,
+        model.weight_slots,
+        len(ring_ids),
+        ring_kv,
     )
     if mix is None:
         capped = (
@@ -522,7 +579,15 @@ def _make_plan(
             + ("lower kv_page_tokens or chunk_tokens" if paged else "lower chunk_tokens")
             + ", or shorten the prompt."
         )
-    resident, staged, weight_resident, weight_slots = mix
+    resident_full, resident_rings, staged, weight_resident, weight_slots = mix
+    resident = resident_full + resident_rings
+    full_ids = [i for i in range(n) if i not in ring_ids]
+    resident_ids = tuple(
+        sorted(
+            [full_ids[k] for k in spread(resident_full, len(full_ids))]
+            + [ring_ids[k] for k in spread(resident_rings, len(ring_ids))]
+        )
+    )
     if resident >= n:
         slots, page_slots, prefetch = 0, 0, window
     else:
@@ -549,7 +614,7 @@ def _make_plan(
             if weight_layers > weight_resident
             else model.decode_slots,
         ),
-        resident_layers=spread(int(resident), n),
+        resident_layers=resident_ids,
         slots=slots,
         prefetch_layers=prefetch,
         num_layers=n,
@@ -570,6 +635,9 @@ def _make_plan(
         # [Streamed weights] in src/weight_store.cpp)
         weight_prefetch_layers=min(window, weight_slots),
         past_tokens=past_tokens,
+        ring_tokens=ring_tokens,
+        ring_layers=ring_ids,
+        ring_kv_bytes=ring_kv,
     )
     host_cap = config.host_memory_bytes()
     pinned = plan.pinned_host_bytes
@@ -681,37 +749,59 @@ def _residency(
     weight_layers: int,
     weight_bytes: int,
     weight_slots: int,
-) -> tuple[int, int, int, int] | None:
-    """How `avail` bytes are shared: (resident K/V layers, K/V staging units, resident weight
-    layers, weight slots), or None when not even the least of each fits. K/V streams through
-    up to window + 1 units (pages, or whole layers) of staging room, narrowed before failing;
-    streamed weights through weight_slots layers' room, narrowed to one where the rest does not
-    fit. Of the mixes, the one with the most bytes resident, then the most weights (make_plan's
-    docstring says why): so a second weight slot is given up where a layer more stays resident
-    with one (MemoryModel.weight_slots)."""
-    best: tuple[int, tuple[int, int, int, int]] | None = None
+    rings: int = 0,
+    ring_kv: int = 0,
+) -> tuple[int, int, int, int, int] | None:
+    """How `avail` bytes are shared: (resident full K/V layers, resident rings, K/V staging
+    units, resident weight layers, weight slots), or None when not even the least of each fits.
+    K/V streams through up to window + 1 units (pages, or whole layers: the largest that
+    streams) of staging room, narrowed before failing; streamed weights through weight_slots
+    layers' room, narrowed to one where the rest does not fit. `n` full layers of layer_kv,
+    `rings` ring layers of ring_kv (Note [Window rings] in kv_cache.py): rings are kept first
+    (a byte kept saves a byte a step either way, and a ring is a whole layer fewer streamed
+    for fewer bytes), and where every full layer stays the slots are a ring's. Of the mixes,
+    the one with the most bytes resident, then the most weights (make_plan's docstring says
+    why): so a second weight slot is given up where a layer more stays resident with one
+    (MemoryModel.weight_slots)."""
+
+    def staged_for(room: int, size: int) -> int | None:
+        staged = window + 1
+        while staged > 1 and room < staged * size:
+            staged -= 1  # a narrower window before failing: still correct, less overlap
+        return staged if room >= staged * size else None
+
+    best: tuple[tuple[int, int], tuple[int, int, int, int, int]] | None = None
     for w in range(weight_layers, -1, -1):
         room = avail - w * weight_bytes
         wslots = 0
         if w < weight_layers:
             wslots = weight_slots
-            while wslots > 1 and room - wslots * weight_bytes < unit:
+            while wslots > 1 and room - wslots * weight_bytes < min(unit, ring_kv or unit):
                 wslots -= 1
             room -= wslots * weight_bytes
         if room < 0:
             continue
-        if room >= n * layer_kv:
-            kv = (n, 0)
+        options: list[tuple[int, int, int]] = []  # (full, rings, staged)
+        if room >= n * layer_kv + rings * ring_kv:
+            options.append((n, rings, 0))
         else:
-            staged = window + 1
-            while staged > 1 and room < staged * unit:
-                staged -= 1  # a narrower window before failing: still correct, less overlap
-            if room < staged * unit:
-                continue
-            kv = (min(n, (room - staged * unit) // layer_kv), staged)
-        held = w * weight_bytes + kv[0] * layer_kv
-        if best is None or held > best[0]:
-            best = (held, (kv[0], kv[1], w, wslots))
+            if rings and room >= n * layer_kv:  # every full layer kept: ring-sized slots
+                staged = staged_for(room - n * layer_kv, ring_kv)
+                if staged is not None:
+                    left = room - n * layer_kv - staged * ring_kv
+                    options.append((n, min(rings, left // ring_kv), staged))
+            if n:  # full layers stream: slots of a full layer's, rings kept first
+                staged = staged_for(room, unit)
+                if staged is not None:
+                    left = room - staged * unit
+                    kept_rings = min(rings, left // ring_kv) if rings else 0
+                    left -= kept_rings * ring_kv
+                    options.append((min(n, left // layer_kv), kept_rings, staged))
+        for full, kept_rings, staged in options:
+            held = w * weight_bytes + full * layer_kv + kept_rings * ring_kv
+            key = (held, full + kept_rings)
+            if best is None or key > best[0]:
+                best = (key, (full, kept_rings, staged, w, wslots))
     return None if best is None else best[1]
 
 
@@ -779,6 +869,24 @@ def host_attention_pays(plan: Plan, model: MemoryModel = MODEL) -> bool:
         return False
     host = host_decode_mix(plan, model).step_s
     return host <= model.host_attention_margin * device_decode_step_s(plan, model)
+
+
+# Note [Window rings] (kv_cache.py): a ring holds a window and room for the most tokens written
+# at once after it (a prefill chunk, or assisted decoding's candidates: RING_SLACK_TOKENS at least)
+RING_SLACK_TOKENS = 256
+
+
+def window_ring_tokens(layout: DecoderLayout, capacity: int, chunk: int) -> int:
+    """The tokens of each sliding layer's ring for a call of `capacity` tokens in `chunk`-token
+    prefill chunks (Note [Window rings] in kv_cache.py), or 0 where no layer gains from one: no
+    sliding layer, windows of more than one length (HF's masks take one per call), or a ring
+    no shorter than the call."""
+    windows = {w for w in layout.windows if w is not None}
+    if len(windows) != 1:
+        return 0
+    (w,) = windows
+    ring = w - 1 + max(chunk, RING_SLACK_TOKENS)
+    return ring if ring < capacity else 0
 
 
 def spread(count: int, total: int) -> tuple[int, ...]:

@@ -168,6 +168,9 @@ class GenerateStats(Mapping[str, Any]):
     # A call continuing from a returned cache, and the cache it returned (Note [A returned cache])
     continued_tokens: int = 0
     returned_cache_host_bytes: int = 0
+    # Note [Window rings]: sliding layers kept as rings of their window (and the rows of each)
+    window_ring_layers: int = 0
+    window_ring_tokens: int = 0
 
     # Mapping: the dict view (the phases as dicts)
     def __getitem__(self, key: str) -> Any:

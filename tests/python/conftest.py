@@ -79,3 +79,14 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     return g
+
+
+@pytest.fixture(autouse=True)
+def _small_ring_slack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Window rings] (reviva/kv_cache.py): a ring holds its window and at least
+    RING_SLACK_TOKENS (256) more, longer than the tiny models' calls; 8 here, so that every test
+    of a sliding family (windows of 16, calls of ~200 tokens) runs its sliding layers as rings
+    that wrap. (test_plan_cli checks the planner's own value.)"""
+    import reviva.planner
+
+    monkeypatch.setattr(reviva.planner, "RING_SLACK_TOKENS", 8)

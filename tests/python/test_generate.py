@@ -404,7 +404,9 @@ def test_sliding_layers_move_only_their_window(
     copy its last 16 tokens, not all 150-189: counted against the same calls with whole fetches
     (REVIVA_FETCH_WINDOWS=0), plain HF's tokens both ways. Gemma 2 alternates sliding and global
     layers: the global ones are promoted first (a promoted sliding layer would save 16 tokens a
-    step, a global one all of its)."""
+    step, a global one all of its). Without rings (Note [Window rings] in kv_cache.py, where a
+    ring is its window already; test_window_rings_hold_their_window)."""
+    monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
     model = tiny_model(family, seed=7)
     windows = [sliding_window(layer.self_attn) for layer in model.model.layers]
     sliding = {i for i, w in enumerate(windows) if w == 16}
@@ -452,15 +454,93 @@ def test_sliding_layers_move_only_their_window(
     assert manager.get_memory_stats()["fetch_window_layers"] == len(sliding)
 
 
-@pytest.mark.parametrize("n", [1, 5, 48])
-def test_chunk_attention_within_a_sliding_window_is_the_band_masked_attention(n: int) -> None:
+@pytest.mark.parametrize("family", list(SLIDING))
+def test_window_rings_hold_their_window(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Window rings] (kv_cache.py): a sliding layer whose window (16) leaves tokens out
+    of the call (150 + 40) is kept as a ring of 15 + 48 rows (48-token chunks), which wraps:
+    plain HF's tokens with HF's decode path and Reviva's own, and, against the same call with
+    every token kept (REVIVA_WINDOW_RINGS=0): each streamed ring's host copy and each fetch of it
+    are its 63 rows, counted exactly; the cache's bytes are the rings' rows and the full layers'
+    tokens; a returned cache holds a ring's last 15 tokens and the next turn continues from it
+    with HF's tokens; an assistant's candidates are cut back inside the ring."""
+    model = tiny_model(family, seed=7)
+    windows = [sliding_window(layer.self_attn) for layer in model.model.layers]
+    sliding = [i for i, w in enumerate(windows) if w == 16]
+    ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(8))
+    ref = model.generate(ids, max_new_tokens=40, do_sample=False)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    row = 2 * cfg.num_key_value_heads * head_dim * 4  # one token's K and V, fp32
+    ring, n = 15 + 48, len(windows)
+    runs = {}
+    for rings in (True, False):
+        monkeypatch.setenv("REVIVA_WINDOW_RINGS", "1" if rings else "0")
+        for own in (False, True):
+            config = RevivaConfig(vram_budget=budget_for(model, 1, 150, 40, 1, 48), chunk_tokens=48)
+            manager = RevivaManager(model, config)
+            manager._own_decode = own  # (the CUDA half-precision path's decode, here on the CPU)
+            out = manager.generate(ids, max_new_tokens=40, do_sample=False)
+            assert torch.equal(out, ref), f"rings {rings} own {own}: {(out != ref).sum()} differ"
+            st = manager.get_memory_stats()
+            runs[rings, own] = st
+    st, st0 = runs[True, True], runs[False, True]
+    assert st["window_ring_layers"] == len(sliding) and st["window_ring_tokens"] == ring, st
+    assert st0["window_ring_layers"] == 0
+    tokens = [ring if i in sliding else 190 for i in range(n)]
+    assert st["kv_cache_bytes"] == sum(tokens) * row and st0["kv_cache_bytes"] == n * 190 * row
+    streamed = st["streamed_layer_ids"]
+    assert streamed and st["host_bytes"] == sum(tokens[i] for i in streamed) * row, st
+    assert st0["host_bytes"] == len(st0["streamed_layer_ids"]) * 190 * row
+    # Each decode step fetches a streamed ring's rows: every one of them once it has wrapped.
+    rings_streamed = [i for i in streamed if i in sliding]
+    assert rings_streamed, streamed
+    for own in (False, True):
+        moved = runs[True, own]["decode"]["bytes_to_device"]
+        full = [i for i in runs[True, own]["streamed_layer_ids"] if i not in sliding]
+        least = len(rings_streamed) * 39 * ring * row  # 39 steps fetch, each ring whole
+        assert least <= moved <= least + len(full) * 40 * 190 * row + 2 * ring * row, (own, moved)
+    # A returned cache: a ring's last 15 tokens, and the next turn as HF continues its own.
+    kw = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    monkeypatch.setenv("REVIVA_WINDOW_RINGS", "1")
+    hf = model.generate(ids, **kw)
+    config = RevivaConfig(vram_budget=budget_for(model, 1, 190, 10, 1, 48), chunk_tokens=48)
+    manager = RevivaManager(model, config)
+    manager._own_decode = True
+    out = manager.generate(ids, **kw)
+    assert torch.equal(out.sequences, hf.sequences)
+    assert manager.get_memory_stats()["window_ring_layers"] == len(sliding)
+    parked = out.past_key_values.parked
+    held = out.past_key_values.get_seq_length()
+    assert held == 159 and all(
+        parked[i][0].shape[2] == (15 if i in sliding else held) for i in range(n)
+    ), [k.shape for k, _ in parked]
+    prompt = torch.cat([out.sequences, ids[:, :30]], dim=1)
+    ref2 = model.generate(prompt, past_key_values=hf.past_key_values, **kw)
+    got = manager.generate(prompt, past_key_values=out.past_key_values, **kw)
+    assert torch.equal(got.sequences, ref2.sequences)
+    assert manager.get_memory_stats()["window_ring_layers"] == len(sliding)
+    # Assisted decoding: candidates verified several at a time, the rejected ones cut back.
+    assistant = tiny_model(family, seed=17)
+    out = manager.generate(
+        ids, max_new_tokens=40, do_sample=False, assistant_model=assistant, num_assistant_tokens=3
+    )
+    assert torch.equal(out, ref)
+    assert manager.get_memory_stats()["window_ring_layers"] == len(sliding)
+
+
+@pytest.mark.parametrize("n,end", [(1, 150), (5, 150), (48, 150), (150, 150), (40, 45)])
+def test_chunk_attention_within_a_sliding_window_is_the_band_masked_attention(
+    n: int, end: int
+) -> None:
     """chunk_attention with a window (Note [Sliding windows]): queries of tokens [start, end)
     against keys [0, end) give what SDPA gives with the explicit band mask (kv > q - W, kv <= q)
-    over every key, for one query, a few (assisted decoding's candidates) and a chunk."""
+    over every key, for one query, a few (assisted decoding's candidates) and a chunk, also a
+    first chunk longer than the window (its first queries see every key before them, its last
+    ones not: a plain causal call there let them see every key)."""
     from reviva.llama_layer import chunk_attention
 
     g = torch.Generator().manual_seed(3)
-    window, end = 16, 150
+    window = 16
     start = end - n
     q = torch.randn(2, 4, n, 16, generator=g)
     k = torch.randn(2, 2, end, 16, generator=g)
