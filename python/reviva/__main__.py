@@ -206,6 +206,7 @@ def _plan(args: argparse.Namespace) -> int:
         host_attention_pays,
         host_decode_mix,
         make_plan,
+        rings_wanted,
     )
     from reviva.weights import decode_slot_bytes, layer_weight_bytes
 
@@ -267,10 +268,10 @@ def _plan(args: argparse.Namespace) -> int:
         available=max(card - CUDA_CONTEXT_BYTES - on_device, 0),
         granularity=2 << 20,
     )
-    host = None
+    host_memory = None
     if args.host_memory:  # the host's memory for pinning: what the planner may count on
         total = reviva.parse_bytes(args.host_memory)
-        host = HostState(total, total, 0, 0)
+        host_memory = HostState(total, total, 0, 0)
     shape = (
         f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, "
         f"{layout.num_heads}/{layout.num_kv_heads} heads, bf16 ({weights / 1e9:.2f} GB of weights)"
@@ -284,10 +285,11 @@ def _plan(args: argparse.Namespace) -> int:
             args.batch,
             args.context,
             args.new_tokens,
-            host=host,
+            host=host_memory,
             weight_layers=weight_layers,
             weight_layer_bytes=layer_bytes,
             weight_decode_slot_bytes=decode_room,
+            rings=rings_wanted(),  # (as RevivaManager plans: Note [Window rings] in kv_cache.py)
         )
     except reviva.RevivaOutOfMemoryError as e:
         if args.json:
@@ -327,6 +329,19 @@ def _plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if host and plan.ring_layers:  # (the host attends whole layers: the manager re-plans so)
+        plan = make_plan(
+            layout,
+            config,
+            state,
+            args.batch,
+            args.context,
+            args.new_tokens,
+            host=host_memory,
+            weight_layers=weight_layers,
+            weight_layer_bytes=layer_bytes,
+            weight_decode_slot_bytes=decode_room,
+        )
     f = forecast(layout, plan, weights, args.attention_kernel, pcie_bps=pcie, host_attention=host)
     if args.json:
         out = {
@@ -355,7 +370,14 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"  {call} on a {args.card} card (CUDA context {CUDA_CONTEXT_BYTES / gb:.2f} GB)")
     print(
         f"  device: weights {weights / gb:.2f} GB, working set {plan.working_set / gb:.2f} GB, "
-        f"K/V {plan.layer_kv_bytes / gb:.2f} GB a layer: {resident} resident + {plan.slots} "
+        f"K/V {plan.layer_kv_bytes / gb:.2f} GB a layer"
+        + (
+            f" ({len(plan.ring_layers)} sliding layers as rings of {plan.ring_tokens} tokens, "
+            f"{plan.ring_kv_bytes / gb:.3f} GB each)"
+            if plan.ring_layers
+            else ""
+        )
+        + f": {resident} resident + {plan.slots} "
         f"slots in prefill, {resident + promoted} resident + {decode_slots} slots in decode"
         + (
             f"; streamed layers in pages of {plan.page_tokens} tokens, {plan.page_slots} page "

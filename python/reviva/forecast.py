@@ -170,17 +170,26 @@ def forecast(
     compute = weight_bytes / WEIGHT_READ_BPS + kv_bytes / KV_READ_BPS
     # the layers streamed in decode: not resident in prefill, less the promotions after it
     # (full layers first: RevivaManager._promote_after_prefill)
-    streamed_ids = [i for i in range(plan.num_layers) if i not in plan.resident_layers]
-    promote = min(max(int(plan.promotable_layers()), 0), len(streamed_ids))
+    streamed_ids = list(plan.streamed_layer_ids)
+    full_count, ring_count = plan.promotable_split()
     weights_promoted = 0
     mix = host_decode_mix(plan, MODEL) if host_attention else None
     if mix is not None:
-        weights_promoted, promote = mix.weights_promoted, mix.kv_promoted
+        weights_promoted, full_count, ring_count = mix.weights_promoted, mix.kv_promoted, 0
+    # (Note [Window rings] in kv_cache.py: a ring is fetched whole, its rows; full layers are
+    # promoted first, then rings)
+    rings = [i for i in streamed_ids if i in plan.ring_layers]
     full = [i for i in streamed_ids if windows[i] is None]
-    windowed = [i for i in streamed_ids if windows[i] is not None]
-    promoted_ids = set((full + windowed)[:promote])
+    windowed = [i for i in streamed_ids if windows[i] is not None and i not in plan.ring_layers]
+    promoted_ids = set((full + windowed)[:full_count]) | set(rings[:ring_count])
     tails = not plan.kv_fp8 and not plan.page_tokens
-    fetched = [read[i] if tails else mean_len for i in streamed_ids if i not in promoted_ids]
+    fetched = [
+        min(plan.ring_tokens, mean_len)
+        if i in plan.ring_layers
+        else (read[i] if tails else mean_len)
+        for i in streamed_ids
+        if i not in promoted_ids
+    ]
     weight_copies = plan.streamed_weight_layers * plan.weight_layer_bytes / pcie
     host = 0.0
     if mix is not None:  # nothing fetched; the host reads the rows where they are
@@ -191,7 +200,8 @@ def forecast(
     else:
         transfer = sum(fetched) * plan.kv_token_bytes / pcie + weight_copies
         step = max(compute, transfer)
-    first_extra = promote * held * plan.kv_token_bytes / pcie
+    first_extra = sum(min(held, plan.kv_tokens(i)) for i in promoted_ids) * plan.kv_token_bytes
+    first_extra /= pcie
     first_extra += weights_promoted * plan.weight_layer_bytes / pcie
     steps = plan.capacity - held - 1
     exposed = 0.0  # prefill's weight copies not under compute (see the module docstring)

@@ -346,7 +346,9 @@ class RevivaCache(Cache):
                 prompt = self.store.length(i)
                 # (a host-attended layer is read where it lives: its host copy)
                 host = self.host_attended(i)
-                if i in self.rings:  # (its window's last tokens alone, as HF's: Note [Window rings])
+                if (
+                    i in self.rings
+                ):  # (its window's last tokens alone, as HF's: Note [Window rings])
                     k, v = self.window_kv(i, max(length - self.rings[i][0] + 1, 0), length)
                 elif host:
                     k, v = self.store.host_kv(i, prompt)
@@ -457,21 +459,38 @@ class RevivaCache(Cache):
         """Note [Window rings]: an acquired ring layer's K and V of positions [lo, hi) in order,
         [batch, kv_heads, hi - lo, D]: views of its rows, or (where they wrap) a copy of both
         pieces. Raises when the ring no longer holds them."""
-        _, ring = self.rings[layer_idx]
+        self.window_kv_check(layer_idx, lo, hi)
+        pieces = self.window_pieces(layer_idx, lo, hi)
+        if len(pieces) == 1:
+            return pieces[0]
+        (k_a, v_a), (k_b, v_b) = pieces
+        return torch.cat([k_a, k_b], dim=2), torch.cat([v_a, v_b], dim=2)
+
+    def window_kv_check(self, layer_idx: int, lo: int, hi: int) -> None:
+        """Raises unless the ring layer still holds positions [lo, hi)."""
+        ring = self.rings[layer_idx][1]
         high, length = self._ring_high[layer_idx], self._ring_len[layer_idx]
         if not (0 <= lo <= hi <= length and hi - lo <= ring and lo >= high - ring):
             raise RuntimeError(
                 f"RevivaCache: layer {layer_idx} is a ring of {ring} tokens holding positions "
                 f"[{max(high - ring, 0)}, {length}); positions [{lo}, {hi}) were asked"
             )
+
+    def window_pieces(
+        self, layer_idx: int, lo: int, hi: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """window_kv's positions [lo, hi) as views of the ring's rows: one piece, or two where
+        they wrap (the later positions in the second). Checked by window_kv."""
+        ring = self.rings[layer_idx][1]
         k_all, v_all = self.store.kv(layer_idx, self.store.length(layer_idx))
         start = lo % ring
         end = start + (hi - lo)
         if end <= ring:
-            return k_all[:, :, start:end], v_all[:, :, start:end]
-        k = torch.cat([k_all[:, :, start:], k_all[:, :, : end - ring]], dim=2)
-        v = torch.cat([v_all[:, :, start:], v_all[:, :, : end - ring]], dim=2)
-        return k, v
+            return [(k_all[:, :, start:end], v_all[:, :, start:end])]
+        return [
+            (k_all[:, :, start:], v_all[:, :, start:]),
+            (k_all[:, :, : end - ring], v_all[:, :, : end - ring]),
+        ]
 
     def _write_ring(self, i: int, first: int, key, value, writer=None, bulk=False) -> None:  # noqa: ANN001
         """Note [Window rings]: positions [first, first + n) into rows first mod R on (at most
@@ -633,7 +652,11 @@ class RevivaCache(Cache):
         first, length = self._beam_prefix[layer_idx], self.store.length(layer_idx)
         if layer_idx in self.rings:  # (positions: the generated ones the ring still holds)
             length = self._ring_len[layer_idx]
-            first = max(first, length - self.rings[layer_idx][1], self._ring_high[layer_idx] - self.rings[layer_idx][1])
+            first = max(
+                first,
+                length - self.rings[layer_idx][1],
+                self._ring_high[layer_idx] - self.rings[layer_idx][1],
+            )
             if length <= first:
                 return
             k, v = self.window_kv(layer_idx, first, length)

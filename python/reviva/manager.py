@@ -48,6 +48,7 @@ from reviva.planner import (
     host_decode_mix,
     host_state,
     make_plan,
+    rings_wanted,
     spread,
 )
 from reviva.resources import device_resources
@@ -929,7 +930,7 @@ class RevivaManager:
         prompt_tokens. rings: sliding layers kept as rings of their window (Note [Window rings]
         in kv_cache.py); None: as generate decides (yes, unless REVIVA_WINDOW_RINGS=0)."""
         if rings is None:
-            rings = _rings_wanted()
+            rings = rings_wanted()
         state = device_state(self.layout, self.arena, self._streamed_param_bytes())
         host = host_state(self.pool)
         w = self.weights
@@ -1090,7 +1091,7 @@ class RevivaManager:
         past_tokens = 0 if continued is None else continued[2]
         # Note [Window rings] (kv_cache.py): not for a padded batch continuing a returned cache
         # (HF's mask of its new tokens would start at the ring's first token)
-        rings = _rings_wanted() and not (continued is not None and padded)
+        rings = rings_wanted() and not (continued is not None and padded)
         plan = self.plan(
             batch // share, tokens - past_tokens, new_tokens, padded, past_tokens, rings
         )
@@ -1731,12 +1732,6 @@ class RevivaManager:
         a mapping too (`stats["streamed_layers"]`, `stats.to_dict()` for JSON). None before any
         call."""
         return self._last_stats
-
-
-def _rings_wanted() -> bool:
-    """Note [Window rings] (kv_cache.py): whether calls keep sliding layers as rings
-    (REVIVA_WINDOW_RINGS=0 keeps every token, to compare)."""
-    return os.environ.get("REVIVA_WINDOW_RINGS", "1") != "0"
 
 
 def _reserve_host_copies(pool: Any, plan: Plan, layers: Iterable[int]) -> None:

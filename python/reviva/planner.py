@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -874,6 +875,12 @@ def host_attention_pays(plan: Plan, model: MemoryModel = MODEL) -> bool:
 # Note [Window rings] (kv_cache.py): a ring holds a window and room for the most tokens written
 # at once after it (a prefill chunk, or assisted decoding's candidates: RING_SLACK_TOKENS at least)
 RING_SLACK_TOKENS = 256
+
+
+def rings_wanted() -> bool:
+    """Note [Window rings] (kv_cache.py): whether calls keep sliding layers as rings
+    (REVIVA_WINDOW_RINGS=0 keeps every token, to compare)."""
+    return os.environ.get("REVIVA_WINDOW_RINGS", "1") != "0"
 
 
 def window_ring_tokens(layout: DecoderLayout, capacity: int, chunk: int) -> int:

@@ -196,13 +196,62 @@ def test_pages_keep_more_layers_resident_on_the_card(capsys: pytest.CaptureFixtu
     assert "a token count must be >= 1, got '-3'" in capsys.readouterr().err
 
 
+MISTRAL_FIELDS = dict(
+    model_type="mistral",
+    architectures=["MistralForCausalLM"],
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    max_position_embeddings=131072,
+    torch_dtype="bfloat16",
+    sliding_window=4096,
+)
+
+
+def test_window_rings_plan_sliding_layers_by_their_ring(
+    capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    """Note [Window rings] (kv_cache.py): the Mistral-7B-v0.1 shape at 64k on a 24 GB card.
+    Each sliding layer is planned as a ring of 4095 + its chunk's tokens (the planner's own
+    slack, 256, is below the chunk), so all 32 stay on the device and nothing is pinned; with
+    REVIVA_WINDOW_RINGS=0 each layer is planned by the call's 64k tokens: layers stream and
+    their host copies are pinned. The forecast's transfer is no more with rings."""
+    import reviva.planner
+
+    monkeypatch.setattr(reviva.planner, "RING_SLACK_TOKENS", 256)  # (the conftest's 8 undone)
+    path = tmp_path / "mistral.json"
+    path.write_text(json.dumps(MISTRAL_FIELDS))
+    args = ("--model", str(path), "--context", "64k", "--card", "24GB")
+    rings = plan_json(capsys, *args)
+    monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
+    whole = plan_json(capsys, *args)
+    plan, plan0 = rings["plan"], whole["plan"]
+    chunk = plan["chunk_tokens"]
+    assert chunk >= 256 and plan["ring_tokens"] == 4095 + chunk, plan["ring_tokens"]
+    assert plan["ring_layers"] == list(range(32)) and plan0["ring_layers"] == []
+    kv_token = 2 * 8 * 128 * 2
+    assert plan["ring_kv_bytes"] == -(-(4095 + chunk) * kv_token // (2 << 20)) * (2 << 20)
+    assert len(plan["resident_layers"]) == 32 and rings["host_bytes"] == 0
+    assert len(plan0["resident_layers"]) < 32 and whole["host_bytes"] > 4e9, whole["host_bytes"]
+    assert rings["forecast"]["decode_transfer_s"] <= whole["forecast"]["decode_transfer_s"]
+    # the planner sizes a ring only where it is shorter than the call
+    monkeypatch.delenv("REVIVA_WINDOW_RINGS")
+    short = plan_json(capsys, "--model", str(path), "--context", "4k", "--card", "24GB")
+    assert short["plan"]["ring_layers"] == [] and short["plan"]["ring_tokens"] == 0
+
+
 def test_sliding_layers_are_estimated_by_their_window(
-    capsys: pytest.CaptureFixture[str], tmp_path
+    capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # noqa: ANN001
     """A Mistral-7B-v0.1-shaped config (a 4096-token window on every layer) at 32k on an 8 GB
-    card: its prefill attention reads each query's window alone, and a streamed layer's decode
-    fetch copies its window (Note [Fetch tails]): the estimate's attention and decode copies
-    come out well below the same shape without the window, with the same memory plan."""
+    card, its sliding layers kept whole (REVIVA_WINDOW_RINGS=0: test above for rings): its
+    prefill attention reads each query's window alone, and a streamed layer's decode fetch
+    copies its window (Note [Fetch tails]): the estimate's attention and decode copies come out
+    well below the same shape without the window, with the same memory plan."""
+    monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
     fields = dict(
         model_type="mistral",
         architectures=["MistralForCausalLM"],
