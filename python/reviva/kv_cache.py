@@ -79,6 +79,20 @@ from reviva.block_attention import attention_with_lse, merge
 # write. Paged layers are refused with beams (their rows are spread over pages).
 
 
+# Note [Prefill masks left to Reviva]
+# HF's model builds each attention type's 4D mask before its layers run. For a sliding window
+# shorter than the prompt it cannot leave the mask to SDPA's is_causal, so a 64k prompt gets a
+# [1, 1, 64k, 64k] boolean mask: 4 GiB at once, more than a 24 GB card has beside a 7B model's
+# weights (the H200 at da88db7: Mistral-7B's shape at 64k ran out of memory there, in
+# masking_utils.sdpa_mask, with and without rings). Reviva's prefill needs no such mask where no
+# row is padded: its chunks apply the causal rule and the window's band themselves
+# (chunk_attention), and a layer whose window is shorter than the prompt never goes to HF's
+# attention call over the whole prompt (LlamaLayerPath.prefill). So for an unpadded call from an
+# empty cache with such a window (the manager sets skip_prefill_masks), each layer answers HF's
+# mask sizes for the prompt as one key at offset 0: HF's mask then comes out None (its is_causal
+# shortcut), and Reviva's calls, which take a mask only to apply padding, get none. From the
+# first decode step on the sizes are the true ones (HF's decode path reads them).
+#
 # Note [Window rings]
 # A sliding-window layer's query at position p reads the keys of (p - W, p] alone (Note [Sliding
 # windows] in llama_layer.py), so once a call's tokens pass its window, every older token is
@@ -134,6 +148,8 @@ class RevivaCacheLayer(CacheLayerMixin):
         return self._cache.get_seq_length(self._layer_idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self._cache.skip_prefill_masks and query_length > 1 and self.get_seq_length() == 0:
+            return 1, 0  # Note [Prefill masks left to Reviva]: HF builds no prompt-sized mask
         ring = self._cache.rings.get(self._layer_idx)
         if ring is None:
             return self.get_seq_length() + query_length, 0
@@ -209,6 +225,8 @@ class RevivaCache(Cache):
                 "RevivaCache: window rings need whole layers of bf16/fp32 K/V, one per row, got "
                 f"kv_fp8={kv_fp8}, page_tokens={page_tokens}, share={share}"
             )
+        # Note [Prefill masks left to Reviva]: set by the manager for an unpadded call from empty
+        self.skip_prefill_masks = False
         self._ring_len = dict.fromkeys(self.rings, 0)  # positions held
         self._ring_high = dict.fromkeys(self.rings, 0)  # the furthest position written
         # Note [Shared prompt K/V]: `batch` rows, every `share` of them one prompt's; the store

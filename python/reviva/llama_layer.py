@@ -72,7 +72,11 @@ class LlamaLayerPath:
         cos, sin = kwargs["position_embeddings"]
         whole = plan.chunk_tokens >= h.shape[1]
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
-        if (whole or plan.whole_attention) and interface is None:
+        # Note [Prefill masks left to Reviva] (kv_cache.py): a window shorter than the prompt is
+        # applied by Reviva's own calls (a band per chunk), never by HF's over the whole prompt
+        window = self.layout.windows[i]
+        windowed = window is not None and window < past + h.shape[1]
+        if (whole or plan.whole_attention) and interface is None and not windowed:
             raise ValueError(
                 f"RevivaManager: attention implementation {attn.config._attn_implementation!r} "
                 "is not registered with transformers"
@@ -83,10 +87,11 @@ class LlamaLayerPath:
             cache.reserve(i, past + h.shape[1])
             if past:
                 self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, None, past)
-            elif whole or not plan.whole_attention or cache.paged(i) or cache.ring(i):
-                # (pages and rings: by chunks, Note [Window rings] in kv_cache.py)
+            elif whole or not plan.whole_attention or cache.paged(i) or windowed:
+                # (pages and windows: by chunks)
+                hf = None if windowed else interface
                 with cache.prefill_order(i, h.shape[1], plan.chunk_tokens):
-                    self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, interface)
+                    self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, hf)
             else:
                 self._prefill_whole_attention(cache, plan, i, layer, h, cos, sin, mask, interface)
         finally:

@@ -1222,6 +1222,12 @@ class RevivaManager:
                 device=self.layout.device,
                 rings={i: (self.layout.windows[i], plan.ring_tokens) for i in plan.ring_layers},
             )
+            # Note [Prefill masks left to Reviva] (kv_cache.py)
+            cache.skip_prefill_masks = (
+                not padded
+                and continued is None
+                and bool(self.layout.windows_shorter_than(plan.prompt_tokens))
+            )
             self._phase["store_host"] = time.perf_counter()  # (its timeline's origin)
             if plan.page_slots:
                 cache.store.set_page_slots(plan.page_slots)

@@ -528,6 +528,57 @@ def test_window_rings_hold_their_window(family: str, monkeypatch: pytest.MonkeyP
     assert manager.get_memory_stats()["window_ring_layers"] == len(sliding)
 
 
+@pytest.mark.parametrize("family", ["mistral_sliding", "gemma2_sliding"])
+def test_no_prompt_sized_mask_with_a_short_window(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note [Prefill masks left to Reviva] (kv_cache.py): an unpadded call whose window (16) is
+    shorter than its prompt (150) makes HF build no mask of the prompt's size (HF alone builds
+    [1, 1, 150, 150]; at 64k that is 4 GiB), and still gives HF's tokens at every residency,
+    with and without rings, on both decode paths; a padded batch still gets HF's masks."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    shapes: list[tuple[int, ...]] = []
+    sdpa = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = sdpa(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy)
+    model = tiny_model(family, seed=7)
+    ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(8))
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False)
+    assert any(sh[-2:] == (150, 150) for sh in shapes), shapes  # (HF's own: the prompt's size)
+    for rings in ("1", "0"):
+        monkeypatch.setenv("REVIVA_WINDOW_RINGS", rings)
+        for layers in (1, 99):
+            for own in (False, True):
+                shapes.clear()
+                config = RevivaConfig(
+                    vram_budget=budget_for(model, 1, 150, 20, layers, 48), chunk_tokens=48
+                )
+                manager = RevivaManager(model, config)
+                manager._own_decode = own
+                out = manager.generate(ids, max_new_tokens=20, do_sample=False)
+                assert torch.equal(out, ref), (rings, layers, own)
+                assert all(sh[-2] < 150 for sh in shapes), (rings, layers, own, shapes)
+    g = torch.Generator().manual_seed(9)
+    batch = torch.zeros(2, 90, dtype=torch.long)
+    mask = torch.zeros(2, 90, dtype=torch.long)
+    for row, n in enumerate((90, 61)):
+        batch[row, 90 - n :] = torch.randint(1, 211, (n,), generator=g)
+        mask[row, 90 - n :] = 1
+    ref = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    shapes.clear()
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 2, 90, 12, 2)))
+    out = manager.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, ref)
+    assert any(sh[-2:] == (90, 90) for sh in shapes), shapes  # (padding: HF's masks)
+
+
 @pytest.mark.parametrize("n,end", [(1, 150), (5, 150), (48, 150), (150, 150), (40, 45)])
 def test_chunk_attention_within_a_sliding_window_is_the_band_masked_attention(
     n: int, end: int
