@@ -500,7 +500,8 @@ class RevivaCache(Cache):
         """window_kv's positions [lo, hi) as views of the ring's rows: one piece, or two where
         they wrap (the later positions in the second). Checked by window_kv."""
         ring = self.rings[layer_idx][1]
-        k_all, v_all = self.store.kv(layer_idx, self.store.length(layer_idx))
+        # (the rows written: min(high, ring), the store's length, without asking the store)
+        k_all, v_all = self.store.kv(layer_idx, min(self._ring_high[layer_idx], ring))
         start = lo % ring
         end = start + (hi - lo)
         if end <= ring:
