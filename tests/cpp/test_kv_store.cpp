@@ -398,9 +398,9 @@ TEST_P(KVStoreTest, LayersOfTheirOwnSizeHoldRingsThatWrapExactly) {
     }
     tokens += count;
   };
-  pass(10, 1);                                                  // prefill: 10 tokens, no wrap yet
-  for (int s = 0; s < scaled(9); ++s) pass(1 + s % 3, 10 + s);  // wraps the rings
-  pass(0, 99);                                                  // checks every layer
+  pass(10, 1);                                          // prefill: 10 tokens, no wrap yet
+  for (int s = 0; s < 9; ++s) pass(1 + s % 3, 10 + s);  // wraps the rings (not scaled)
+  pass(0, 99);                                          // checks every layer
   ASSERT_GT(tokens, 2 * kRing);
   EXPECT_EQ(rig.store->length(1), kRing) << "a wrapped ring keeps its rows valid";
   EXPECT_EQ(rig.store->length(2), tokens);
