@@ -1453,7 +1453,9 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
     window) in bf16 with a 4k prompt and most layers' K/V streamed: fetching each streamed
     sliding layer's window alone gives the same logits, bit for bit, as whole fetches
     (REVIVA_FETCH_WINDOWS=0: the stale bytes before the window are never read), and moves fewer
-    bytes; a turn continued from the returned cache too."""
+    bytes; a turn continued from the returned cache too. Without rings (REVIVA_WINDOW_RINGS=0:
+    a ring is its window already; test_gpu_window_rings_same_logits_as_whole_layers)."""
+    monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
     torch.manual_seed(0)
     cfg = MistralConfig(
         hidden_size=2048,
@@ -1537,3 +1539,56 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
         else len(st.streamed_layer_ids) * st.layer_kv_bytes * st.decode_steps
     )
     assert st.decode.bytes_to_device < whole / 2, (st.decode, st0.decode, whole)
+
+
+@pytest.mark.gpu
+def test_gpu_window_rings_same_logits_as_whole_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Window rings] on CUDA: a Mistral-shaped model (1B widths, 8 layers, a 512-token
+    window) in bf16, a 4k prompt in 512-token chunks and 48 new tokens, Reviva's own decode path
+    with its graphs: keeping each layer as a ring of 511 + 512 rows (which wraps in prefill and
+    in decode) gives the same tokens and logits within bf16 rounding as the same call with
+    every token kept (REVIVA_WINDOW_RINGS=0), holds a ring's rows per layer, and a turn continued
+    from its returned cache gives the same tokens too."""
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=8192,
+        sliding_window=512,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(1, 32000, (1, 4096), device="cuda")
+    kw = dict(max_new_tokens=48, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    runs = {}
+    for rings in ("1", "0"):
+        monkeypatch.setenv("REVIVA_WINDOW_RINGS", rings)
+        manager = RevivaManager(model, RevivaConfig(chunk_tokens=512))
+        out = manager.generate(ids, **kw)
+        st = manager.get_memory_stats()
+        more = torch.cat([out.sequences, ids[:, :64]], dim=1)
+        cont = manager.generate(more, past_key_values=out.past_key_values, **kw)
+        runs[rings] = (
+            SimpleNamespace(sequences=out.sequences.cpu(), logits=[x.cpu() for x in out.logits]),
+            st,
+            cont.sequences.cpu(),
+        )
+        del manager, out, cont
+        gc.collect()
+    (out, st, cont), (out0, st0, cont0) = runs["1"], runs["0"]
+    assert st["window_ring_layers"] == 8 and st["window_ring_tokens"] == 511 + 512, st
+    assert st0["window_ring_layers"] == 0 and st["own_decode_attention"]
+    row = 2 * 8 * 64 * 2  # one token's K and V in a layer, bf16
+    assert st["kv_cache_bytes"] == 8 * (511 + 512) * row
+    assert st0["kv_cache_bytes"] == 8 * (4096 + 48) * row
+    assert torch.equal(out.sequences, out0.sequences)
+    for j, (a, b) in enumerate(zip(out.logits, out0.logits, strict=True)):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 1e-2, (j, rel)
+    assert torch.equal(cont, cont0)
