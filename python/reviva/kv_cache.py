@@ -439,7 +439,7 @@ class RevivaCache(Cache):
             if i in self.rings:  # Note [Window rings]: the tokens a ring can hold, at their places
                 self.acquire(i)
                 try:
-                    self._load_ring(i, first, k, v, writer)
+                    self._load_ring(i, first, k, v)
                 finally:
                     self.release(i)
                 continue
@@ -453,9 +453,12 @@ class RevivaCache(Cache):
             finally:
                 self.release(i)
 
-    def _load_ring(self, i: int, first: int, k: torch.Tensor, v: torch.Tensor, writer) -> None:  # noqa: ANN001
+    def _load_ring(self, i: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """An empty ring layer takes a parked layer's tokens [first, first + n): the last ring's
-        worth of them, at their rows; rows before the first of them are zeros, never read."""
+        worth of them, at their rows; rows before the first of them are zeros, never read. (The
+        store's rows are written directly: a ring is never fp8, and the zeros are rows, not
+        positions.)"""
+        writer = self.store.write
         ring = self.rings[i][1]
         n = k.shape[2]
         if n > ring:

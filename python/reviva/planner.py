@@ -771,7 +771,7 @@ def _residency(
             staged -= 1  # a narrower window before failing: still correct, less overlap
         return staged if room >= staged * size else None
 
-    best: tuple[tuple[int, int], tuple[int, int, int, int, int]] | None = None
+    best: tuple[tuple[int, int, int], tuple[int, int, int, int, int]] | None = None
     for w in range(weight_layers, -1, -1):
         room = avail - w * weight_bytes
         wslots = 0
@@ -800,7 +800,7 @@ def _residency(
                     options.append((min(n, left // layer_kv), kept_rings, staged))
         for full, kept_rings, staged in options:
             held = w * weight_bytes + full * layer_kv + kept_rings * ring_kv
-            key = (held, full + kept_rings)
+            key = (held, w, full + kept_rings)  # (as much held: more weights, then more layers)
             if best is None or key > best[0]:
                 best = (key, (full, kept_rings, staged, w, wslots))
     return None if best is None else best[1]
