@@ -1591,7 +1591,15 @@ def test_gpu_window_rings_same_logits_as_whole_layers(monkeypatch: pytest.Monkey
     assert st["kv_cache_bytes"] == 8 * (511 + 512) * row
     assert st0["kv_cache_bytes"] == 8 * (4096 + 48) * row
     assert torch.equal(out.sequences, out0.sequences)
-    for j, (a, b) in enumerate(zip(out.logits, out0.logits, strict=True)):
-        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
-        assert rel < 1e-2, (j, rel)
+    # Both against an fp32 run of the same weights (the first 9 positions' logits): the rings'
+    # error no more than the whole layers' by bf16 rounding (H200 at 0e1c3e5: the two runs were
+    # 0.018 apart at step 1, norm-relative, their tokens all alike: other kernels' rounding)
+    from reviva.demo import fp32_reference_logits
+
+    steps = 8
+    exact = fp32_reference_logits(model, out.sequences[:, : 4096 + steps].cuda(), keep=steps + 1)
+    for j in range(steps + 1):
+        want = exact[:, j].cpu()
+        errs = [((x.logits[j].float() - want).norm() / want.norm()).item() for x in (out, out0)]
+        assert errs[0] <= 1.5 * errs[1] + 4e-3, (j, errs)
     assert torch.equal(cont, cont0)
