@@ -1592,7 +1592,7 @@ def test_gpu_window_rings_same_logits_as_whole_layers(monkeypatch: pytest.Monkey
     assert st0["kv_cache_bytes"] == 8 * (4096 + 48) * row
     assert torch.equal(out.sequences, out0.sequences)
     # Both against an fp32 run of the same weights (the first 9 positions' logits): the rings'
-    # error no more than the whole layers' by bf16 rounding (H200 at 0e1c3e5: the two runs were
+    # error no more than the whole layers' by bf16 rounding (H200 at 4b6fc75: the two runs were
     # 0.018 apart at step 1, norm-relative, their tokens all alike: other kernels' rounding)
     from reviva.demo import fp32_reference_logits
 
