@@ -203,6 +203,7 @@ def _plan(args: argparse.Namespace) -> int:
     from reviva.planner import (
         DeviceState,
         HostState,
+        Plan,
         host_attention_pays,
         host_decode_mix,
         make_plan,
@@ -277,8 +278,9 @@ def _plan(args: argparse.Namespace) -> int:
         f"{layout.num_heads}/{layout.num_kv_heads} heads, bf16 ({weights / 1e9:.2f} GB of weights)"
     )
     call = f"{args.context}-token prompt + {args.new_tokens} new, batch {args.batch}"
-    try:
-        plan = make_plan(
+
+    def plan_call(rings: bool) -> Plan:
+        return make_plan(
             layout,
             config,
             state,
@@ -289,8 +291,11 @@ def _plan(args: argparse.Namespace) -> int:
             weight_layers=weight_layers,
             weight_layer_bytes=layer_bytes,
             weight_decode_slot_bytes=decode_room,
-            rings=rings_wanted(),  # (as RevivaManager plans: Note [Window rings] in kv_cache.py)
+            rings=rings,
         )
+
+    try:
+        plan = plan_call(rings_wanted())  # (as RevivaManager plans: Note [Window rings])
     except reviva.RevivaOutOfMemoryError as e:
         if args.json:
             print(
@@ -330,18 +335,7 @@ def _plan(args: argparse.Namespace) -> int:
         )
         return 2
     if host and plan.ring_layers:  # (the host attends whole layers: the manager re-plans so)
-        plan = make_plan(
-            layout,
-            config,
-            state,
-            args.batch,
-            args.context,
-            args.new_tokens,
-            host=host_memory,
-            weight_layers=weight_layers,
-            weight_layer_bytes=layer_bytes,
-            weight_decode_slot_bytes=decode_room,
-        )
+        plan = plan_call(False)
     f = forecast(layout, plan, weights, args.attention_kernel, pcie_bps=pcie, host_attention=host)
     if args.json:
         out = {

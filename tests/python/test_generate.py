@@ -1450,15 +1450,8 @@ def test_gpu_new_managers_hold_nothing_more_after_their_calls() -> None:
     assert torch.cuda.memory_allocated() - held < 1 << 20, torch.cuda.memory_allocated() - held
 
 
-@pytest.mark.gpu
-def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [Fetch tails] on CUDA: a Mistral-shaped model (1B widths, 8 layers, a 512-token
-    window) in bf16 with a 4k prompt and most layers' K/V streamed: fetching each streamed
-    sliding layer's window alone gives the same logits, bit for bit, as whole fetches
-    (REVIVA_FETCH_WINDOWS=0: the stale bytes before the window are never read), and moves fewer
-    bytes; a turn continued from the returned cache too. Without rings (REVIVA_WINDOW_RINGS=0:
-    a ring is its window already; test_gpu_window_rings_same_logits_as_whole_layers)."""
-    monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
+def gpu_mistral_512() -> torch.nn.Module:
+    """A Mistral-shaped model (1B widths, 8 layers, a 512-token window), bf16 on the GPU."""
     torch.manual_seed(0)
     cfg = MistralConfig(
         hidden_size=2048,
@@ -1473,7 +1466,19 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
         eos_token_id=None,
     )
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.gpu
+def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Fetch tails] on CUDA: a Mistral-shaped model (1B widths, 8 layers, a 512-token
+    window) in bf16 with a 4k prompt and most layers' K/V streamed: fetching each streamed
+    sliding layer's window alone gives the same logits, bit for bit, as whole fetches
+    (REVIVA_FETCH_WINDOWS=0: the stale bytes before the window are never read), and moves fewer
+    bytes; a turn continued from the returned cache too. Without rings (REVIVA_WINDOW_RINGS=0:
+    a ring is its window already; test_gpu_window_rings_same_logits_as_whole_layers)."""
+    monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
+    model = gpu_mistral_512()
     ids = torch.randint(1, 32000, (1, 4096), device="cuda")
     kw = dict(max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True)
     # (the process's first call takes cuBLAS's workspaces for the compute and capture streams,
@@ -1552,21 +1557,7 @@ def test_gpu_window_rings_same_logits_as_whole_layers(monkeypatch: pytest.Monkey
     in decode) gives the same tokens and logits within bf16 rounding as the same call with
     every token kept (REVIVA_WINDOW_RINGS=0), holds a ring's rows per layer, and a turn continued
     from its returned cache gives the same tokens too."""
-    torch.manual_seed(0)
-    cfg = MistralConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=8,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=8192,
-        sliding_window=512,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model = gpu_mistral_512()
     with torch.no_grad():  # (a peaked head: random bf16 weights' tokens flip on any rounding,
         model.lm_head.weight.mul_(8.0)  # as at 4b6fc75 without it)
     ids = torch.randint(1, 32000, (1, 4096), device="cuda")

@@ -252,18 +252,7 @@ def test_sliding_layers_are_estimated_by_their_window(
     copies its window (Note [Fetch tails]): the estimate's attention and decode copies come out
     well below the same shape without the window, with the same memory plan."""
     monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
-    fields = dict(
-        model_type="mistral",
-        architectures=["MistralForCausalLM"],
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=32768,
-        torch_dtype="bfloat16",
-    )
+    fields = {**MISTRAL_FIELDS, "max_position_embeddings": 32768}
     outs = {}
     for window in (4096, None):
         path = tmp_path / f"window-{window}.json"
