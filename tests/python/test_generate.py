@@ -530,6 +530,27 @@ def test_window_rings_hold_their_window(family: str, monkeypatch: pytest.MonkeyP
     assert torch.equal(out, ref)
     assert manager.get_memory_stats()["window_ring_layers"] == len(sliding)
 
+    # A streamer that raises mid-decode (the rings wrapped), then the same call twice more on the
+    # same manager, and a second manager's call between them: HF's tokens each time.
+    class Raises(BaseStreamer):
+        def __init__(self) -> None:
+            self.n = 0
+
+        def put(self, value: torch.Tensor) -> None:
+            self.n += 1
+            if self.n == 30:
+                raise RuntimeError("streamer failed")
+
+        def end(self) -> None:
+            pass
+
+    with pytest.raises(RuntimeError, match="streamer failed"):
+        manager.generate(ids, max_new_tokens=40, do_sample=False, streamer=Raises())
+    other = RevivaManager(model, config)
+    for m in (manager, other, manager):
+        assert torch.equal(m.generate(ids, max_new_tokens=40, do_sample=False), ref)
+        assert m.get_memory_stats()["window_ring_layers"] == len(sliding)
+
 
 @pytest.mark.parametrize("family", ["mistral_sliding", "gemma2_sliding"])
 def test_no_prompt_sized_mask_with_a_short_window(
