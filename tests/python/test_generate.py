@@ -286,6 +286,32 @@ def test_logits_match_hf_with_peaked_attention(family: str) -> None:
         assert worst < 1e-4, f"{'own' if own else 'HF'} decode path: logits {worst:.3g} from HF's"
 
 
+@pytest.mark.parametrize("family", list(SLIDING))
+def test_a_first_chunk_longer_than_the_window_matches_hf(family: str) -> None:
+    """A 60-token prompt in chunks of 48 with a 16-token window and attention made peaked: the
+    first chunk's queries 16-47 see only their window (chunk_attention applied no band to a
+    chunk starting at 0, so they saw every key before them), and with the tiny models' layers
+    the last token's receptive field reaches them: every step's logits within 1e-4 of HF's."""
+    model = tiny_model(family, seed=5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in ("q_proj", "k_proj", "qkv_proj"):
+                if hasattr(attn, proj):
+                    getattr(attn, proj).weight.mul_(6.0)
+    ids = torch.randint(1, 211, (1, 60), generator=torch.Generator().manual_seed(6))
+    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(ids, **kw)
+    config = RevivaConfig(vram_budget=budget_for(model, 1, 60, 4, 99, 48), chunk_tokens=48)
+    for own in (False, True):
+        manager = RevivaManager(model, config)
+        manager._own_decode = own
+        out = manager.generate(ids, **kw)
+        assert manager.get_memory_stats()["chunk_tokens"] == 48
+        worst = max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits, strict=True))
+        assert worst < 1e-4, f"{'own' if own else 'HF'} decode path: logits {worst:.3g} from HF's"
+
+
 @pytest.mark.parametrize(
     "family,layers",
     [(f, 1) for f in FAMILIES + ["mistral_sliding"]] + [("llama", 99), ("llama", 3)],
