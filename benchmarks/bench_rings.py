@@ -36,17 +36,14 @@ sys.path.insert(0, str(HERE))
 
 from common import environment, write_result  # noqa: E402
 
-MISTRAL = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=32000,
-    max_position_embeddings=131072,
-    sliding_window=4096,
-    rope_theta=10000.0,
-)
+from reviva.__main__ import PRESETS  # noqa: E402
+
+# the CLI's preset (python -m reviva plan --model mistral-7b), as MistralConfig's fields
+MISTRAL = {
+    **{k: v for k, v in PRESETS["mistral-7b"].items() if k not in ("architectures", "model_type")},
+    "max_position_embeddings": 131072,
+    "rope_theta": 10000.0,
+}
 DRY = dict(
     hidden_size=64,
     intermediate_size=128,

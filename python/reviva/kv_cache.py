@@ -364,9 +364,7 @@ class RevivaCache(Cache):
                 prompt = self.store.length(i)
                 # (a host-attended layer is read where it lives: its host copy)
                 host = self.host_attended(i)
-                if (
-                    i in self.rings
-                ):  # (its window's last tokens alone, as HF's: Note [Window rings])
+                if i in self.rings:  # (its window's last W - 1 tokens, as HF's sliding layers)
                     k, v = self.window_kv(i, max(length - self.rings[i][0] + 1, 0), length)
                 elif host:
                     k, v = self.store.host_kv(i, prompt)
@@ -458,7 +456,6 @@ class RevivaCache(Cache):
         worth of them, at their rows; rows before the first of them are zeros, never read. (The
         store's rows are written directly: a ring is never fp8, and the zeros are rows, not
         positions.)"""
-        writer = self.store.write
         ring = self.rings[i][1]
         n = k.shape[2]
         if n > ring:
@@ -466,9 +463,9 @@ class RevivaCache(Cache):
         row = first % ring
         if row:  # (the store's rows fill from 0: rows before the first one, zeros never read)
             zeros = k.new_zeros(k.shape[0], k.shape[1], row, k.shape[3])
-            writer(i, 0, zeros, zeros)
+            self.store.write(i, 0, zeros, zeros)
         self._ring_len[i] = self._ring_high[i] = first
-        self._write_ring(i, first, k, v, writer, bulk=True)
+        self._write_ring(i, first, k, v, bulk=True)
 
     # --- used by the layer wrappers --------------------------------------------------------------
 
@@ -480,15 +477,6 @@ class RevivaCache(Cache):
         """Note [Window rings]: an acquired ring layer's K and V of positions [lo, hi) in order,
         [batch, kv_heads, hi - lo, D]: views of its rows, or (where they wrap) a copy of both
         pieces. Raises when the ring no longer holds them."""
-        self.window_kv_check(layer_idx, lo, hi)
-        pieces = self.window_pieces(layer_idx, lo, hi)
-        if len(pieces) == 1:
-            return pieces[0]
-        (k_a, v_a), (k_b, v_b) = pieces
-        return torch.cat([k_a, k_b], dim=2), torch.cat([v_a, v_b], dim=2)
-
-    def window_kv_check(self, layer_idx: int, lo: int, hi: int) -> None:
-        """Raises unless the ring layer still holds positions [lo, hi)."""
         ring = self.rings[layer_idx][1]
         high, length = self._ring_high[layer_idx], self._ring_len[layer_idx]
         if not (0 <= lo <= hi <= length and hi - lo <= ring and lo >= high - ring):
@@ -496,30 +484,21 @@ class RevivaCache(Cache):
                 f"RevivaCache: layer {layer_idx} is a ring of {ring} tokens holding positions "
                 f"[{max(high - ring, 0)}, {length}); positions [{lo}, {hi}) were asked"
             )
-
-    def window_pieces(
-        self, layer_idx: int, lo: int, hi: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """window_kv's positions [lo, hi) as views of the ring's rows: one piece, or two where
-        they wrap (the later positions in the second). Checked by window_kv."""
-        ring = self.rings[layer_idx][1]
         # (the rows written: min(high, ring), the store's length, without asking the store)
-        k_all, v_all = self.store.kv(layer_idx, min(self._ring_high[layer_idx], ring))
+        k_all, v_all = self.store.kv(layer_idx, min(high, ring))
         start = lo % ring
         end = start + (hi - lo)
         if end <= ring:
-            return [(k_all[:, :, start:end], v_all[:, :, start:end])]
-        return [
-            (k_all[:, :, start:], v_all[:, :, start:]),
-            (k_all[:, :, : end - ring], v_all[:, :, : end - ring]),
-        ]
+            return k_all[:, :, start:end], v_all[:, :, start:end]
+        k = torch.cat([k_all[:, :, start:], k_all[:, :, : end - ring]], dim=2)
+        v = torch.cat([v_all[:, :, start:], v_all[:, :, : end - ring]], dim=2)
+        return k, v
 
-    def _write_ring(self, i: int, first: int, key, value, writer=None, bulk=False) -> None:  # noqa: ANN001
+    def _write_ring(self, i: int, first: int, key, value, bulk=False) -> None:  # noqa: ANN001
         """Note [Window rings]: positions [first, first + n) into rows first mod R on (at most
         R - W + 1 of them, so that their queries' windows stay in the ring; `bulk`: a parked
         layer's, up to R, read by later queries alone)."""
         window, ring = self.rings[i]
-        writer = writer or self.store.write
         n = key.shape[2]
         limit = ring if bulk else ring - window + 1
         if first > self._ring_len[i]:
@@ -539,9 +518,9 @@ class RevivaCache(Cache):
             )
         row = first % ring
         head = min(n, ring - row)
-        writer(i, row, key[:, :, :head], value[:, :, :head])
+        self.store.write(i, row, key[:, :, :head], value[:, :, :head])
         if head < n:
-            writer(i, 0, key[:, :, head:], value[:, :, head:])
+            self.store.write(i, 0, key[:, :, head:], value[:, :, head:])
         self._ring_len[i] = max(self._ring_len[i], first + n)
         self._ring_high[i] = max(self._ring_high[i], first + n)
 
@@ -673,12 +652,8 @@ class RevivaCache(Cache):
         from `rows` (written through to its host copy like any write)."""
         first, length = self._beam_prefix[layer_idx], self.store.length(layer_idx)
         if layer_idx in self.rings:  # (positions: the generated ones the ring still holds)
-            length = self._ring_len[layer_idx]
-            first = max(
-                first,
-                length - self.rings[layer_idx][1],
-                self._ring_high[layer_idx] - self.rings[layer_idx][1],
-            )
+            length = self._ring_len[layer_idx]  # (<= high: its rows intact from high - R)
+            first = max(first, self._ring_high[layer_idx] - self.rings[layer_idx][1])
             if length <= first:
                 return
             k, v = self.window_kv(layer_idx, first, length)

@@ -26,6 +26,7 @@ import os
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -1743,9 +1744,5 @@ class RevivaManager:
 def _reserve_host_copies(pool: Any, plan: Plan, layers: Iterable[int]) -> None:
     """Pins the host copies of these streamed layers now, each of its own size (a ring's or the
     call's: Note [Window rings] in kv_cache.py)."""
-    sizes: dict[int, int] = {}
-    for i in layers:
-        size = plan.kv_tokens(i) * plan.kv_token_bytes
-        sizes[size] = sizes.get(size, 0) + 1
-    for size, count in sizes.items():
+    for size, count in Counter(plan.kv_tokens(i) * plan.kv_token_bytes for i in layers).items():
         pool.reserve(count, size)

@@ -101,6 +101,22 @@ def tiny_model(family: str, seed: int = 0, device: str = "cpu") -> torch.nn.Modu
     return model
 
 
+class RaisingStreamer(BaseStreamer):
+    """A streamer whose `at`-th put raises (the prompt is the first: 2 is the first new token;
+    a call that raises returns no cache, so none is parked)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.n = at, 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.n += 1
+        if self.n == self.at:
+            raise RuntimeError("streamer failed")
+
+    def end(self) -> None:
+        pass
+
+
 def budget_for(
     model: torch.nn.Module,
     batch: int,
@@ -370,8 +386,6 @@ def test_sequences_per_prompt_share_the_prompts_kv_across_calls_and_a_failure() 
     sequences with the prompt's K/V held once (the plan's K/V is the prompts' rows); calls in
     a row (greedy, shared, a padded batch, which keeps a copy per row) each give HF's tokens;
     a streamer that raises in the middle of a shared call leaves the next call exact."""
-    from transformers.generation.streamers import BaseStreamer
-
     model = tiny_model("llama", seed=6)
     ids = torch.randint(1, 211, (2, 40), generator=torch.Generator().manual_seed(7))
     sample = dict(max_new_tokens=16, do_sample=True, top_k=20, num_return_sequences=3)
@@ -398,21 +412,13 @@ def test_sequences_per_prompt_share_the_prompts_kv_across_calls_and_a_failure() 
     out = manager.generate(ids, **beams)
     assert torch.equal(out, ref) and manager.get_memory_stats()["shared_prompt_rows"] == 1
 
-    class Raises(BaseStreamer):
-        def __init__(self) -> None:
-            self.n = 0
-
-        def put(self, value: torch.Tensor) -> None:
-            self.n += 1
-            if self.n == 4:
-                raise RuntimeError("streamer failed")
-
-        def end(self) -> None:
-            pass
-
     with pytest.raises(RuntimeError, match="streamer failed"):
         manager.generate(
-            ids[:1], max_new_tokens=10, do_sample=True, num_return_sequences=2, streamer=Raises()
+            ids[:1],
+            max_new_tokens=10,
+            do_sample=True,
+            num_return_sequences=2,
+            streamer=RaisingStreamer(4),
         )
     torch.manual_seed(11)
     ref = model.generate(ids, **sample)
@@ -558,20 +564,8 @@ def test_window_rings_hold_their_window(family: str, monkeypatch: pytest.MonkeyP
 
     # A streamer that raises mid-decode (the rings wrapped), then the same call twice more on the
     # same manager, and a second manager's call between them: HF's tokens each time.
-    class Raises(BaseStreamer):
-        def __init__(self) -> None:
-            self.n = 0
-
-        def put(self, value: torch.Tensor) -> None:
-            self.n += 1
-            if self.n == 30:
-                raise RuntimeError("streamer failed")
-
-        def end(self) -> None:
-            pass
-
     with pytest.raises(RuntimeError, match="streamer failed"):
-        manager.generate(ids, max_new_tokens=40, do_sample=False, streamer=Raises())
+        manager.generate(ids, max_new_tokens=40, do_sample=False, streamer=RaisingStreamer(30))
     other = RevivaManager(model, config)
     for m in (manager, other, manager):
         assert torch.equal(m.generate(ids, max_new_tokens=40, do_sample=False), ref)
@@ -1294,19 +1288,11 @@ def test_a_chat_continues_from_the_returned_cache_turn_after_turn() -> None:
     assert torch.equal(plain, model.generate(ids, max_new_tokens=4))
     assert manager.get_memory_stats().returned_cache_host_bytes == 0
 
-    class Raises(BaseStreamer):  # a call that raises returns no cache: none is parked
-        def put(self, value: torch.Tensor) -> None:
-            if value.dim() == 1 or value.shape[-1] == 1:  # (a decode step's token)
-                raise RuntimeError("streamer failed")
-
-        def end(self) -> None:
-            pass
-
     del out, first, again, from_hf
     gc.collect()
     held = reviva.pinned_memory_stats()["bytes_in_use"]
     with pytest.raises(RuntimeError, match="streamer failed"):
-        manager.generate(ids[:1], streamer=Raises(), **kw)
+        manager.generate(ids[:1], streamer=RaisingStreamer(2), **kw)  # (the first new token)
     assert reviva.pinned_memory_stats()["bytes_in_use"] == held
     assert torch.equal(manager.generate(ids, **kw).sequences, model.generate(ids, **kw).sequences)
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from reviva.__main__ import main
+from reviva.__main__ import PRESETS, main
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
@@ -196,19 +196,12 @@ def test_pages_keep_more_layers_resident_on_the_card(capsys: pytest.CaptureFixtu
     assert "a token count must be >= 1, got '-3'" in capsys.readouterr().err
 
 
-MISTRAL_FIELDS = dict(
-    model_type="mistral",
-    architectures=["MistralForCausalLM"],
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=32000,
-    max_position_embeddings=131072,
-    torch_dtype="bfloat16",
-    sliding_window=4096,
-)
+# (the CLI's own preset, as a config.json: a model file is what the tests give the CLI)
+MISTRAL_FIELDS = {
+    **PRESETS["mistral-7b"],
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
 
 
 def test_window_rings_plan_sliding_layers_by_their_ring(
