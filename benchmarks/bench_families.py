@@ -10,7 +10,10 @@ layers' weights streamed too (the smallest budget keeping two layers' weights). 
 scaled up (x6) so that attention is peaked (positions mishandled show in the logits). Per run: the
 first token's logits' relative error against fp32, HF's own bf16 error beside it, and the decode
 steps' logits against HF's while both runs' tokens agree. The check: Reviva's first-token error <=
-1.5x HF's for every family and run (3x for expert models, whose routing a rounding can flip). --cpu:
+1.5x HF's for every family and run (3x for expert models, whose routing a rounding can flip); and
+(`families_bf16_decode`) each decode step's logits, while the tokens agree, no further from fp32
+(after HF's tokens) than the same factor times HF's worst step (expert models decode through the
+routed experts where weights stream: Note [Routed experts]). --cpu:
 fp32 on the host backend, HF's logits as the reference (a dry run: every error should be ~0).
 """
 
@@ -54,7 +57,14 @@ def run_family(family: str, device: str, dtype: torch.dtype) -> dict[str, Any]:
     kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     ref = model.generate(ids, **kw)
     exact = fp32_reference_logits(model, ids, keep=1)[:, 0] if device == "cuda" else ref.logits[0]
+    # each decode step's fp32 logits, after HF's tokens (step j's follow new tokens 0..j-1)
+    if device == "cuda":
+        steps_exact = fp32_reference_logits(model, ref.sequences[:, :-1], keep=NEW)
+        steps_exact = [steps_exact[:, j] for j in range(NEW)]
+    else:
+        steps_exact = list(ref.logits)
     row: dict[str, Any] = {"family": family, "hf_first_rel_error": rel(ref.logits[0], exact)}
+    row["hf_decode_rel_error"] = [rel(ref.logits[j], steps_exact[j]) for j in range(1, NEW)]
     budget = budget_for(model, 1, PROMPT, NEW, 3, chunk=CHUNK, attention="chunked")
     for run, weights in (("kv_streamed", False), ("kv_and_weights_streamed", True)):
         config = RevivaConfig(chunk_tokens=CHUNK, prefill_attention="chunked")
@@ -75,9 +85,15 @@ def run_family(family: str, device: str, dtype: torch.dtype) -> dict[str, Any]:
         row[run] = {
             "first_rel_error": rel(out.logits[0], exact),
             "decode_rel_error_vs_hf": steps,
+            "decode_rel_error": [
+                rel(out.logits[j], steps_exact[j]) for j in range(1, min(agree + 1, NEW))
+            ],  # (against fp32 after HF's tokens: while both runs' agree)
             "tokens_agreeing": agree,
             "streamed_layers": st["streamed_layers"],
             "weight_streamed_layers": st.get("weight_streamed_layers", 0),
+            "routed_expert_layers": (
+                manager.weights.stats()["routed_expert_layers"] if manager.weights else 0
+            ),
             "own_decode_attention": st["own_decode_attention"],
         }
     return row
@@ -92,7 +108,7 @@ def main() -> int:
         raise SystemExit("needs a CUDA device (or --cpu)")
     device, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.bfloat16)
     rows = [run_family(f, device, dtype) for f in FAMILIES + list(SLIDING)]
-    failures = []
+    failures, decode_failures = [], []
     for row in rows:
         factor = 3.0 if row["family"].removesuffix("_sliding") in MOE_FAMILIES else 1.5
         row["limit_x_hf"] = factor
@@ -108,6 +124,17 @@ def main() -> int:
             r["pass"] = bool(ok)
             if not ok:
                 failures.append(f"{row['family']}/{run}")
+            # decode steps (Note [Routed experts]: an expert model's streamed weights decode
+            # through the routed path): no step further from fp32 than factor x HF's worst step
+            hf_worst = max(row["hf_decode_rel_error"][: len(r["decode_rel_error"])], default=0.0)
+            r["decode_pass"] = bool(
+                len(r["decode_rel_error"]) >= 2
+                and max(r["decode_rel_error"]) <= factor * hf_worst + floor
+            )
+            if run == "kv_and_weights_streamed" and row["family"] in MOE_FAMILIES:
+                r["decode_pass"] = r["decode_pass"] and r["routed_expert_layers"] > 0
+            if not r["decode_pass"]:
+                decode_failures.append(f"{row['family']}/{run}")
     print_table(
         ["family", "hf err", "kv err", "kv+w err", "w streamed", "agree"],
         [
@@ -133,15 +160,27 @@ def main() -> int:
                 "limit": "each family's first-token logits no further from an fp32 run than "
                 "1.5x plain HF's bf16 ones (3x for expert models), K/V streamed and K/V and "
                 "weights streamed, Reviva's own decode path",
-            }
+            },
+            "families_bf16_decode": {
+                "pass": not decode_failures,
+                "failures": decode_failures,
+                "limit": "each family's decode steps (at least 2 while Reviva's tokens agree with "
+                "HF's) no further from fp32 (after HF's tokens) than 1.5x plain HF's worst step "
+                "(3x for expert models, which decode through the routed experts with weights "
+                "streamed: Note [Routed experts])",
+            },
         },
         "families": rows,
     }
     name = "families-cpu" if args.cpu else "families"
     path = write_result(name, result, args.out)
     print(f"families_bf16: {'PASS' if not failures else 'FAIL ' + ', '.join(failures)}")
+    print(
+        "families_bf16_decode: "
+        + ("PASS" if not decode_failures else "FAIL " + ", ".join(decode_failures))
+    )
     print(f"wrote {path}")
-    return 0 if not failures else 1
+    return 0 if not failures and not decode_failures else 1
 
 
 if __name__ == "__main__":

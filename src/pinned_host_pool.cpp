@@ -46,6 +46,7 @@ struct PoolBlock {
   std::size_t size = 0;       // rounded, a multiple of the pool's alignment
   std::size_t requested = 0;  // bytes asked for (live blocks)
   bool free = true;           // in the free list (false: live or pending)
+  int holders = 0;            // live PinnedBlocks over it: the block and its shares
   PoolBlock* prev = nullptr;  // address-order neighbours inside the slab
   PoolBlock* next = nullptr;
   std::vector<std::shared_ptr<const Stream>> uses;  // streams that used it since allocation
@@ -156,6 +157,7 @@ struct PinnedHostPool::Impl {
 
   void note_allocated(PoolBlock* b, std::size_t requested, bool hit) {
     b->requested = requested;
+    b->holders = 1;
     stats.bytes_in_use += b->size;
     stats.bytes_requested += requested;
     stats.peak_bytes_in_use = std::max(stats.peak_bytes_in_use, stats.bytes_in_use);
@@ -199,6 +201,21 @@ void PinnedBlock::record_use(std::shared_ptr<const Stream> stream) const {
   REVIVA_CHECK_ARG(&stream->backend() == &pool_->backend(),
                    "PinnedBlock::record_use: the stream belongs to another backend");
   pool_->record_use(block_, std::move(stream));
+}
+
+// Note [Shared blocks]
+// A share is a PinnedBlock over part of another's memory (a streamed layer's experts, each a
+// range of the layer's block: Note [Blocks within a block] in weight_store.cpp). Each PinnedBlock
+// over a pool block counts as one of its holders; release() returns the memory only when the last
+// holder goes, and the streams that any of them recorded (record_use goes to the pool block)
+// are waited for as for one block (Note [Deferred free]).
+PinnedBlock PinnedBlock::share(std::size_t offset, std::size_t bytes) const {
+  REVIVA_CHECK_ARG(block_ != nullptr, "PinnedBlock::share on an empty block");
+  REVIVA_CHECK_ARG(bytes > 0 && offset <= size_ && bytes <= size_ - offset,
+                   "PinnedBlock::share: ", bytes, " bytes from offset ", offset,
+                   " are not inside the block's ", size_, " bytes");
+  pool_->add_share(block_);
+  return PinnedBlock(pool_, block_, static_cast<char*>(data_) + offset, bytes);
 }
 
 void PinnedBlock::reset() noexcept {
@@ -392,10 +409,16 @@ void PinnedHostPool::record_use(PoolBlock* block, std::shared_ptr<const Stream> 
   block->uses.push_back(std::move(stream));
 }
 
+void PinnedHostPool::add_share(PoolBlock* block) noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  ++block->holders;
+}
+
 void PinnedHostPool::release(PoolBlock* block) noexcept {
   std::vector<std::shared_ptr<const Stream>> uses;
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (--block->holders > 0) return;  // Note [Shared blocks]: a share or the block lives on
     auto& st = impl_->stats;
     uses.swap(block->uses);
     ++st.frees;

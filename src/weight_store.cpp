@@ -23,6 +23,20 @@
 // ordered on the device after compute's use. With one slot and a window of one, the next
 // layer's copy is queued as soon as the host releases a layer and starts the moment compute is
 // done with it, also across the end of a decode step, where the host waits for the token.
+//
+// Note [Blocks within a block]
+// A mixture-of-experts layer's experts are one block of the layer (all experts' gate_up
+// projections, then all their down projections: the parameters HF's experts forward reads as
+// [experts, ...] tensors), which a prefill acquires whole, but a decode step runs only the
+// experts its router chose (2 of Mixtral's 8, 8 of Qwen3-MoE's 128): Note [Routed experts] in
+// python/reviva/weights.py. Each expert's projection is also a view of the store, a block whose
+// host copy is its range of the layer's host copy (PinnedBlock::share: Note [Shared blocks] in
+// pinned_host_pool.cpp; no second host copy, and every view is exactly its bytes of the layer).
+// A decode step leaves the experts' whole block out of the cycle (set_on_demand) and acquires
+// the chosen experts' views one at a time: each is fetched at its acquire (the host knows the
+// router's choice only once the router ran, so no prefetch can know it earlier) and leaves at
+// its release (clean: its memory is reused in stream order). Views and layers on demand take no
+// part in the cycle, so the prefetch window keeps bringing the next layers' attention blocks.
 #include <reviva/error.h>
 #include <reviva/weight_store.h>
 
@@ -57,18 +71,41 @@ WeightStore::WeightStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr
   REVIVA_CHECK_ARG(options_.slot_bytes == 0 || options_.slot_bytes >= largest_,
                    "WeightStore: slot_bytes ", options_.slot_bytes,
                    " cannot hold the largest layer (", largest_, " bytes)");
+  first_view_ = static_cast<int>(options_.layer_bytes.size());
+  for (std::size_t j = 0; j < options_.views.size(); ++j) {
+    const WeightView& v = options_.views[j];
+    REVIVA_CHECK_ARG(v.of >= 0 && v.of < first_view_, "WeightStore: view ", j, " is of layer ",
+                     v.of, ", out of range [0, ", first_view_, ")");
+    const std::size_t of = options_.layer_bytes[static_cast<std::size_t>(v.of)];
+    REVIVA_CHECK_ARG(v.bytes > 0 && v.offset <= of && v.bytes <= of - v.offset,
+                     "WeightStore: view ", j, " (", v.bytes, " bytes from offset ", v.offset,
+                     ") is not inside layer ", v.of, "'s ", of, " bytes");
+  }
   allocator_ = std::make_shared<ArenaDeviceAllocator>(arena_);
   OffloadManagerOptions mo;
   mo.budget_bytes = 1;  // set_residency() sets it
   mo.timeline_capacity = options_.timeline_capacity;
   manager_ = std::make_unique<OffloadManager>(engine_, allocator_, mo);
-  for (std::size_t i = 0; i < options_.layer_bytes.size(); ++i) {
-    PinnedBlock host = engine_->pool().allocate(options_.layer_bytes[i]);
-    host_.push_back(host.data());
-    blocks_.push_back(
-        manager_->register_host_block(std::move(host), "weights of layer " + std::to_string(i)));
+  std::vector<PinnedBlock> hosts;
+  for (std::size_t size : options_.layer_bytes) hosts.push_back(engine_->pool().allocate(size));
+  std::vector<PinnedBlock> shares;  // Note [Blocks within a block]
+  for (const WeightView& v : options_.views)
+    shares.push_back(hosts[static_cast<std::size_t>(v.of)].share(v.offset, v.bytes));
+  for (std::size_t i = 0; i < hosts.size(); ++i) {
+    host_.push_back(hosts[i].data());
+    blocks_.push_back(manager_->register_host_block(std::move(hosts[i]),
+                                                    "weights of layer " + std::to_string(i)));
+  }
+  for (std::size_t j = 0; j < shares.size(); ++j) {
+    host_.push_back(shares[j].data());
+    blocks_.push_back(manager_->register_host_block(
+        std::move(shares[j]), "view " + std::to_string(j) + " of layer " +
+                                  std::to_string(options_.views[j].of) + "'s weights"));
   }
   resident_.assign(blocks_.size(), false);
+  on_demand_.assign(blocks_.size(), false);
+  for (std::size_t i = static_cast<std::size_t>(first_view_); i < blocks_.size(); ++i)
+    on_demand_[i] = true;
   acquired_.assign(blocks_.size(), nullptr);
   resident_at_.assign(blocks_.size(), nullptr);
   declare_cycle();
@@ -116,7 +153,22 @@ void* WeightStore::host_data(int layer) const {
 
 std::size_t WeightStore::layer_bytes(int layer) const {
   block_at(layer, "layer_bytes");
-  return options_.layer_bytes[static_cast<std::size_t>(layer)];
+  return bytes_of(static_cast<std::size_t>(layer));
+}
+
+std::size_t WeightStore::bytes_of(std::size_t i) const {
+  const auto layers = static_cast<std::size_t>(first_view_);
+  return i < layers ? options_.layer_bytes[i] : options_.views[i - layers].bytes;
+}
+
+bool WeightStore::view(int layer) const {
+  block_at(layer, "view");
+  return layer >= first_view_;
+}
+
+bool WeightStore::on_demand(int layer) const {
+  block_at(layer, "on_demand");
+  return on_demand_[static_cast<std::size_t>(layer)];
 }
 
 bool WeightStore::resident(int layer) const {
@@ -141,17 +193,22 @@ bool WeightStore::acquired(int layer) const {
   return acquired_[static_cast<std::size_t>(layer)] != nullptr;
 }
 
-// Note [Streamed weights]: the resident layers' bytes and `slots` of the largest streamed layer.
+// Note [Streamed weights]: the resident layers' bytes and `slots` of the largest streamed layer
+// of the cycle.
 std::size_t WeightStore::budget_for(int slots) const {
-  std::size_t held = 0, largest = 0;
-  for (std::size_t i = 0; i < blocks_.size(); ++i) {
-    if (resident_[i])
-      held += options_.layer_bytes[i];
-    else
-      largest = std::max(largest, options_.layer_bytes[i]);
-  }
-  if (options_.slot_bytes > 0) largest = options_.slot_bytes;
-  return std::max<std::size_t>(held + static_cast<std::size_t>(slots) * largest, 1);
+  std::size_t held = 0;
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (resident_[i]) held += bytes_of(i);
+  const std::size_t slot = options_.slot_bytes > 0 ? options_.slot_bytes : largest_cycled();
+  return std::max<std::size_t>(held + static_cast<std::size_t>(slots) * slot, 1);
+}
+
+// The largest streamed layer of the cycle (neither resident nor on demand).
+std::size_t WeightStore::largest_cycled() const {
+  std::size_t largest = 0;
+  for (std::size_t i = 0; i < blocks_.size(); ++i)
+    if (!resident_[i] && !on_demand_[i]) largest = std::max(largest, bytes_of(i));
+  return largest;
 }
 
 void WeightStore::declare_cycle() {
@@ -161,7 +218,7 @@ void WeightStore::declare_cycle() {
   scheduler_ = std::make_unique<PrefetchScheduler>(*manager_, so);
   std::vector<std::vector<BlockId>> order;
   for (std::size_t i = 0; i < blocks_.size(); ++i)
-    if (!resident_[i]) order.push_back({blocks_[i]});
+    if (!resident_[i] && !on_demand_[i]) order.push_back({blocks_[i]});
   if (!order.empty()) scheduler_->declare_order(std::move(order));
 }
 
@@ -173,7 +230,7 @@ void WeightStore::prefetch_cycle_start() {
   const std::size_t least = allocator_->min_bytes();
   std::size_t queued = 0;
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
-    if (resident_[i]) continue;
+    if (resident_[i] || on_demand_[i]) continue;
     queued += std::max(options_.layer_bytes[i], least);
     if (queued > room || !manager_->prefetch(blocks_[i])) break;
   }
@@ -188,14 +245,19 @@ void WeightStore::set_residency(const std::vector<int>& resident, int slots, int
   std::vector<bool> wanted(blocks_.size(), false);
   for (int layer : resident) {
     block_at(layer, "set_residency");
+    REVIVA_CHECK_ARG(layer < first_view_, "WeightStore::set_residency: layer ", layer,
+                     " is a view (of layer ",
+                     options_.views[static_cast<std::size_t>(std::max(layer - first_view_, 0))].of,
+                     "): views are fetched on demand, never resident");
     REVIVA_CHECK_ARG(!wanted[static_cast<std::size_t>(layer)], "WeightStore::set_residency: layer ",
                      layer, " is listed twice");
     wanted[static_cast<std::size_t>(layer)] = true;
   }
-  const bool streams = resident.size() < blocks_.size();
+  // (views never are resident, and stream only where their layer does)
+  const auto layers = static_cast<std::size_t>(first_view_);
+  const bool streams = resident.size() < layers;
   REVIVA_CHECK_ARG(slots >= 0, "WeightStore::set_residency: slots must be >= 0, got ", slots);
-  REVIVA_CHECK_ARG(!streams || slots >= 1,
-                   "WeightStore::set_residency: ", blocks_.size() - resident.size(),
+  REVIVA_CHECK_ARG(!streams || slots >= 1, "WeightStore::set_residency: ", layers - resident.size(),
                    " layers stream, which needs a slot, got 0");
   REVIVA_CHECK_ARG(prefetch_layers >= 0 && prefetch_layers <= (streams ? slots : 0),
                    "WeightStore::set_residency: prefetch_layers must be in [0, slots] = [0, ",
@@ -258,7 +320,7 @@ void WeightStore::reserve_unfilled(const Stream& stream) {
   try {
     for (std::size_t i = 0; i < blocks_.size(); ++i) {
       if (!resident_[i] || resident_at_[i] != nullptr) continue;
-      const std::size_t n = options_.layer_bytes[i];
+      const std::size_t n = bytes_of(i);
       held.emplace_back(allocator_->allocate(n, stream.handle()), n);
     }
   } catch (...) {
@@ -279,7 +341,8 @@ void WeightStore::fill_resident_near(int layer) {
   const std::size_t reach = kFillAheadLayers * std::max(options_.slot_bytes, largest_);
   const Stream& h2d = engine_->stream(Direction::HostToDevice);
   std::size_t ahead = 0;
-  for (auto i = static_cast<std::size_t>(layer); i < blocks_.size() && ahead <= reach; ++i) {
+  const auto layers = static_cast<std::size_t>(first_view_);  // (views are never resident)
+  for (auto i = static_cast<std::size_t>(layer); i < layers && ahead <= reach; ++i) {
     if (resident_[i] && resident_at_[i] == nullptr) {
       resident_at_[i] = manager_->acquire(blocks_[i], h2d, Access::ReadOnly);
       --unfilled_;
@@ -288,16 +351,34 @@ void WeightStore::fill_resident_near(int layer) {
   }
 }
 
+void WeightStore::set_on_demand(const std::vector<int>& layers) {
+  check_open("set_on_demand");
+  for (std::size_t i = 0; i < acquired_.size(); ++i)
+    REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::set_on_demand: layer ", i,
+                     " is acquired");
+  std::vector<bool> wanted(blocks_.size(), false);
+  for (std::size_t i = static_cast<std::size_t>(first_view_); i < blocks_.size(); ++i)
+    wanted[i] = true;
+  for (int layer : layers) {
+    block_at(layer, "set_on_demand");
+    wanted[static_cast<std::size_t>(layer)] = true;
+  }
+  if (wanted == on_demand_) return;
+  on_demand_ = std::move(wanted);
+  scheduler_.reset();
+  declare_cycle();  // (from its first streamed layer)
+}
+
 void WeightStore::set_slot_bytes(std::size_t bytes, std::size_t block_bytes) {
   check_open("set_slot_bytes");
   for (std::size_t i = 0; i < acquired_.size(); ++i)
     REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::set_slot_bytes: layer ", i,
                      " is acquired");
-  REVIVA_CHECK_ARG(bytes == 0 || bytes >= largest_, "WeightStore::set_slot_bytes: slot_bytes ",
-                   bytes, " cannot hold the largest layer (", largest_, " bytes)");
-  std::size_t streamed = 0;
-  for (std::size_t i = 0; i < blocks_.size(); ++i)
-    if (!resident_[i]) streamed = std::max(streamed, options_.layer_bytes[i]);
+  // (layers on demand take the room they need at their acquire: Note [Blocks within a block])
+  const std::size_t streamed = largest_cycled();
+  REVIVA_CHECK_ARG(bytes == 0 || bytes >= streamed, "WeightStore::set_slot_bytes: slot_bytes ",
+                   bytes, " cannot hold the largest streamed layer of the cycle (", streamed,
+                   " bytes)");
   REVIVA_CHECK_ARG(block_bytes == 0 || block_bytes >= streamed,
                    "WeightStore::set_slot_bytes: block_bytes ", block_bytes,
                    " cannot hold the largest streamed layer (", streamed, " bytes)");
@@ -333,6 +414,10 @@ void* WeightStore::acquire(int layer, const Stream& compute) {
                    " streams and the store has no slots (call set_residency first)");
   const BlockState state = manager_->state(id);
   if (state == BlockState::Device || state == BlockState::ToDevice) ++slot_hits_;
+  if (on_demand_[i]) {  // (Note [Blocks within a block]: fetched now, outside the cycle)
+    acquired_[i] = manager_->acquire(id, compute, Access::ReadOnly);
+    return acquired_[i];
+  }
   const std::vector<void*> ptrs = scheduler_->acquire_group({&id, 1}, compute, Access::ReadOnly);
   acquired_[i] = ptrs.front();
   return ptrs.front();
@@ -344,10 +429,14 @@ void WeightStore::release(int layer, const Stream& compute) {
   REVIVA_CHECK_ARG(acquired_[i] != nullptr, "WeightStore::release: layer ", layer,
                    " is not acquired");
   acquired_[i] = nullptr;
-  if (resident_[i])
+  if (resident_[i]) {
     manager_->release(id, compute);
-  else
+  } else if (on_demand_[i]) {  // leaves at once (clean: its memory is reused after compute's use)
+    manager_->release(id, compute);
+    manager_->offload(id);
+  } else {
     scheduler_->release_group({&id, 1}, compute);
+  }
 }
 
 std::shared_ptr<ArenaBuffer> WeightStore::buffer(int layer) const {
@@ -382,7 +471,7 @@ WeightStoreStats WeightStore::stats() {
   st.slots = slots_;
   st.prefetch_layers = prefetch_layers_;
   st.slot_hits = slot_hits_;
-  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+  for (std::size_t i = 0; i < static_cast<std::size_t>(first_view_); ++i) {  // (views: none)
     st.host_bytes += options_.layer_bytes[i];
     if (resident_[i]) {
       ++st.resident_layers;

@@ -68,7 +68,7 @@ class REVIVA_API PinnedBlock {
 
   void* data() const noexcept { return data_; }
   std::size_t size() const noexcept { return size_; }  // the bytes asked for
-  std::size_t capacity() const noexcept;               // rounded size held
+  std::size_t capacity() const noexcept;  // rounded size held (a share: its pool block's)
   explicit operator bool() const noexcept { return block_ != nullptr; }
 
   // Declares that work on `stream` reads or writes this block. When the block is released, an
@@ -76,7 +76,14 @@ class REVIVA_API PinnedBlock {
   // The pool keeps `stream` alive until then.
   void record_use(std::shared_ptr<const Stream> stream) const;
 
-  // Returns the block to the pool now (deferred as above if streams used it).
+  // A block over bytes [offset, offset + bytes) of this one's memory that shares its ownership
+  // (Note [Shared blocks] in pinned_host_pool.cpp): the memory goes back to the pool when the
+  // last of the block and its shares is reset, after every stream any of them recorded. Throws
+  // InvalidArgument naming the numbers when the range is not inside the block (bytes > 0).
+  PinnedBlock share(std::size_t offset, std::size_t bytes) const;
+
+  // Returns the block to the pool now (deferred as above if streams used it); with shares
+  // alive, only drops this one's hold.
   void reset() noexcept;
 
  private:
@@ -133,6 +140,7 @@ class REVIVA_API PinnedHostPool : public std::enable_shared_from_this<PinnedHost
   struct Impl;
   PinnedHostPool(std::shared_ptr<Backend> backend, PinnedHostPoolOptions options);
   void release(detail::PoolBlock* block) noexcept;
+  void add_share(detail::PoolBlock* block) noexcept;
   char* pin_slab(std::size_t slab_bytes);
   void add_slab(char* base, std::size_t slab_bytes);
   void record_use(detail::PoolBlock* block, std::shared_ptr<const Stream> stream);

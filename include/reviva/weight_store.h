@@ -34,9 +34,21 @@
 
 namespace reviva {
 
+// A block whose host copy is part of a layer's (Note [Blocks within a block] in
+// weight_store.cpp): bytes [offset, offset + bytes) of layer `of`'s host copy.
+struct WeightView {
+  int of = 0;
+  std::size_t offset = 0;
+  std::size_t bytes = 0;
+};
+
 struct WeightStoreOptions {
   std::vector<std::size_t> layer_bytes;  // each layer's packed weights (> 0 each)
-  std::size_t timeline_capacity = 0;     // copy and stall events kept for timeline() (0: none)
+  // Views: view j is the store's layer layer_bytes.size() + j, fetched on demand (set_on_demand),
+  // never resident, with no host copy of its own (e.g. one expert of a layer's experts, which
+  // a decode step fetches alone where its router chose it).
+  std::vector<WeightView> views;
+  std::size_t timeline_capacity = 0;  // copy and stall events kept for timeline() (0: none)
   // The room of one slot. 0: the largest streamed layer. A caller that splits each of its layers
   // into consecutive blocks used one after the other (a decoder layer's attention, then its MLP:
   // Note [Layers in parts] in python/reviva/weights.py) gives the largest whole layer here, so that
@@ -78,7 +90,8 @@ class REVIVA_API WeightStore {
   // layer's first use. Valid until close().
   void* host_data(int layer) const;
   std::size_t layer_bytes(int layer) const;
-  int num_layers() const noexcept { return static_cast<int>(blocks_.size()); }
+  int num_layers() const noexcept { return static_cast<int>(blocks_.size()); }  // views included
+  bool view(int layer) const;  // whether `layer` is a view (WeightStoreOptions::views)
 
   // Which layers stay on the device (`resident`: distinct indices), the room for streamed layers
   // (`slots`: at least 1 while a layer streams) and how many streamed layers are brought in
@@ -105,6 +118,14 @@ class REVIVA_API WeightStore {
   void set_slot_bytes(std::size_t bytes, std::size_t block_bytes = 0);
   std::size_t slot_bytes() const noexcept { return options_.slot_bytes; }
   bool resident(int layer) const;
+  // Streamed layers left out of the prefetch cycle from now on (Note [Blocks within a block]),
+  // as views always are: such a layer is fetched when acquired (compute waits for its copy) and
+  // leaves when released; one larger than a slot needs room the budget may lack (OutOfMemory at
+  // its acquire). E.g. a decode step's experts, taken one by one through their views, leave
+  // their layer's whole block out. The cycle starts again from its first streamed layer. Not
+  // while a layer is acquired.
+  void set_on_demand(const std::vector<int>& layers);
+  bool on_demand(int layer) const;
   // A resident layer's device address, valid while it stays resident (to lay views out over it),
   // from its fill's issue on (throws before). Its fill may still be in flight: compute reads it
   // only after acquire(), which orders compute after the fill.
@@ -143,6 +164,8 @@ class REVIVA_API WeightStore {
   void fill_resident_near(int layer);
   void reserve_unfilled(const Stream& stream);
   std::size_t budget_for(int slots) const;
+  std::size_t largest_cycled() const;
+  std::size_t bytes_of(std::size_t i) const;
 
   std::shared_ptr<TransferEngine> engine_;
   std::shared_ptr<DeviceArena> arena_;
@@ -153,6 +176,8 @@ class REVIVA_API WeightStore {
   std::vector<BlockId> blocks_;     // one block per layer
   std::vector<void*> host_;         // each layer's host copy
   std::vector<bool> resident_;      // held on the device by the store (pinned in the manager)
+  std::vector<bool> on_demand_;     // outside the cycle: fetched at acquire (views always)
+  int first_view_ = 0;              // the first view's index (after the layers)
   std::vector<void*> acquired_;     // the address of an acquired layer, null otherwise
   std::vector<void*> resident_at_;  // a resident layer's address once its fill is issued, or null
   std::size_t unfilled_ = 0;        // resident layers whose fill is not issued yet

@@ -9,6 +9,7 @@
 // synchronously.
 #include "runtime.h"
 
+#include <tuple>
 #include <vector>
 
 namespace py = pybind11;
@@ -20,7 +21,8 @@ class PyWeightStore {
  public:
   PyWeightStore(py::object engine, std::shared_ptr<DeviceArena> arena,
                 std::vector<std::size_t> layer_bytes, std::size_t timeline_capacity,
-                std::size_t slot_bytes)
+                std::size_t slot_bytes,
+                const std::vector<std::tuple<int, std::size_t, std::size_t>>& views)
       : rt_(runtime_of(engine)) {
     REVIVA_CHECK_ARG(arena != nullptr, "WeightStore: arena is None");
     REVIVA_CHECK_ARG(arena->backend().kind() == rt_->backend()->kind(),
@@ -29,6 +31,7 @@ class PyWeightStore {
     o.layer_bytes = std::move(layer_bytes);
     o.timeline_capacity = timeline_capacity;
     o.slot_bytes = slot_bytes;
+    for (const auto& [of, offset, bytes] : views) o.views.push_back({of, offset, bytes});
     auto e = engine_of(engine);
     py::gil_scoped_release release;  // (pins every layer's host copy)
     store_ = std::make_shared<WeightStore>(std::move(e), std::move(arena), std::move(o));
@@ -124,11 +127,15 @@ void bind_weight_store(py::module_& m) {
                             "layers held on the device, the others streamed ahead of use by a "
                             "PrefetchScheduler (see include/reviva/weight_store.h)")
       .def(py::init<py::object, std::shared_ptr<DeviceArena>, std::vector<std::size_t>, std::size_t,
-                    std::size_t>(),
+                    std::size_t, const std::vector<std::tuple<int, std::size_t, std::size_t>>&>(),
            py::arg("engine"), py::arg("arena"), py::arg("layer_bytes"),
            py::arg("timeline_capacity") = 0, py::arg("slot_bytes") = 0,
+           py::arg("views") = std::vector<std::tuple<int, std::size_t, std::size_t>>{},
            "slot_bytes: the room of one slot (0: the largest streamed layer; a caller whose "
-           "layers are split into consecutive blocks gives its largest whole layer)")
+           "layers are split into consecutive blocks gives its largest whole layer). views: "
+           "(layer, offset, bytes) each, a layer of the store (numbered after layer_bytes) whose "
+           "host copy is that range of the layer's, fetched on demand, never resident (Note "
+           "[Blocks within a block] in src/weight_store.cpp)")
       .def("host", &PyWeightStore::host, py::arg("layer"),
            "The layer's pinned host copy as a uint8 tensor, to fill before its first use")
       .def("acquire", &PyWeightStore::acquire, py::arg("layer"),
@@ -151,6 +158,17 @@ void bind_weight_store(py::module_& m) {
           "streamed layer's device buffer takes (0: its own); lowered, streamed layers on the "
           "device leave and the cycle starts again. Not while a layer is acquired")
       .def_property_readonly("slot_bytes", [](PyWeightStore& s) { return s.store().slot_bytes(); })
+      .def(
+          "set_on_demand",
+          [](PyWeightStore& s, const std::vector<int>& layers) {
+            py::gil_scoped_release release;
+            s.store().set_on_demand(layers);
+          },
+          py::arg("layers"),
+          "Streamed layers left out of the prefetch cycle from now on, as views always are: "
+          "fetched when acquired, gone when released. Not while a layer is acquired")
+      .def("on_demand", [](PyWeightStore& s, int layer) { return s.store().on_demand(layer); })
+      .def("view", [](PyWeightStore& s, int layer) { return s.store().view(layer); })
       .def("resident", [](PyWeightStore& s, int layer) { return s.store().resident(layer); })
       .def("acquired", [](PyWeightStore& s, int layer) { return s.store().acquired(layer); })
       .def("layer_bytes", [](PyWeightStore& s, int layer) { return s.store().layer_bytes(layer); })

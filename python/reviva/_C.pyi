@@ -366,9 +366,12 @@ class WeightStore:
         layer_bytes: collections.abc.Sequence[typing.SupportsInt],
         timeline_capacity: typing.SupportsInt = 0,
         slot_bytes: typing.SupportsInt = 0,
+        views: collections.abc.Sequence[
+            tuple[typing.SupportsInt, typing.SupportsInt, typing.SupportsInt]
+        ] = [],
     ) -> None:
         """
-        slot_bytes: the room of one slot (0: the largest streamed layer; a caller whose layers are split into consecutive blocks gives its largest whole layer)
+        slot_bytes: the room of one slot (0: the largest streamed layer; a caller whose layers are split into consecutive blocks gives its largest whole layer). views: (layer, offset, bytes) each, a layer of the store (numbered after layer_bytes) whose host copy is that range of the layer's, fetched on demand, never resident (Note [Blocks within a block] in src/weight_store.cpp)
         """
     def acquire(self, layer: typing.SupportsInt) -> torch.Tensor:
         """
@@ -380,11 +383,16 @@ class WeightStore:
         The layer's pinned host copy as a uint8 tensor, to fill before its first use
         """
     def layer_bytes(self, arg0: typing.SupportsInt) -> int: ...
+    def on_demand(self, arg0: typing.SupportsInt) -> bool: ...
     def release(self, layer: typing.SupportsInt) -> None: ...
     def resident(self, arg0: typing.SupportsInt) -> bool: ...
     def resident_view(self, layer: typing.SupportsInt) -> torch.Tensor:
         """
         A resident layer's device copy (uint8), its fill perhaps still in flight: to lay parameters out over it; compute reads it only after acquire(layer)
+        """
+    def set_on_demand(self, layers: collections.abc.Sequence[typing.SupportsInt]) -> None:
+        """
+        Streamed layers left out of the prefetch cycle from now on, as views always are: fetched when acquired, gone when released. Not while a layer is acquired
         """
     def set_residency(
         self,
@@ -406,6 +414,7 @@ class WeightStore:
         """
     def timeline(self) -> list: ...
     def trim(self) -> None: ...
+    def view(self, arg0: typing.SupportsInt) -> bool: ...
     @property
     def num_layers(self) -> int: ...
     @property

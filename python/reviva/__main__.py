@@ -148,6 +148,19 @@ PRESETS = {
         vocab_size=152064,
         use_sliding_window=False,
     ),
+    "mixtral-8x7b": dict(  # 8 experts, 2 routed per token (Note [Routed experts])
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    ),
 }
 
 

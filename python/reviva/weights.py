@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -95,6 +96,48 @@ def _mlp_pieces(layer: nn.Module) -> tuple[str, ...]:
     return owners
 
 
+# What a decoder layer runs before its MLP (Note [Routed experts]: nothing of the layer may run
+# after its experts, whose block's views are the last a decode step takes).
+_BEFORE_MLP = frozenset({"self_attn", "input_layernorm", "post_attention_layernorm"})
+
+
+def _owners(module: nn.Module) -> set[str]:
+    return {n for n, m in module.named_children() if any(True for _ in m.parameters())}
+
+
+def routed_experts(layer: nn.Module) -> nn.Module | None:
+    """The layer's experts module where a decode step can take only the experts its router
+    chooses (Note [Routed experts]): an MLP of a router (`gate`) and HF's experts module, whose
+    parameters are gate_up_proj [E, 2I, H] and down_proj [E, H, I] (no bias, not transposed,
+    gated), in a layer whose other parts all run before the MLP (Mixtral, Qwen3-MoE). None
+    otherwise, and with REVIVA_ROUTED_EXPERTS=0 (a baseline for benchmarks): the MLP is then one
+    block (and every expert moves)."""
+    if os.environ.get("REVIVA_ROUTED_EXPERTS", "1") == "0":
+        return None
+    mlp = getattr(layer, "mlp", None)
+    experts = getattr(mlp, "experts", None)
+    if experts is None or not _owners(layer) <= _BEFORE_MLP | {"mlp"}:
+        return None
+    if any(True for _ in mlp.parameters(recurse=False)) or _owners(mlp) != {"gate", "experts"}:
+        return None
+    params = dict(experts.named_parameters())
+    if set(params) != {"gate_up_proj", "down_proj"}:
+        return None
+    gu, dn = params["gate_up_proj"], params["down_proj"]
+    e = getattr(experts, "num_experts", None)
+    if gu.dim() != 3 or dn.dim() != 3 or gu.dtype != dn.dtype or not e or gu.shape[0] != e:
+        return None
+    if dn.shape[0] != e or gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != dn.shape[1]:
+        return None
+    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
+        return None
+    if not getattr(experts, "has_gate", True) or not callable(
+        getattr(experts, "_apply_gate", None)
+    ):
+        return None
+    return experts
+
+
 def _part_of(name: str, pieces: tuple[str, ...]) -> int:
     """Note [Layers in parts]: the block of a parameter: 0 for the attention's (and the norms'),
     then the MLP's: one block, or one per projection in `pieces` (what runs after the MLP,
@@ -113,6 +156,8 @@ def _pack(layer: nn.Module, granularity: int = 1) -> list[list[tuple[str, _Slot]
     its block, aligned to _ALIGN, in module order. The MLP's projections are blocks of their own
     only where two of the largest block (each rounded to `granularity`, the arena's granule) are
     less than the whole layer; else the MLP is one block."""
+    if routed_experts(layer) is not None:  # Note [Routed experts]: the experts alone, then
+        return _pack_by(layer, (), routed=True)
     pieces = _mlp_pieces(layer)
     parts = _pack_by(layer, pieces)
     if pieces:
@@ -122,7 +167,9 @@ def _pack(layer: nn.Module, granularity: int = 1) -> list[list[tuple[str, _Slot]
     return parts
 
 
-def _pack_by(layer: nn.Module, pieces: tuple[str, ...]) -> list[list[tuple[str, _Slot]]]:
+def _pack_by(
+    layer: nn.Module, pieces: tuple[str, ...], routed: bool = False
+) -> list[list[tuple[str, _Slot]]]:
     parts: list[list[tuple[str, _Slot]]] = [[] for _ in range(1 + max(len(pieces), 1))]
     ends = [0] * len(parts)
     for prefix, module in layer.named_modules():
@@ -130,7 +177,7 @@ def _pack_by(layer: nn.Module, pieces: tuple[str, ...]) -> list[list[tuple[str, 
             if p is None:
                 continue
             name = f"{prefix}.{key}" if prefix else key
-            k = _part_of(name, pieces)
+            k = int(name.startswith("mlp.experts.")) if routed else _part_of(name, pieces)
             offset = _round_up(ends[k], _ALIGN)
             nbytes = p.numel() * p.element_size()
             parts[k].append((name, _Slot(module, key, offset, nbytes)))
@@ -152,14 +199,25 @@ def layer_weight_bytes(layer: nn.Module, granularity: int = 1) -> int:
     )
 
 
+def _decode_blocks(layer: nn.Module, granularity: int = 1) -> list[int]:
+    """The bytes of the blocks a decode step takes of a streamed layer, each rounded to
+    `granularity`: its parts (Note [Layers in parts]), or, for routed experts, its first part
+    and one expert's gate_up and down projections (Note [Routed experts])."""
+    parts = _pack(layer, granularity)
+    sizes = [_round_up(_block_bytes([slot for _, slot in p]), granularity) for p in parts]
+    experts = routed_experts(layer)
+    if experts is None:
+        return sizes
+    e = experts.num_experts
+    gu, dn = (p.numel() * p.element_size() // e for p in (experts.gate_up_proj, experts.down_proj))
+    return [sizes[0], _round_up(gu, granularity), _round_up(dn, granularity)]
+
+
 def decode_slot_bytes(layers: list[nn.Module], granularity: int = 1) -> int:
     """The room streamed weights need in a decode step (Note [Layers in parts]): two of the
-    largest block (rounded to `granularity`), or the largest whole layer where that is less."""
-    blocks = [
-        _round_up(_block_bytes([slot for _, slot in part]), granularity)
-        for layer in layers
-        for part in _pack(layer, granularity)
-    ]
+    largest block a step takes (rounded to `granularity`; Note [Routed experts]: an expert's
+    projection, not all experts), or the largest whole layer where that is less."""
+    blocks = [b for layer in layers for b in _decode_blocks(layer, granularity)]
     whole = max(layer_weight_bytes(layer, granularity) for layer in layers)
     return min(2 * max(blocks), whole)
 
@@ -197,6 +255,28 @@ HOST_DECODE_ROOMS = 3
 # 112), its decode room 224 MiB. With the layer whole in one block, one slot left the copy engine
 # idle while each streamed layer computed (the next layer's copy waits for that memory): 0.97 of
 # the roofline on the H200 at 067decd, the 3% being about the streamed layers' compute time.
+
+
+# Note [Routed experts]
+# A mixture-of-experts layer (Mixtral, Qwen3-MoE: routed_experts) runs, per token, only the top-k
+# experts its router chooses, but its experts are one block, as HF keeps them ([E, ...] tensors
+# that its experts forward indexes or hands to a grouped matmul), so a decode step that took the
+# block moved every expert: Mixtral-8x7B's layer is 2.9 GB of which a token uses 0.8. So a
+# streamed MoE layer is two blocks, its first (attention, norms and the router) and its
+# experts', and each expert's gate_up and down projections are also views of the store (Note
+# [Blocks within a block] in src/weight_store.cpp: ranges of the experts' host copy, no memory
+# of their own). A prefill takes both blocks whole and runs HF's own experts forward (most
+# experts see some of a long prompt's tokens). A decode step takes the first block, and HF's
+# experts forward is replaced there (an instance attribute on the experts module, forwarding to
+# HF's own everywhere else) by `_routed`: it gives the first block back (the router ran), learns
+# which experts were chosen (one synchronization: the host must know what to fetch), and takes
+# each chosen expert's gate_up view, then its down view, one at a time, into decode's room of
+# two blocks (the store fetches a view at its acquire and lets it go at its release). Its
+# arithmetic is HF's grouped_mm experts forward (HF's default: rows sorted by expert, each
+# expert's rows through its projections, weights applied, a sum over the top-k) done expert by
+# expert. A step then moves the attention's bytes and the chosen experts' (2 of 8 experts:
+# about a quarter of Mixtral's layer); the experts' whole block stays out of decode's cycle
+# (WeightStore.set_on_demand), and decode's room is two of the largest of those blocks.
 
 
 class StreamedWeights:
@@ -246,8 +326,29 @@ class StreamedWeights:
         ]
         # the parameters' own bytes (without the packing's alignment), as torch counts them
         self.param_bytes = sum(slot.nbytes for slots in self._slots for slot in slots)
+        # Note [Routed experts]: per routed layer, its experts module, E, and its views' first
+        # index in the store (expert e's gate_up at first + 2e, its down at first + 2e + 1)
+        self._routed: dict[int, tuple[nn.Module, int, int]] = {}
+        views: list[tuple[int, int, int]] = []
+        for i, layer in enumerate(layers):
+            experts = routed_experts(layer)
+            if experts is None:
+                continue
+            b = self._parts[i][1]
+            at = {slot.name: slot for slot in self._slots[b] if slot.module is experts}
+            e = experts.num_experts
+            self._routed[i] = (experts, e, len(self._slots) + len(views))
+            gu, dn = at["gate_up_proj"], at["down_proj"]
+            for k in range(e):
+                views.append((b, gu.offset + k * (gu.nbytes // e), gu.nbytes // e))
+                views.append((b, dn.offset + k * (dn.nbytes // e), dn.nbytes // e))
         self.store = WeightStore(
-            engine, arena, block_bytes, timeline_capacity, slot_bytes=max(self.layer_device_bytes)
+            engine,
+            arena,
+            block_bytes,
+            timeline_capacity,
+            slot_bytes=max(self.layer_device_bytes),
+            views=views,
         )
         self.origin_host = time.perf_counter()  # (its timeline's origin: Note [Traces])
         self._host_views: list[list[torch.Tensor]] = []  # per block
@@ -307,9 +408,13 @@ class StreamedWeights:
             layer.register_forward_pre_hook(self._outside_a_call(i))
             for i, layer in enumerate(layers)
         ]
+        self._views_held: dict[int, int] = {}  # routed layers: the view acquired now, by layer
+        self._routing: set[int] = set()  # routed layers taken in blocks now (a decode step)
+        for i, (experts, _, _) in self._routed.items():
+            experts.forward = self._experts_forward(i, experts.forward)
         for i, layer in enumerate(layers):  # Note [Layers in parts]: where each block starts
             parts = self._parts[i]
-            if len(parts) < 2:
+            if len(parts) < 2 or i in self._routed:
                 continue
             pieces = _mlp_pieces(layer) if len(parts) > 2 else ()
             starts = [getattr(layer.mlp, n) for n in pieces] if pieces else [layer.mlp]
@@ -318,7 +423,7 @@ class StreamedWeights:
         granule = int(arena.granularity)
         # Note [Layers in parts]: decode's room for streamed weights, and each block's buffer there
         self.decode_slot_bytes = decode_slot_bytes(layers, granule)
-        largest = max(_round_up(b, granule) for b in block_bytes)
+        largest = max(b for layer in layers for b in _decode_blocks(layer, granule))
         self._decode_block_bytes = largest if self.decode_slot_bytes == 2 * largest else 0
         self._decode_rooms = 0  # blocks of decode's room (enter_decode; 0: not in decode)
 
@@ -347,6 +452,67 @@ class StreamedWeights:
                 weights._switch(i, b)
 
         return hook
+
+    def _experts_forward(
+        self, i: int, hf: Callable[..., torch.Tensor]
+    ) -> Callable[..., torch.Tensor]:
+        ref = weakref.ref(self)
+
+        def forward(
+            hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        ) -> torch.Tensor:
+            weights = ref()
+            if weights is not None and i in weights._routing:
+                return weights._routed_forward(i, hidden_states, top_k_index, top_k_weights)
+            return hf(hidden_states, top_k_index, top_k_weights)
+
+        return forward
+
+    def _routed_forward(
+        self, i: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Note [Routed experts]: layer i's experts in a decode step, each chosen expert's
+        projections brought in one at a time (HF's grouped_mm experts forward, expert by
+        expert)."""
+        experts, e, first = self._routed[i]
+        self._routing.discard(i)  # (once per use of the layer)
+        for b in self._held.get(i, []):  # the router ran: the first block's work is queued
+            self._release_block(b)
+        self._held[i] = []
+        gu_shape = experts.gate_up_proj.shape[1:]
+        dn_shape = experts.down_proj.shape[1:]
+        dtype = experts.gate_up_proj.dtype
+        k = top_k_index.size(-1)
+        ids, order = torch.sort(top_k_index.reshape(-1))
+        rows = hidden[order // k].to(dtype)
+        counts = torch.bincount(ids, minlength=e).tolist()  # (the host fetches what was chosen)
+        out = torch.empty(rows.shape[0], hidden.shape[-1], dtype=dtype, device=hidden.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            end = start + n
+            gate_up = self._take_view(i, first + 2 * expert).view(dtype).view(gu_shape)
+            h = torch.mm(rows[start:end], gate_up.t())
+            self._drop_view(i)
+            h = experts._apply_gate(h)
+            down = self._take_view(i, first + 2 * expert + 1).view(dtype).view(dn_shape)
+            out[start:end] = torch.mm(h, down.t())
+            self._drop_view(i)
+            start = end
+        weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        tokens = hidden.shape[0]
+        return weighted[back].view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+    def _take_view(self, i: int, v: int) -> torch.Tensor:
+        block = self.store.acquire(v)
+        self._views_held[i] = v
+        return block
+
+    def _drop_view(self, i: int) -> None:
+        self.store.release(self._views_held.pop(i))
 
     def _switch(self, i: int, b: int) -> None:
         """Block b of layer i starts (Note [Layers in parts]): the block before it goes, b comes."""
@@ -415,6 +581,7 @@ class StreamedWeights:
             # prefetched three whole layers there and ran out of memory on a 24 GB card)
             self.store.set_residency(sorted(self._resident_blocks), 1, 1)
             self._decode_rooms = 0
+        self.store.set_on_demand([])  # (a prefill takes the experts' whole blocks in the cycle)
         self.store.set_slot_bytes(max(self.layer_device_bytes), 0)
         wanted = {b for i in resident for b in self._parts[i]}
         for b in list(self._device_views):
@@ -447,6 +614,8 @@ class StreamedWeights:
                 f"StreamedWeights.enter_decode: rooms must be an int >= 2, got {rooms!r}"
             )
         whole = max(self.layer_device_bytes)
+        # Note [Routed experts]: the experts' whole blocks leave decode's cycle
+        self.store.set_on_demand([self._parts[i][1] for i in self._routed])
         st = self.store.stats()
         if st["streamed_layers"] == 0 or self.decode_slot_bytes >= whole:
             return 0
@@ -514,6 +683,7 @@ class StreamedWeights:
         parts = self._parts[i]
         split = not whole and len(parts) > 1 and not self.resident(i)
         take = parts[:1] if split else parts
+        self._routing.discard(i)
         held: list[int] = []
         try:
             for b in take:
@@ -524,17 +694,24 @@ class StreamedWeights:
                 self._release_block(b)
             raise
         self._held[i] = held
-        if split:
+        if split and i in self._routed:
+            self._routing.add(i)  # (Note [Routed experts]: its experts come as views)
+        elif split:
             self._next_parts[i] = list(parts[1:])
 
     def release(self, i: int) -> None:
         self._next_parts.pop(i, None)
+        self._routing.discard(i)
+        if i in self._views_held:  # (an expert's forward raised between its acquire and release)
+            self._drop_view(i)
         for b in self._held.pop(i, []):
             self._release_block(b)
 
     def __del__(self) -> None:
         for h in getattr(self, "_hooks", ()):
             h.remove()
+        for experts, _, _ in getattr(self, "_routed", {}).values():
+            experts.__dict__.pop("forward", None)  # (HF's own forward again)
 
     def trim(self) -> None:
         """Between calls: the streamed layers' device memory goes back (resident layers stay)."""
@@ -550,6 +727,7 @@ class StreamedWeights:
         st["resident_layers"] = resident
         st["streamed_layers"] = self.num_layers - resident
         st["prefetch_blocks"] = st.pop("prefetch_layers")
+        st["routed_expert_layers"] = len(self._routed)
         return st
 
 

@@ -236,6 +236,57 @@ TEST_P(PoolTest, BlockUsedByAStreamIsReusedOnlyAfterItsEvent) {
   pool->check_invariants();
 }
 
+// Note [Shared blocks]: a share views part of a block and keeps it alive: the memory goes back
+// when the last holder goes, after every stream a share recorded.
+TEST_P(PoolTest, SharesKeepTheirBlockUntilTheLastGoesAndItsStreamsPass) {
+  auto pool = PinnedHostPool::create(backend_, small_slabs());
+  auto stream = std::make_shared<const Stream>(backend_);
+  PinnedBlock b = pool->allocate(100 * kKiB);
+  void* ptr = b.data();
+  PinnedBlock s1 = b.share(10 * kKiB, 30 * kKiB);
+  PinnedBlock s2 = b.share(0, 100 * kKiB);
+  EXPECT_EQ(s1.data(), static_cast<char*>(ptr) + 10 * kKiB);
+  EXPECT_EQ(s1.size(), 30 * kKiB);
+  EXPECT_EQ(s2.data(), ptr);
+  EXPECT_EQ(pool->stats().allocations, 1u);  // no memory of their own
+  std::memset(s1.data(), 0x5a, s1.size());
+  EXPECT_EQ(static_cast<unsigned char*>(ptr)[10 * kKiB], 0x5a);
+  b.reset();
+  s2.reset();
+  auto st = pool->stats();
+  EXPECT_EQ(st.frees, 0u);
+  EXPECT_EQ(st.bytes_in_use, 100 * kKiB) << "a share's block went back while the share lives";
+  PinnedBlock other = pool->allocate(100 * kKiB);
+  EXPECT_NE(other.data(), ptr);
+  other.reset();
+  StreamGate gate;
+  gate.block(*stream);  // a copy from the share is still running
+  s1.record_use(stream);
+  s1.reset();
+  st = pool->stats();
+  EXPECT_EQ(st.pending_blocks, 1u);  // the whole block waits for the share's stream
+  EXPECT_EQ(st.bytes_pending, 100 * kKiB);
+  gate.open();
+  stream->synchronize();
+  pool->process_pending();
+  EXPECT_EQ(pool->stats().bytes_in_use, 0u);
+  EXPECT_EQ(pool->allocate(100 * kKiB).data(), ptr);
+  PinnedBlock c = pool->allocate(kKiB);
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  EXPECT_NE(message([&] { c.share(512, 513); }).find("513 bytes from offset 512 are not inside"),
+            std::string::npos);
+  EXPECT_NE(message([&] { c.share(0, 0); }).find("0 bytes from offset 0"), std::string::npos);
+  EXPECT_NE(message([] { PinnedBlock().share(0, 1); }).find("empty block"), std::string::npos);
+  pool->check_invariants();
+}
+
 TEST_P(PoolTest, BlockWaitsForEveryStreamThatUsedIt) {
   auto pool = PinnedHostPool::create(backend_, small_slabs());
   auto s1 = std::make_shared<const Stream>(backend_);

@@ -14,7 +14,8 @@ namespace {
 
 struct WeightRig {
   WeightRig(std::shared_ptr<Backend> b, std::vector<std::size_t> sizes, std::size_t arena_limit = 0,
-            std::size_t slot_bytes = 0, std::size_t timeline = 0)
+            std::size_t slot_bytes = 0, std::size_t timeline = 0,
+            std::vector<WeightView> views = {})
       : backend(std::move(b)) {
     pool = PinnedHostPool::create(backend, {});
     staging = PinnedHostPool::create(backend, {});
@@ -27,10 +28,17 @@ struct WeightRig {
     o.layer_bytes = sizes;
     o.slot_bytes = slot_bytes;
     o.timeline_capacity = timeline;
+    o.views = views;
     store = std::make_unique<WeightStore>(engine, arena, o);
-    for (int l = 0; l < store->num_layers(); ++l) {
-      weights.push_back(random_bytes(sizes[static_cast<std::size_t>(l)], 31 + l));
-      std::memcpy(store->host_data(l), weights.back().data(), weights.back().size());
+    for (std::size_t l = 0; l < sizes.size(); ++l) {
+      weights.push_back(random_bytes(sizes[l], 31 + static_cast<int>(l)));
+      std::memcpy(store->host_data(static_cast<int>(l)), weights.back().data(),
+                  weights.back().size());
+    }
+    for (const WeightView& v : views) {  // (a view's bytes are its range of the layer's)
+      const auto& of = weights[static_cast<std::size_t>(v.of)];
+      const auto at = of.begin() + static_cast<std::ptrdiff_t>(v.offset);
+      weights.emplace_back(at, at + static_cast<std::ptrdiff_t>(v.bytes));
     }
   }
 
@@ -43,7 +51,13 @@ struct WeightRig {
   // (the fill must have landed: rule 3) and before release (its memory is reused only after: rule
   // 2), with compute held behind a gate until the layer is released.
   void pass() {
-    for (int l = 0; l < store->num_layers(); ++l) {
+    std::vector<int> all;
+    for (int l = 0; l < store->num_layers(); ++l) all.push_back(l);
+    pass(all);
+  }
+
+  void pass(const std::vector<int>& layers) {
+    for (int l : layers) {
       void* ptr = store->acquire(l, *compute);
       const std::size_t n = store->layer_bytes(l);
       PinnedBlock block = staging->allocate(n);
@@ -366,6 +380,99 @@ TEST_P(WeightStoreTest, AnArenaTooSmallForTheResidentLayersLeavesTheStoreUsable)
   rig.store->set_residency({1}, 2, 1, *rig.compute);
   rig.pass();
   rig.pass();
+}
+
+// Note [Blocks within a block]: two layers of attention and experts (4 experts: a gate_up view
+// and a down view each, ranges of the experts' block). A prefill pass takes every layer whole;
+// in decode the experts' blocks are on demand, and a step takes the attention blocks (prefetched
+// in the cycle) and the chosen experts' views alone, each exact, each fetched at its acquire
+// and gone at its release: the bytes moved are the attention's and the chosen views', and the
+// device holds no more than the slot; the views have no host memory of their own.
+TEST_P(WeightStoreTest, ExpertViewsMoveOnlyTheChosenExpertsBytes) {
+  const std::size_t g = rig_granule(backend_);
+  const std::size_t attn = g / 2, gu = g / 4, dn = g / 8;
+  const std::size_t experts = 4 * (gu + dn);
+  std::vector<WeightView> views;
+  for (int of : {1, 3})
+    for (std::size_t e = 0; e < 4; ++e) {
+      views.push_back({of, e * gu, gu});
+      views.push_back({of, 4 * gu + e * dn, dn});
+    }
+  auto view = [](int layer, int e, int proj) { return 4 + (layer == 1 ? 0 : 8) + 2 * e + proj; };
+  WeightRig rig(backend_, {attn, experts, attn, experts}, 0, attn + experts, 0, views);
+  EXPECT_EQ(rig.store->num_layers(), 4 + 16);
+  EXPECT_TRUE(rig.store->view(4) && rig.store->on_demand(4) && !rig.store->view(3));
+  EXPECT_EQ(rig.store->layer_bytes(view(3, 2, 1)), dn);
+  EXPECT_EQ(rig.pool->stats().allocations, 4u) << "a view took host memory of its own";
+  rig.store->set_residency({}, 1, 1, *rig.compute);
+  rig.pass({0, 1, 2, 3});  // a prefill: whole layers
+  rig.store->synchronize();
+  WeightStoreStats st = rig.store->stats();
+  EXPECT_EQ(st.host_bytes, 2 * (attn + experts));
+  EXPECT_EQ(st.streamed_layers, 4);
+  const std::size_t prefill_bytes = st.bytes_to_device;
+  EXPECT_GE(prefill_bytes, 2 * (attn + experts));
+  // Decode: experts on demand, one slot of two of the largest block with a window of one.
+  rig.store->set_on_demand({1, 3});
+  EXPECT_TRUE(rig.store->on_demand(1) && !rig.store->on_demand(0));
+  rig.store->set_slot_bytes(2 * attn, attn);
+  const int steps = scaled(6);
+  std::size_t before = 0;
+  for (int s = 0; s < steps; ++s) {
+    const int e1 = s % 4, e3 = (s + 1) % 4;
+    rig.pass({0, view(1, e1, 0), view(1, e1, 1), 2, view(3, e3, 0), view(3, e3, 1)});
+    rig.store->synchronize();
+    st = rig.store->stats();
+    // each buffer maps whole granules: two of them, never an experts' block (two granules)
+    EXPECT_LE(st.device_bytes, 2 * g) << "step " << s;
+    if (s == 0) before = st.bytes_to_device;  // (the cycle's start under the new slot)
+  }
+  // From the second step on, each step moves its two attention blocks (the first one prefetched
+  // in the step before, at its last block of the cycle) and the chosen experts' views alone.
+  EXPECT_EQ(st.bytes_to_device - before,
+            static_cast<std::size_t>(steps - 1) * (2 * attn + 2 * (gu + dn)));
+  EXPECT_EQ(st.bytes_to_host, 0u);
+  // Views are fetched on demand, never resident; the experts' whole block still serves a prefill.
+  auto message = [&](auto&& f) {
+    try {
+      f();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  EXPECT_NE(message([&] {
+              rig.store->set_residency({0, 5}, 1, 1, *rig.compute);
+            }).find("layer 5 is a view (of layer 1): views are fetched on demand"),
+            std::string::npos);
+  rig.store->set_on_demand({});
+  EXPECT_TRUE(rig.store->on_demand(view(1, 0, 0)));  // (views stay on demand)
+  rig.store->set_slot_bytes(attn + experts, 0);
+  rig.pass({0, 1, 2, 3});
+  rig.store->acquire(0, *rig.compute);
+  EXPECT_NE(message([&] { rig.store->set_on_demand({1}); }).find("layer 0 is acquired"),
+            std::string::npos);
+  rig.store->release(0, *rig.compute);
+  rig.store->set_residency({0, 1, 2, 3}, 0, 0, *rig.compute);  // (views need no slot then)
+  rig.pass({0, 1, 2, 3});
+  EXPECT_NE(message([&] { rig.store->set_on_demand({24}); }).find("layer 24 out of range [0, 20)"),
+            std::string::npos);
+  WeightStoreOptions bad;
+  bad.layer_bytes = {attn, experts};
+  bad.views = {{1, experts - 8, 16}};
+  EXPECT_NE(message([&] { WeightStore(rig.engine, rig.arena, bad); })
+                .find("view 0 (16 bytes from offset " + std::to_string(experts - 8) +
+                      ") is not inside layer 1's"),
+            std::string::npos);
+  bad.views = {{2, 0, 16}};
+  EXPECT_NE(message([&] {
+              WeightStore(rig.engine, rig.arena, bad);
+            }).find("view 0 is of layer 2, out of range [0, 2)"),
+            std::string::npos);
+  rig.store->close();
+  rig.engine->synchronize();
+  rig.pool->synchronize_pending();
+  EXPECT_EQ(rig.pool->stats().bytes_in_use, 0u) << "a view kept its layer's host copy";
 }
 
 TEST_P(WeightStoreTest, MisuseIsRefusedNamingTheValues) {

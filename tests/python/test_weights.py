@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from test_generate import FAMILIES, TINY, tiny_model
+from test_generate import FAMILIES, TINY, RaisingStreamer, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.streamers import BaseStreamer
 
@@ -91,16 +91,24 @@ def test_greedy_tokens_identical_for_every_mix(family: str, mix: str) -> None:
     resident = len(plan.weight_resident_layers) * layer_bytes  # (their first fills, this call)
     if streamed:
         # each streamed layer comes in once per forward (prefill + 11 decode steps), and the
-        # window may wrap into one more
-        steps = 12
-        assert st["weight_bytes_to_device"] >= streamed * steps * layer_bytes + resident
-        most = (streamed * steps + plan.weight_slots) * layer_bytes + resident
-        assert st["weight_bytes_to_device"] <= most
+        # window may wrap into one more; a decode step takes of an expert layer its first block
+        # and its router's top-k experts' views alone (Note [Routed experts])
+        weights = manager.weights
+        step_bytes, views = layer_bytes, 0
+        if weights._routed:
+            experts = manager.layout.layers[0].mlp.experts
+            k = manager.model.config.num_experts_per_tok
+            first = weights.store.layer_bytes(weights.parts[0][0])
+            step_bytes = first + k * (layer_bytes - first) // experts.num_experts
+            views = streamed * 11 * 2 * k  # (fetched on demand, never ahead of use)
+        least = streamed * (layer_bytes + 11 * step_bytes) + resident
+        assert st["weight_bytes_to_device"] >= least
+        assert st["weight_bytes_to_device"] <= least + plan.weight_slots * layer_bytes
         # every streamed fill is started ahead of use (the call's first ones at set_residency,
-        # before the resident layers' first fills, which are the only others)
-        parts = manager.weights.parts
+        # before the resident layers' first fills, which are the only others), but experts'
+        parts = weights.parts
         resident_blocks = sum(len(parts[i]) for i in plan.weight_resident_layers)
-        assert st["weight_fills"] - st["weight_prefetched_fills"] == resident_blocks, st
+        assert st["weight_fills"] - st["weight_prefetched_fills"] == resident_blocks + views, st
     # the resident weights came in once (in this call), and stay for the next
     again = manager.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(again, ref)
@@ -123,20 +131,122 @@ def test_a_scaled_input_embedding_stays_on_the_device() -> None:
     assert torch.equal(manager.generate(ids, max_new_tokens=6, do_sample=False), ref)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_decode_step_moves_only_the_routed_experts(family: str) -> None:
+    """Note [Routed experts]: with every layer streamed, a decode step fetches each layer's first
+    block (attention, norms, router) and, of its experts, exactly the gate_up and down views of
+    those its router chose (read from the router's own output), nothing of the others; counted
+    in the store's bytes step by step. HF's tokens: greedy twice, sampling with a seed, beams,
+    a left-padded batch; a streamer that raises mid-decode leaves the manager usable."""
+    model = tiny_model(family, seed=23)
+    ids = torch.randint(1, 211, (1, 30), generator=torch.Generator().manual_seed(4))
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+    manager = RevivaManager(model, RevivaConfig(stream_weights=True))
+    weights = manager.weights
+    assert sorted(weights._routed) == list(range(weights.num_layers))
+    assert weights.stats()["routed_expert_layers"] == weights.num_layers
+    budget_where(manager, 30, 8, MIXES["least"])
+    layers = manager.layout.layers
+    experts = [layer.mlp.experts for layer in layers]
+    e = experts[0].num_experts
+    gu, dn = (
+        p.numel() * p.element_size() // e for p in (experts[0].gate_up_proj, experts[0].down_proj)
+    )
+    first = [weights.store.layer_bytes(weights.parts[i][0]) for i in range(len(layers))]
+    chosen: list[dict[int, set[int]]] = []  # per decode step: layer -> experts its router chose
+    taken: list[dict[int, list[int]]] = []  # per decode step: layer -> views the store fetched
+    moved: list[int] = []  # the store's bytes to the device at each step's end
+    streamed: list[list[int]] = []
+
+    def router_hook(i: int):  # noqa: ANN202
+        def hook(module: torch.nn.Module, args: tuple, out: tuple) -> None:
+            if args[0].shape[0] == 1:  # (one token: a decode step)
+                if i == 0:
+                    chosen.append({})
+                    taken.append({})
+                chosen[-1][i] = set(out[2].reshape(-1).tolist())
+
+        return hook
+
+    def step_end(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        weights.store.synchronize()
+        moved.append(int(weights.store.stats()["bytes_to_device"]))
+        streamed.append([i for i in range(len(layers)) if not weights.resident(i)])
+
+    take = weights._take_view
+
+    def take_view(i: int, v: int) -> torch.Tensor:
+        taken[-1].setdefault(i, []).append(v)
+        return take(i, v)
+
+    weights._take_view = take_view
+    handles = [
+        layer.mlp.gate.register_forward_hook(router_hook(i)) for i, layer in enumerate(layers)
+    ]
+    handles.append(model.lm_head.register_forward_hook(step_end))
+    try:
+        out = manager.generate(ids, max_new_tokens=8, do_sample=False)
+    finally:
+        for h in handles:
+            h.remove()
+        del weights._take_view
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} tokens differ"
+    assert len(chosen) == 7 and len(moved) == 8, (len(chosen), len(moved))
+    for step in range(7):
+        for i in range(len(layers)):
+            first_view = weights._routed[i][2]
+            want = sorted(first_view + 2 * x + p for x in chosen[step][i] for p in (0, 1))
+            if i in streamed[step + 1]:
+                assert sorted(taken[step][i]) == want, (step, i, taken[step][i], chosen[step][i])
+            else:
+                assert i not in taken[step], (step, i)
+    # From the second decode step on (the first follows decode's new room): each streamed layer's
+    # first block (prefetched one block ahead) and its chosen experts' two views, no other expert.
+    for step in range(1, 7):
+        if streamed[step] != streamed[step + 1]:
+            continue  # (a promotion between the steps)
+        want = sum(first[i] for i in streamed[step + 1])
+        want += sum(len(chosen[step][i]) * (gu + dn) for i in streamed[step + 1])
+        assert moved[step + 1] - moved[step] == want, (step, moved, want)
+    assert any(streamed[s] == streamed[s + 1] and streamed[s] for s in range(1, 7)), streamed
+    again = manager.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(again, ref)
+    g = torch.Generator().manual_seed(3)
+    kw = dict(max_new_tokens=6, do_sample=True, top_k=20)
+    torch.manual_seed(11)
+    want = model.generate(ids, **kw)
+    torch.manual_seed(11)
+    assert torch.equal(manager.generate(ids, **kw), want)
+    assert torch.equal(
+        manager.generate(ids, max_new_tokens=6, num_beams=2, do_sample=False),
+        model.generate(ids, max_new_tokens=6, num_beams=2, do_sample=False),
+    )
+    batch = torch.randint(1, 211, (2, 24), generator=g)
+    mask = torch.ones_like(batch)
+    batch[1, :5], mask[1, :5] = 0, 0
+    budget_where(manager, 24, 6, MIXES["least"], batch=2)
+    assert torch.equal(
+        manager.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False),
+        model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False),
+    )
+    with pytest.raises(RuntimeError, match="streamer failed"):
+        manager.generate(ids, max_new_tokens=8, do_sample=False, streamer=RaisingStreamer(4))
+    assert not weights._views_held and not weights._routing
+    assert torch.equal(manager.generate(ids, max_new_tokens=8, do_sample=False), ref)
+
+
 def _block_device_bytes(weights: reviva.weights.StreamedWeights, g: int) -> list[int]:
     return [
         (weights.store.layer_bytes(b) + g - 1) // g * g for blocks in weights.parts for b in blocks
     ]
 
 
-@pytest.mark.parametrize(
-    ("family", "blocks"), [("llama", 4), ("phi3", 3), ("mixtral", 2), ("gemma3", 4)]
-)
+@pytest.mark.parametrize(("family", "blocks"), [("llama", 4), ("phi3", 3), ("gemma3", 4)])
 def test_a_decode_step_takes_a_streamed_layer_block_by_block(family: str, blocks: int) -> None:
     """Note [Layers in parts]: each layer is its attention's block then its MLP's (one per
-    projection of a gated MLP: gate, up, down; Phi-3's gate_up, down; experts as one); in a decode
-    step each MLP block computes with every other block of its layer given back (their parameters
-    views of the host copy again); prefill holds them all; in decode the store maps no more than
+    projection of a gated MLP: gate, up, down; Phi-3's gate_up, down; experts: the test above);
+    in a decode step each MLP block computes with every other block of its layer given back (their
+    parameters views of the host copy again); prefill holds them all; in decode the store maps no more than
     the resident layers and two of the largest block (a whole layer's room in prefill); HF's
     tokens, again in a second call."""
     model = tiny_model(family, seed=21)
