@@ -582,8 +582,23 @@ def test_gpu_bf16_streamed_weights_same_logits_as_resident_and_close_to_hf() -> 
         cpu_model, RevivaConfig(device="cuda", decode_attention="device", **fixed)
     )
     assert manager.weights is not None
-    budget, plan = budget_where(manager, prompt, new, lambda p: len(p.weight_resident_layers) >= 3)
-    assert len(plan.weight_resident_layers) < 8, plan
+    # Below the least budget that keeps every layer's weights, by one layer's at a time, the
+    # first plan keeping some and streaming others (the fewest resident are not monotonic in the
+    # budget: on the H200 at 8a9191d the least budget keeping 3 kept all 8, the planner giving
+    # smaller budgets' room to K/V first)
+    budget, plan = budget_where(manager, prompt, new, lambda p: len(p.weight_resident_layers) == 8)
+    layer = max(manager.weights.layer_device_bytes)
+    for k in range(1, 8):
+        manager.config = dataclasses.replace(manager.config, vram_budget=budget - k * layer)
+        try:
+            p = manager.plan(1, prompt, new)
+        except RevivaOutOfMemoryError:
+            break
+        if 0 < len(p.weight_resident_layers) < 8:
+            budget, plan = budget - k * layer, p
+            break
+    assert 0 < len(plan.weight_resident_layers) < 8, plan
+    manager.config = dataclasses.replace(manager.config, vram_budget=budget)
     out = manager.generate(ids, **kwargs)
     st = manager.get_memory_stats()
     assert 0 < st["weight_streamed_layers"] < 8, st
