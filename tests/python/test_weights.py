@@ -245,10 +245,10 @@ def _block_device_bytes(weights: reviva.weights.StreamedWeights, g: int) -> list
 def test_a_decode_step_takes_a_streamed_layer_block_by_block(family: str, blocks: int) -> None:
     """Note [Layers in parts]: each layer is its attention's block then its MLP's (one per
     projection of a gated MLP: gate, up, down; Phi-3's gate_up, down; experts: the test above);
-    in a decode step each MLP block computes with every other block of its layer given back (their
-    parameters views of the host copy again); prefill holds them all; in decode the store maps no more than
-    the resident layers and two of the largest block (a whole layer's room in prefill); HF's
-    tokens, again in a second call."""
+    in a decode step each MLP block computes with every other block of its layer given back
+    (their parameters views of the host copy again); prefill holds them all; in decode the store
+    maps no more than the resident layers and two of the largest block (a whole layer's room in
+    prefill); HF's tokens, again in a second call."""
     model = tiny_model(family, seed=21)
     ids = torch.randint(1, 211, (1, 30), generator=torch.Generator().manual_seed(9))
     ref = model.generate(ids, max_new_tokens=6, do_sample=False)
