@@ -222,7 +222,7 @@ def _plan(args: argparse.Namespace) -> int:
         make_plan,
         rings_wanted,
     )
-    from reviva.weights import decode_slot_bytes, layer_weight_bytes
+    from reviva.weights import decode_slot_bytes, layer_weight_bytes, routed_expert_sizes
 
     if args.model in PRESETS:
         fields = dict(PRESETS[args.model])
@@ -305,6 +305,7 @@ def _plan(args: argparse.Namespace) -> int:
             weight_layer_bytes=layer_bytes,
             weight_decode_slot_bytes=decode_room,
             rings=rings,
+            weight_experts=routed_expert_sizes(layout.layers) if stream else (0, 0, 0),
         )
 
     try:

@@ -190,11 +190,12 @@ def forecast(
         for i in streamed_ids
         if i not in promoted_ids
     ]
-    weight_copies = plan.streamed_weight_layers * plan.weight_layer_bytes / pcie
+    # (a step's copies: Note [Routed experts] in weights.py, an expert layer's routed experts)
+    weight_copies = plan.streamed_weight_layers * plan.weight_step_bytes / pcie
     host = 0.0
     if mix is not None:  # nothing fetched; the host reads the rows where they are
         host = mix.host_s
-        transfer = weight_copies - weights_promoted * plan.weight_layer_bytes / pcie
+        transfer = weight_copies - weights_promoted * plan.weight_step_bytes / pcie
         # (the host's time in weight-resident layers, and beyond a streamed layer's copy, adds)
         step = max(compute, transfer, mix.step_s)
     else:
@@ -215,7 +216,8 @@ def forecast(
         exposed = alone * plan.weight_layer_bytes / pcie
         prefill = compute_prefill + exposed + residual
     else:
-        prefill = max(compute_prefill, weight_copies) + residual
+        prefill = max(compute_prefill, plan.streamed_weight_layers * plan.weight_layer_bytes / pcie)
+        prefill += residual
     return Forecast(
         prefill_s=prefill,
         prefill_linear_s=linear,

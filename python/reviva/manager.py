@@ -55,7 +55,13 @@ from reviva.planner import (
 from reviva.resources import device_resources
 from reviva.stats import GenerateStats, PhaseStats
 from reviva.trace import PrefillProgress, Ranges, chrome_trace, span, store_spans, write_trace
-from reviva.weights import DECODE_ROOMS, HOST_DECODE_ROOMS, HostEmbedding, StreamedWeights
+from reviva.weights import (
+    DECODE_ROOMS,
+    HOST_DECODE_ROOMS,
+    HostEmbedding,
+    StreamedWeights,
+    routed_expert_sizes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -949,6 +955,7 @@ class RevivaManager:
             weight_decode_slot_bytes=w.decode_slot_bytes if w is not None else 0,
             past_tokens=past_tokens,
             rings=rings,
+            weight_experts=routed_expert_sizes(self.layout.layers) if w is not None else (0, 0, 0),
         )
 
     def budget_for(

@@ -216,6 +216,12 @@ class Plan:
     # decode's room for streamed weights (Note [Layers in parts] in reviva/weights.py: one block at
     # a time, two of the largest block), at most the weight slots' (0: theirs)
     weight_decode_slot_bytes: int = 0
+    # Note [Routed experts] (reviva/weights.py): a streamed expert layer's decode step copies its
+    # first block and the experts its tokens chose: one expert's bytes (0: not an expert model,
+    # a step copies the whole layer), of how many, and how many each token chooses
+    weight_expert_bytes: int = 0
+    weight_experts: int = 0
+    weight_experts_per_token: int = 0
     # Note [A returned cache] (kv_cache.py): tokens whose K/V a continued call starts from; its
     # prefill runs prompt_tokens more after them, attending all of them
     past_tokens: int = 0
@@ -294,6 +300,16 @@ class Plan:
         """Pinned bytes of the streamed layers' host copies."""
         return sum(self.kv_tokens(i) for i in self.streamed_layer_ids) * self.kv_token_bytes
 
+    @property
+    def weight_step_bytes(self) -> int:
+        """The bytes of one streamed layer's weights a decode step copies: the whole layer, or
+        (Note [Routed experts] in reviva/weights.py) all but the experts none of the batch's
+        tokens can choose."""
+        if self.weight_expert_bytes == 0:
+            return self.weight_layer_bytes
+        chosen = min(self.weight_experts, self.batch * self.weight_experts_per_token)
+        return self.weight_layer_bytes - (self.weight_experts - chosen) * self.weight_expert_bytes
+
     def decode_room(self, host_attention: bool = False) -> int:
         """The bytes left in decode for promotions (may be < 0): the budget less the baseline,
         decode's working set, the resident layers' K/V, the K/V slots beyond the plan's
@@ -350,6 +366,7 @@ def make_plan(
     weight_decode_slot_bytes: int = 0,
     past_tokens: int = 0,
     rings: bool = False,
+    weight_experts: tuple[int, int, int] = (0, 0, 0),
 ) -> Plan:
     """How a generate call of this shape uses the budget; raises RevivaOutOfMemoryError naming
     the numbers when the weights, the minimum working set and one layer's K/V do not fit, or
@@ -373,7 +390,11 @@ def make_plan(
     them, the working set for the prompt_tokens' queries over every key.
 
     rings: sliding-window layers whose window leaves keys out keep a ring of their window (Note
-    [Window rings] in kv_cache.py): each is planned by its ring's bytes, not the call's."""
+    [Window rings] in kv_cache.py): each is planned by its ring's bytes, not the call's.
+
+    weight_experts: (one expert's bytes, experts, experts per token) of a model whose streamed
+    layers' decode steps copy only the routed experts (Note [Routed experts] in
+    reviva/weights.py), (0, 0, 0) otherwise: what a step's copies are forecast by."""
     _check_shape(batch, prompt_tokens, new_tokens)
     if isinstance(past_tokens, bool) or not isinstance(past_tokens, int) or past_tokens < 0:
         raise ValueError(f"plan: past_tokens must be an int >= 0, got {past_tokens!r}")
@@ -403,13 +424,23 @@ def make_plan(
     )
     mode = config.prefill_residual
     if mode == "host":
-        return _make_plan(*args, host_residual=True)
-    try:
-        return _make_plan(*args, host_residual=False)
-    except RevivaOutOfMemoryError:
-        if mode != "auto" or padded:
-            raise
-    return _make_plan(*args, host_residual=True)
+        plan = _make_plan(*args, host_residual=True)
+    else:
+        try:
+            plan = _make_plan(*args, host_residual=False)
+        except RevivaOutOfMemoryError:
+            if mode != "auto" or padded:
+                raise
+            plan = _make_plan(*args, host_residual=True)
+    if not weight_layers or not weight_experts[0]:
+        return plan
+    expert, experts, per_token = weight_experts
+    return replace(
+        plan,
+        weight_expert_bytes=expert,
+        weight_experts=experts,
+        weight_experts_per_token=per_token,
+    )
 
 
 def _make_plan(
@@ -834,7 +865,7 @@ def host_decode_mix(plan: Plan, model: MemoryModel = MODEL) -> HostDecodeMix:
     room = max(plan.decode_room(host_attention=True), 0)
     kv_bytes = plan.capacity * plan.kv_token_bytes  # (a layer's K/V at the call's end)
     per_layer = kv_bytes / model.host_attention_bps + model.host_attention_layer_s
-    copy_layer = wb / model.copy_bps if wb > 0 else 0.0
+    copy_layer = plan.weight_step_bytes / model.copy_bps if wb > 0 else 0.0
 
     def mix(w: int) -> HostDecodeMix:
         kept = min(kv_streamed, (room - w * wb) // kv_unit) if kv_unit > 0 else 0
@@ -853,7 +884,7 @@ def device_decode_step_s(plan: Plan, model: MemoryModel = MODEL) -> float:
     streamed weights and the K/V of the layers still streamed after prefill's promotions, each
     at the call's final length, at the model's copy rate."""
     fetched = plan.streamed_layers - min(plan.promotable_layers(), plan.streamed_layers)
-    copies = plan.streamed_weight_layers * plan.weight_layer_bytes
+    copies = plan.streamed_weight_layers * plan.weight_step_bytes
     copies += fetched * plan.capacity * plan.kv_token_bytes
     return copies / model.copy_bps
 

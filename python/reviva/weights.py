@@ -138,6 +138,23 @@ def routed_experts(layer: nn.Module) -> nn.Module | None:
     return experts
 
 
+def routed_expert_sizes(layers: list[nn.Module]) -> tuple[int, int, int]:
+    """(one expert's bytes, experts, experts each token chooses) of the first layer with routed
+    experts (Note [Routed experts]), (0, 0, 0) where none has: what the planner forecasts a
+    decode step's copies by."""
+    for layer in layers:
+        experts = routed_experts(layer)
+        if experts is None:
+            continue
+        e = experts.num_experts
+        nbytes = sum(
+            p.numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj)
+        )
+        k = getattr(layer.mlp.gate, "top_k", None) or getattr(layer.mlp, "top_k", None) or e
+        return nbytes // e, e, int(k)
+    return 0, 0, 0
+
+
 def _part_of(name: str, pieces: tuple[str, ...]) -> int:
     """Note [Layers in parts]: the block of a parameter: 0 for the attention's (and the norms'),
     then the MLP's: one block, or one per projection in `pieces` (what runs after the MLP,

@@ -4,6 +4,7 @@ estimate calibrated on the H200, held against the measurements committed in benc
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -120,6 +121,37 @@ def test_streamed_weights_plan_and_estimate_against_the_h200(
     assert host["embedding_on_host"]
     assert len(host["plan"]["weight_resident_layers"]) > resident
     assert host["forecast"]["decode_call_tok_s"] > f["decode_call_tok_s"]
+
+
+@pytest.mark.parametrize(("routed", "tok_s"), [(True, 11.22), (False, 3.13)])
+def test_routed_experts_plan_and_estimate_against_the_h200(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    routed: bool,
+    tok_s: float,
+) -> None:
+    """Note [Routed experts]: the Mixtral-8x7B preset cut to 8 layers on a 12 GB card, a 4k
+    prompt and 32 new tokens, as bench_experts ran it on the H200 at 24ed93f
+    (experts-2026-12-03-24ed93fa50b6.json, call 2): 2 layers' weights resident, prefill 0.37 s,
+    decode 11.22 tok/s routed and 3.13 tok/s moving every expert (REVIVA_ROUTED_EXPERTS=0): the
+    forecast within 12% of each, a step's copies the streamed layers' first blocks and two of
+    eight experts (a batch of 8 may route to every expert: the whole layer)."""
+    monkeypatch.setenv("REVIVA_ROUTED_EXPERTS", "1" if routed else "0")
+    fields = dict(PRESETS["mixtral-8x7b"], num_hidden_layers=8)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    args = ("--model", str(path), "--card", "12GB", "--context", "4k", "--new-tokens", "32")
+    out = plan_json(capsys, *args)
+    plan, f = out["plan"], out["forecast"]
+    assert len(plan["weight_resident_layers"]) == 2, plan["weight_resident_layers"]
+    assert abs(f["prefill_s"] / 0.37 - 1) <= 0.12, f["prefill_s"]
+    assert abs(f["decode_call_tok_s"] / tok_s - 1) <= 0.12, (f["decode_call_tok_s"], tok_s)
+    assert (plan["weight_expert_bytes"] > 0) == routed, plan
+    if routed:
+        assert (plan["weight_experts"], plan["weight_experts_per_token"]) == (8, 2)
+        batch = plan_json(capsys, *args, "--batch", "8")
+        assert batch["forecast"]["decode_step_s"] > 2.5 * f["decode_step_s"], batch["forecast"]
 
 
 def test_auto_attends_on_the_host_where_the_weights_stream_and_it_pays(
