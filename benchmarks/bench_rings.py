@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -34,7 +32,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import environment, write_result  # noqa: E402
+from common import environment, run_worker, write_result  # noqa: E402
 
 from reviva.__main__ import PRESETS  # noqa: E402
 
@@ -180,26 +178,9 @@ def driver(args: argparse.Namespace) -> int:
         cmd = [sys.executable, __file__, "--worker", part, f"--prompt={args.prompt}"]
         cmd += [f"--new-tokens={args.new_tokens}", f"--calls={args.calls}"]
         cmd += ["--dry-run"] if args.dry_run else []
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-        }
-        env["REVIVA_WINDOW_RINGS"] = "1" if part == "rings" else "0"
-        print("# " + " ".join(cmd), flush=True)
-        try:
-            left = max(args.max_wall_s - (time.perf_counter() - t0), 10)
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=env)
-            out = proc.stdout
-            sys.stdout.write(out[-4000:])
-            found = [ln for ln in out.splitlines() if ln.startswith("WORKER ")]
-            parts[part] = (
-                json.loads(found[-1][7:])
-                if found
-                else {"error": f"worker exited {proc.returncode}", "stderr": proc.stderr[-3000:]}
-            )
-        except subprocess.TimeoutExpired as e:
-            parts[part] = {"error": f"timed out after {e.timeout:.0f} s"}
+        extra = {"REVIVA_WINDOW_RINGS": "1" if part == "rings" else "0"}
+        left = max(args.max_wall_s - (time.perf_counter() - t0), 10)
+        parts[part] = run_worker(cmd, extra, left)
     checks = analyse(parts, args.calls, (DRY if args.dry_run else MISTRAL)["num_hidden_layers"])
     result = {
         "environment": environment(cuda=False),

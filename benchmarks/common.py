@@ -119,3 +119,25 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def run_worker(cmd: list[str], extra_env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """A benchmark's worker in a fresh process, torch's allocator at its defaults (DESIGN.md,
+    "Measuring as a user runs it": PYTORCH_*ALLOC_CONF dropped), `extra_env` set: the JSON of the
+    last line it prints as "WORKER {...}", or {"error": ...} when it prints none or times out."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    }
+    env.update(extra_env)
+    print("# " + " ".join(cmd), flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"timed out after {e.timeout:.0f} s"}
+    sys.stdout.write(proc.stdout[-4000:])
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("WORKER ")]
+    if found:
+        return json.loads(found[-1][7:])
+    return {"error": f"worker exited {proc.returncode}", "stderr": proc.stderr[-3000:]}

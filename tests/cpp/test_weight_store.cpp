@@ -102,6 +102,17 @@ std::size_t total(const std::vector<std::size_t>& sizes, const std::vector<int>&
 
 class WeightStoreTest : public BackendTest {};
 
+// What `f` throws as InvalidArgument ("no exception" when it returns).
+template <typename F>
+std::string message(F&& f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return std::string(e.what());
+  }
+  return std::string("no exception");
+}
+
 TEST_P(WeightStoreTest, ResidentAndStreamedLayersReadTheirWeightsExactly) {
   const std::vector<std::size_t> kSizes = layer_sizes(backend_);
   WeightRig rig(backend_, kSizes);
@@ -433,14 +444,6 @@ TEST_P(WeightStoreTest, ExpertViewsMoveOnlyTheChosenExpertsBytes) {
             static_cast<std::size_t>(steps - 1) * (2 * attn + 2 * (gu + dn)));
   EXPECT_EQ(st.bytes_to_host, 0u);
   // Views are fetched on demand, never resident; the experts' whole block still serves a prefill.
-  auto message = [&](auto&& f) {
-    try {
-      f();
-    } catch (const InvalidArgument& e) {
-      return std::string(e.what());
-    }
-    return std::string("no exception");
-  };
   EXPECT_NE(message([&] {
               rig.store->set_residency({0, 5}, 1, 1, *rig.compute);
             }).find("layer 5 is a view (of layer 1): views are fetched on demand"),
@@ -477,14 +480,6 @@ TEST_P(WeightStoreTest, ExpertViewsMoveOnlyTheChosenExpertsBytes) {
 
 TEST_P(WeightStoreTest, MisuseIsRefusedNamingTheValues) {
   WeightRig rig(backend_, layer_sizes(backend_));
-  auto message = [&](auto&& f) {
-    try {
-      f();
-    } catch (const InvalidArgument& e) {
-      return std::string(e.what());
-    }
-    return std::string("no exception");
-  };
   EXPECT_NE(message([&] {
               rig.store->set_residency({}, 0, 0, *rig.compute);
             }).find("7 layers stream, which needs a slot"),
