@@ -22,20 +22,55 @@ namespace reviva {
 
 namespace detail {
 
+// Timing events of completed transfers and stalls, for the next ones: creating and destroying two
+// events per transfer is a large part of the fixed cost of a small copy.
+struct EventPool {
+  static constexpr std::size_t kMost = 256;
+  std::mutex mutex;
+  std::vector<Event> idle;  // guarded by mutex
+
+  void give(Event&& a, Event&& b) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (idle.size() + 2 > kMost) return;
+    idle.push_back(std::move(a));
+    idle.push_back(std::move(b));
+  }
+};
+
+// Note [Recycled transfer events]
+// A transfer's events go back to the engine's pool when its state is destroyed, i.e. when the
+// last handle to it is gone: the engine's (after it folded the completed transfer) and every
+// Transfer a caller kept (an OffloadManager reads a completed transfer's events for its
+// timeline). The destructor runs after every other holder's last use (shared_ptr's release and
+// acquire on its count), so no reader can see an event recorded again for another transfer. The
+// engine used to recycle them at folding when use_count() was 1, a relaxed read that orders
+// nothing: TSan caught a manager thread's elapsed_ms read racing with the engine moving the event
+// (ManagerConcurrencyTest at 2dcf09f). A transfer not complete (an engine torn down with copies
+// in flight) keeps its events to itself.
 struct TransferState {
   TransferState(std::uint64_t id_, Direction direction_, std::size_t bytes_, Event start_,
-                Event done_)
+                Event done_, std::weak_ptr<EventPool> pool_)
       : id(id_),
         direction(direction_),
         bytes(bytes_),
         start(std::move(start_)),
-        done(std::move(done_)) {}
+        done(std::move(done_)),
+        pool(std::move(pool_)) {}
+  ~TransferState() {
+    try {
+      if (auto p = pool.lock(); p && done.query()) p->give(std::move(start), std::move(done));
+    } catch (...) {  // (a failed query: the events are destroyed with the state)
+    }
+  }
+  TransferState(const TransferState&) = delete;
+  TransferState& operator=(const TransferState&) = delete;
 
   std::uint64_t id;
   Direction direction;
   std::size_t bytes;
   Event start;  // recorded on the copy stream after the producer wait: busy time starts here
   Event done;   // recorded after the last copy: the completion handle
+  std::weak_ptr<EventPool> pool;
 };
 
 }  // namespace detail
@@ -76,7 +111,7 @@ struct TransferEngine::Impl {
   std::mutex mutex;
   std::deque<std::shared_ptr<TransferState>> in_flight[2];  // guarded by mutex
   DirectionStats stats[2];                                  // guarded by mutex
-  std::vector<Event> idle_events;                           // guarded by mutex
+  std::shared_ptr<detail::EventPool> events = std::make_shared<detail::EventPool>();
   std::atomic<std::uint64_t> next_id{1};
   std::atomic<bool> folding{false};  // Note [Per-direction FIFO accounting]
   struct Stall {
@@ -86,14 +121,14 @@ struct TransferEngine::Impl {
   double compute_stall_ms = 0;    // guarded by mutex
   std::uint64_t stall_count = 0;  // guarded by mutex
 
-  // A timing event, recycled from completed transfers when possible: creating and destroying
-  // two events per transfer is a large part of the fixed cost of a small copy.
+  // A timing event, recycled from completed transfers when possible (Note [Recycled transfer
+  // events]).
   Event take_event(const std::shared_ptr<Backend>& backend) {
     {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (!idle_events.empty()) {
-        Event e = std::move(idle_events.back());
-        idle_events.pop_back();
+      std::lock_guard<std::mutex> lock(events->mutex);
+      if (!events->idle.empty()) {
+        Event e = std::move(events->idle.back());
+        events->idle.pop_back();
         return e;
       }
     }
@@ -119,12 +154,7 @@ struct TransferEngine::Impl {
           if (!front->done.query()) break;  // FIFO: the later ones are not done either
           const double ms = Event::elapsed_ms(front->start, front->done);
           std::lock_guard<std::mutex> lock(mutex);
-          in_flight[d].pop_front();
-          // Nobody else holds the transfer: its completed events can serve the next ones.
-          if (front.use_count() == 1 && idle_events.size() < 256) {
-            idle_events.push_back(std::move(front->start));
-            idle_events.push_back(std::move(front->done));
-          }
+          in_flight[d].pop_front();  // (its events are recycled with its last handle)
           DirectionStats& st = stats[d];
           ++st.transfers_completed;
           st.bytes_completed += front->bytes;
@@ -148,10 +178,7 @@ struct TransferEngine::Impl {
           compute_stall_ms += ms;
           ++stall_count;
         }
-        if (idle_events.size() < 256) {
-          idle_events.push_back(std::move(front->before));
-          idle_events.push_back(std::move(front->after));
-        }
+        events->give(std::move(front->before), std::move(front->after));
       }
     } catch (...) {
       folding.store(false, std::memory_order_release);
@@ -286,9 +313,9 @@ Transfer TransferEngine::submit(Direction direction, std::span<const CopyRequest
 
   const int d = static_cast<int>(direction);
   const std::shared_ptr<const Stream>& stream = impl_->streams[d];
-  auto state =
-      std::make_shared<TransferState>(impl_->next_id.fetch_add(1), direction, total,
-                                      impl_->take_event(backend_), impl_->take_event(backend_));
+  auto state = std::make_shared<TransferState>(impl_->next_id.fetch_add(1), direction, total,
+                                               impl_->take_event(backend_),
+                                               impl_->take_event(backend_), impl_->events);
   if (block) block->record_use(stream);
   if (producer) stream->wait(*producer);  // rule 1: read nothing before the producer is done
   state->start.record(*stream);
