@@ -441,8 +441,8 @@ def run_contender(
         st = off.stats
         eng = safe(off.engine.stats) or {}
         row.update(
-            engine_d2h_gbps=(eng.get("d2h") or {}).get("bandwidth_gbps"),
-            engine_h2d_gbps=(eng.get("h2d") or {}).get("bandwidth_gbps"),
+            engine_d2h_gbps=(eng.get("to_host") or {}).get("bandwidth_gbps"),
+            engine_h2d_gbps=(eng.get("to_device") or {}).get("bandwidth_gbps"),
             stall_s_total=getattr(st, "stall_s", None),
             overlap_ratio=getattr(st, "overlap_ratio", None),
             offloaded_layers=getattr(st, "offloaded_layers", None),

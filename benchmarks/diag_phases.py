@@ -42,12 +42,12 @@ def copy_per_step(
     ms in it, the bytes of the copies that ended in it, compute's waits, and for the first steps
     each copy (block, start, end, MB) on this clock."""
     copies = sorted(
-        (e["start_ms"] + offset_ms, e["end_ms"] + offset_ms, e["bytes"], e["block"])
+        (e["start_s"] * 1e3 + offset_ms, e["end_s"] * 1e3 + offset_ms, e["bytes"], e["block"])
         for e in timeline
         if e["kind"] == "copy_to_device"
     )
     stalls = [
-        (e["start_ms"] + offset_ms, e["end_ms"] + offset_ms)
+        (e["start_s"] * 1e3 + offset_ms, e["end_s"] * 1e3 + offset_ms)
         for e in timeline
         if e["kind"] == "compute_stall"
     ]

@@ -174,7 +174,7 @@ class PyTransferEngine {
 
   // Later work on torch's current stream waits for `transfer` (rule 3); on the host runtime the
   // calling thread waits, since torch computes on the CPU synchronously.
-  // The engine measures the wait (its stall meter: stats()["compute_stall_ms"]).
+  // The engine measures the wait (its stall meter: stats()["compute_stall_s"]).
   void wait_for(const Transfer& transfer) {
     auto compute = rt_->compute_stream();
     engine_->wait_on(transfer, *compute);
@@ -268,14 +268,14 @@ class PyTransferEngine {
       r["chunks"] = d.chunks;
       r["coalesced_requests"] = d.coalesced_requests;
       r["segment_launches"] = d.segment_launches;
-      r["busy_ms"] = d.busy_ms;
+      r["busy_s"] = d.busy_ms / 1e3;
       r["bandwidth_gbps"] = d.bandwidth_gbps();
       return r;
     };
     py::dict r;
-    r["d2h"] = dir(st.d2h);
-    r["h2d"] = dir(st.h2d);
-    r["compute_stall_ms"] = st.compute_stall_ms;
+    r["to_host"] = dir(st.d2h);
+    r["to_device"] = dir(st.h2d);
+    r["compute_stall_s"] = st.compute_stall_ms / 1e3;
     r["stalls"] = st.stalls;
     r["overlap_ratio"] = st.overlap_ratio();
     return r;
@@ -444,7 +444,7 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("version", &version_string);
-  m.def("overlap_ratio", &overlap_ratio, py::arg("compute_stall_ms"), py::arg("copy_busy_ms"),
+  m.def("overlap_ratio", &overlap_ratio, py::arg("compute_stall"), py::arg("copy_busy"),
         "Note [Overlap ratio] (include/reviva/metrics.h): 1 - stall / copy busy time, in [0, 1].");
   m.def("cuda_available", &cuda_available);
   m.def("cuda_device_count", &cuda_device_count);

@@ -32,8 +32,8 @@ py::dict arena_stats(DeviceArena& arena) {
   d["unmaps"] = s.unmaps;
   d["failed_maps"] = s.failed_maps;
   d["reclaim_calls"] = s.reclaim_calls;
-  d["map_ms"] = s.map_ms;
-  d["unmap_ms"] = s.unmap_ms;
+  d["map_s"] = s.map_ms / 1e3;
+  d["unmap_s"] = s.unmap_ms / 1e3;
   return d;
 }
 
@@ -336,11 +336,11 @@ class PyKVStore {
     r["prefetches_deferred"] = st.prefetches_deferred;
     r["bytes_to_device"] = st.bytes_to_device;
     r["bytes_to_host"] = st.bytes_to_host;
-    r["compute_stall_ms"] = st.compute_stall_ms;
-    r["copy_to_device_ms"] = st.copy_to_device_ms;
+    r["compute_stall_s"] = st.compute_stall_ms / 1e3;
+    r["copy_to_device_s"] = st.copy_to_device_ms / 1e3;
     r["overlap_ratio"] = st.overlap_ratio;
     r["host_bytes"] = st.host_bytes;
-    r["host_copy_wait_ms"] = st.host_copy_wait_ms;
+    r["host_copy_wait_s"] = st.host_copy_wait_ms / 1e3;
     r["device_bytes"] = st.device_bytes;
     r["peak_device_bytes"] = st.peak_device_bytes;
     r["host_attended_layers"] = st.host_attended_layers;

@@ -669,10 +669,10 @@ class PyOffloadManager {
     py::dict d;
     d["bytes_to_host"] = r.bytes_to_host;
     d["bytes_to_device"] = r.bytes_to_device;
-    d["to_host_busy_ms"] = r.to_host_busy_ms;
-    d["to_device_busy_ms"] = r.to_device_busy_ms;
-    d["compute_stall_ms"] = r.compute_stall_ms;
-    d["host_wait_ms"] = r.host_wait_ms;
+    d["to_host_busy_s"] = r.to_host_busy_ms / 1e3;
+    d["to_device_busy_s"] = r.to_device_busy_ms / 1e3;
+    d["compute_stall_s"] = r.compute_stall_ms / 1e3;
+    d["host_wait_s"] = r.host_wait_ms / 1e3;
     d["overlap_ratio"] = r.overlap_ratio;
     d["budget_bytes"] = r.budget_bytes;
     d["device_bytes"] = r.device_bytes;
@@ -780,8 +780,8 @@ class PyPrefetchScheduler {
     d["prefetches_without_room"] = s.prefetches_without_room;
     d["stops_at_max_ahead"] = s.stops_at_max_ahead;
     d["eager_offloads"] = s.eager_offloads;
-    d["measured_compute_ms_per_group"] = s.measured_compute_ms_per_group;
-    d["measured_copy_ms_per_group"] = s.measured_copy_ms_per_group;
+    d["measured_compute_s_per_group"] = s.measured_compute_ms_per_group / 1e3;
+    d["measured_copy_s_per_group"] = s.measured_copy_ms_per_group / 1e3;
     return d;
   }
 

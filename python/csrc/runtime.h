@@ -141,15 +141,16 @@ inline void check_on_runtime_device(const Runtime& rt, const torch::Tensor& t, c
   REVIVA_CHECK_ARG(t.nbytes() > 0, what, ": the tensor is empty (", describe(t), ")");
 }
 
-// A manager's timeline as a list of dicts (kind, block, start_ms, end_ms, bytes).
+// A manager's timeline as a list of dicts (kind, block, start_s, end_s, bytes: seconds from the
+// timeline's origin).
 inline pybind11::list timeline_list(const std::vector<TimelineEvent>& events) {
   pybind11::list out;
   for (const TimelineEvent& e : events) {
     pybind11::dict d;
     d["kind"] = to_string(e.kind);
     d["block"] = e.block;
-    d["start_ms"] = e.start_ms;
-    d["end_ms"] = e.end_ms;
+    d["start_s"] = e.start_ms / 1e3;
+    d["end_s"] = e.end_ms / 1e3;
     d["bytes"] = e.bytes;
     out.append(d);
   }

@@ -93,8 +93,8 @@ class PyWeightStore {
     r["slot_hits"] = st.slot_hits;
     r["bytes_to_device"] = st.bytes_to_device;
     r["bytes_to_host"] = st.bytes_to_host;
-    r["compute_stall_ms"] = st.compute_stall_ms;
-    r["copy_to_device_ms"] = st.copy_to_device_ms;
+    r["compute_stall_s"] = st.compute_stall_ms / 1e3;
+    r["copy_to_device_s"] = st.copy_to_device_ms / 1e3;
     r["overlap_ratio"] = st.overlap_ratio;
     r["host_bytes"] = st.host_bytes;
     r["resident_bytes"] = st.resident_bytes;

@@ -422,9 +422,7 @@ class WeightStore:
 
 def cuda_available() -> bool: ...
 def cuda_device_count() -> int: ...
-def overlap_ratio(
-    compute_stall_ms: typing.SupportsFloat, copy_busy_ms: typing.SupportsFloat
-) -> float:
+def overlap_ratio(compute_stall: typing.SupportsFloat, copy_busy: typing.SupportsFloat) -> float:
     """
     Note [Overlap ratio] (include/reviva/metrics.h): 1 - stall / copy busy time, in [0, 1].
     """

@@ -69,7 +69,7 @@ def _transfers(args: argparse.Namespace) -> int:
         torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         for a, b in zip(tensors, restored, strict=True)
     )
-    d2h, h2d = engine.stats()["d2h"], engine.stats()["h2d"]
+    d2h, h2d = engine.stats()["to_host"], engine.stats()["to_device"]
     ps = pool.stats()
     print(f"moved {total / 2**20:.1f} MiB in {len(tensors)} tensors each way")
     print(

@@ -41,8 +41,9 @@ activation_offloading=False a TRL user switches to Reviva's by
 
     trainer.maybe_activation_offload_context = act_offloading_ctx_manager(trainer.model)
 
-or by enable_activation_offload(trainer). Written from TRL's source; TRL is not a dependency and
-this was not run against it. Both offloads at once are refused: TRL's hooks, entered inside
+or by enable_activation_offload(trainer). TRL is not a dependency; tests/python/
+test_trainer_hook.py runs both against TRL 1.16's SFTTrainer (a dev requirement). Both offloads
+at once are refused: TRL's hooks, entered inside
 Reviva's, would take every saved tensor (only the innermost saved_tensors_hooks runs).
 """
 

@@ -1163,7 +1163,7 @@ class RevivaManager:
         self.engine.reset_stats()
         cache: RevivaCache | None = None
         returned = False  # (set once generate returned: only then is its cache parked)
-        self._phase = {"start": self._event(), "map_ms": self.arena.stats()["map_ms"]}
+        self._phase = {"start": self._event(), "map_s": self.arena.stats()["map_s"]}
         self._phase["t0"] = time.perf_counter()  # (the call's start on the host: Note [Traces])
         self._phase["padded"] = padded
         self._phase["host_attention"] = self._decode_attention_on_host(plan, beams, padded, share)
@@ -1495,13 +1495,13 @@ class RevivaManager:
         weight store's are its manager's, counted from weights_before)."""
         eng = self.engine.stats()
         out = {
-            "to_device": eng["h2d"]["bytes_submitted"],
-            "to_host": eng["d2h"]["bytes_submitted"],
-            "stall_ms": cache.store.stats()["compute_stall_ms"] if cache is not None else 0.0,
+            "to_device": eng["to_device"]["bytes_submitted"],
+            "to_host": eng["to_host"]["bytes_submitted"],
+            "stall_s": cache.store.stats()["compute_stall_s"] if cache is not None else 0.0,
         }
         before = self._phase.get("weights_before")
         if self.weights is not None and before is not None:
-            out["stall_ms"] += self.weights.stats()["compute_stall_ms"] - before["compute_stall_ms"]
+            out["stall_s"] += self.weights.stats()["compute_stall_s"] - before["compute_stall_s"]
         return out
 
     def _collect(self, cache: RevivaCache, plan: Plan) -> GenerateStats:
@@ -1518,7 +1518,7 @@ class RevivaManager:
         kv_total = sum(plan.kv_tokens(i) for i in range(plan.num_layers)) * plan.kv_token_bytes
         # Compute's waits for K/V fetches: the store's manager's meter (the one stall meter of
         # the residency engine; the store is the call's own).
-        stall_ms = st["compute_stall_ms"]
+        stall_s = st["compute_stall_s"]
         prefill_peak = ph.get("prefill_peak")
         decode_peak = self._phase_peak()
         peaks = [p for p in (prefill_peak, decode_peak) if p is not None]
@@ -1533,7 +1533,7 @@ class RevivaManager:
             peak_device_bytes=prefill_peak,
             bytes_to_device=int(mid["to_device"]),
             bytes_to_host=int(mid["to_host"]),
-            stall_s=mid["stall_ms"] / 1e3,
+            stall_s=mid["stall_s"],
             kv_streamed_layers=plan.num_layers - len(plan.resident_layers),
             kv_resident_layers=len(plan.resident_layers),
             weight_streamed_layers=plan.weight_layers - len(plan.weight_resident_layers),
@@ -1544,7 +1544,7 @@ class RevivaManager:
             peak_device_bytes=decode_peak,
             bytes_to_device=int(end["to_device"] - mid["to_device"]),
             bytes_to_host=int(end["to_host"] - mid["to_host"]),
-            stall_s=(end["stall_ms"] - mid["stall_ms"]) / 1e3,
+            stall_s=end["stall_s"] - mid["stall_s"],
             kv_streamed_layers=plan.num_layers - resident_end,
             kv_resident_layers=resident_end,
             weight_streamed_layers=weights.get("weight_streamed_layers", 0),
@@ -1560,11 +1560,11 @@ class RevivaManager:
             decode=decode,
             # Torch's tensors and the arena's K/V, at most, by phase (_phase_peak).
             peak_device_bytes=max(peaks) if peaks else None,
-            bytes_to_device=eng["h2d"]["bytes_completed"],
-            bytes_to_host=eng["d2h"]["bytes_completed"],
-            to_device_gbps=eng["h2d"]["bandwidth_gbps"],
-            copy_to_device_s=eng["h2d"]["busy_ms"] / 1e3,
-            stall_s=stall_ms / 1e3,
+            bytes_to_device=eng["to_device"]["bytes_completed"],
+            bytes_to_host=eng["to_host"]["bytes_completed"],
+            to_device_gbps=eng["to_device"]["bandwidth_gbps"],
+            copy_to_device_s=eng["to_device"]["busy_s"],
+            stall_s=stall_s,
             overlap_ratio=st["overlap_ratio"],  # Note [Overlap ratio], the store's copies
             # Note [fp8 K/V rows]: the K/V format, and the largest relative round-trip error of a
             # layer's prompt K or V (||x - fp8(x)|| / ||x||) when it is fp8.
@@ -1629,8 +1629,8 @@ class RevivaManager:
             # (host clock, from the set-up's start: pinned, weights_placed, cache_made,
             # first_layer)
             prefill_setup_host_s={k: v / 1e3 for k, v in ph.get("setup_host_ms", {}).items()},
-            arena_map_s=(arena["map_ms"] - ph["map_ms"]) / 1e3,
-            host_copy_wait_s=st["host_copy_wait_ms"] / 1e3,
+            arena_map_s=arena["map_s"] - ph["map_s"],
+            host_copy_wait_s=st["host_copy_wait_s"],
             pin_s=ph.get("pin_s", 0.0),
             pin_mode=ph.get("pin_mode", _pin_mode()),
             pin_background_s=ph.get("pin_background_s", 0.0),
@@ -1680,7 +1680,7 @@ class RevivaManager:
             "weight_bytes_to_host": now["bytes_to_host"] - before["bytes_to_host"],
             "weight_fills": now["fills"] - before["fills"],
             "weight_prefetched_fills": now["prefetched_fills"] - before["prefetched_fills"],
-            "weight_stall_s": (now["compute_stall_ms"] - before["compute_stall_ms"]) / 1e3,
+            "weight_stall_s": now["compute_stall_s"] - before["compute_stall_s"],
         }
 
     def _graphs_state(self) -> str:

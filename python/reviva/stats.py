@@ -4,10 +4,12 @@ Note [One naming scheme]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 Sizes are bytes (`*_bytes`, ints), times are seconds (`*_s`, floats), rates say their unit
 (`*_tok_s`, `*_gbps`: 1e9 bytes a second), directions are `to_device` and `to_host`, and compute
-waiting for a copy is a `stall`. The same names are used by ActivationStats (training) and by the
-figures the core's binding reports per call (`bytes_to_device`, `bytes_to_host`). Before this
-(issue 16) the stats said `budget_mb` for MiB, `h2d`/`d2h` beside `to_host`, and `stall_ms` beside
-`compute_stall_ms`.
+waiting for a copy is a `stall`. The same names are used by ActivationStats (training) and by every
+dict the core's binding returns (`bytes_to_device`, `compute_stall_s`, `to_host` and `to_device`
+for the transfer engine's directions, timeline events' `start_s` and `end_s`;
+tests/python/test_stats.py reads them all). Before this (issue 16) the stats said `budget_mb` for
+MiB, `h2d`/`d2h` beside `to_host`, and `stall_ms` beside `compute_stall_ms`; the binding kept
+milliseconds and `d2h`/`h2d` until session 13.
 
 A GenerateStats holds the call's totals and end state (which layers stream once decode ends,
 after promotions), and one PhaseStats each for prefill and decode: what happened in that phase,

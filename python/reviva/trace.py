@@ -149,7 +149,7 @@ def store_spans(events: Iterable[dict[str, Any]], what: str, offset_ms: float) -
     out = []
     for e in events:
         kind = e["kind"]
-        start, end = e["start_ms"] + offset_ms, e["end_ms"] + offset_ms
+        start, end = e["start_s"] * 1e3 + offset_ms, e["end_s"] * 1e3 + offset_ms
         if kind in _KIND_TRACK:
             track = f"{what} {_KIND_TRACK[kind]}"
             out.append(span(f"{what} block {e['block']}", track, start, end, bytes=e["bytes"]))

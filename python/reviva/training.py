@@ -253,7 +253,7 @@ class ActivationOffload:
         self.scheduler: PrefetchScheduler | None = None
         self._metrics_start: dict[str, Any] = {}  # the manager's metrics when the step began
         self._recorded: dict[tuple[int, int], StorageWeakRef] = {}  # counted on the first step
-        self._copy_ms = 0.0  # copy-stream busy time of this offload's steps
+        self._copy_s = 0.0  # copy-stream busy time of this offload's steps
         self._held = 0  # device bytes allocated when the step began (CUDA)
         self._extra_all: int | None = None  # CUDA: the offload-all step's peak above _held
         # Budget mode: the bytes the budget leaves above the offload-all floor, and what the
@@ -358,10 +358,10 @@ class ActivationOffload:
         st.bytes_to_device += delta("bytes_to_device")
         st.prefetched += delta("prefetches")
         st.demand_fetched += delta("prefetch_misses")
-        st.stall_s += delta("compute_stall_ms") / 1e3
-        st.host_wait_s += delta("host_wait_ms") / 1e3
-        self._copy_ms += delta("to_host_busy_ms") + delta("to_device_busy_ms")
-        st.overlap_ratio = overlap_ratio(st.stall_s * 1e3, self._copy_ms)
+        st.stall_s += delta("compute_stall_s")
+        st.host_wait_s += delta("host_wait_s")
+        self._copy_s += delta("to_host_busy_s") + delta("to_device_busy_s")
+        st.overlap_ratio = overlap_ratio(st.stall_s, self._copy_s)
         st.step_s = time.perf_counter() - self._t0
         st.steps += 1
         self._last_trace = self._trace(st.step_s)
@@ -490,10 +490,14 @@ class ActivationOffload:
         first (None without any)."""
         self._in_backward = True
         self._t_backward = time.perf_counter()
-        order = [[b] for r in sorted(self._groups, reverse=True) for b in reversed(self._groups[r])]
+        # Blocks whose saved tensor autograd dropped before backward are gone (a graph the step
+        # built and let go: TRL's SFTTrainer computes its entropy metric with grad and detaches
+        # it): the order is the live ones alone.
+        groups = {r: [b for b in blocks if self._live(b)] for r, blocks in self._groups.items()}
+        order = [[b] for r in sorted(groups, reverse=True) for b in reversed(groups[r])]
         if not order:
             return None
-        per_region = max(len(g) for g in self._groups.values())
+        per_region = max(len(g) for g in groups.values())
         self.scheduler = PrefetchScheduler(
             self.manager,
             prefetch_groups=self.prefetch_layers * per_region,
@@ -501,12 +505,13 @@ class ActivationOffload:
             max_ahead_bytes=self._window(self._grad_layer),
         )
         self.scheduler.declare_order(order)
-        for (block,) in order:
-            ref = self._stored_of.get(block)
-            stored = ref() if ref is not None else None
-            if stored is not None:
-                return stored
-        return None
+        ref = self._stored_of[order[0][0]]
+        return ref()
+
+    def _live(self, block: int) -> bool:
+        """Whether the block's saved tensor is still held by autograd (its record lives)."""
+        ref = self._stored_of.get(block)
+        return ref is not None and ref() is not None
 
     def _acquire(self, stored: _Stored) -> None:
         """Acquires a block through the scheduler (which prefetches the next ones of the order

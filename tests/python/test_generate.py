@@ -798,7 +798,7 @@ def test_store_timeline_records_the_calls_copies() -> None:
     fills = [e for e in manager._last_timeline if e["kind"] == "copy_to_device"]
     assert st["streamed_layers"] > 0 and len(fills) == st["fills"]
     assert sum(e["bytes"] for e in fills) == st["bytes_to_device"]
-    assert all(0 <= e["start_ms"] <= e["end_ms"] and e["bytes"] > 0 for e in fills)
+    assert all(0 <= e["start_s"] <= e["end_s"] and e["bytes"] > 0 for e in fills)
 
 
 def test_eos_stopping_criteria_and_streamer() -> None:

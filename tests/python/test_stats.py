@@ -94,3 +94,58 @@ def test_a_budget_in_gb_reads_back_in_bytes() -> None:
     st = manager.get_memory_stats()
     assert st.requested_budget_bytes == 24 * 10**9, st.requested_budget_bytes
     assert torch.is_tensor(torch.tensor(st.budget_bytes))  # a plain int
+
+
+def _names(figures: object, where: str = "") -> list[tuple[str, str]]:
+    """Every key of a (nested) dict or list of dicts, with where it was found."""
+    if isinstance(figures, dict):
+        out = []
+        for k, v in figures.items():
+            out.append((str(k), where))
+            out += _names(v, f"{where}.{k}")
+        return out
+    if isinstance(figures, list):
+        return [n for item in figures for n in _names(item, where)]
+    return []
+
+
+def test_every_figure_of_the_binding_names_its_unit() -> None:
+    """Note [One naming scheme]: every dict the core's binding returns says bytes and seconds,
+    with to_host/to_device for directions: the transfer engine's stats and its directions, the
+    pinned pool's, the arena's, an OffloadManager's metrics and timeline, its scheduler's stats,
+    a KV store's stats and timeline, a weight store's stats and timeline (a manager's call, with
+    streamed weights and K/V, fills them all)."""
+    from test_weights import budget_where
+
+    import reviva
+
+    model = tiny_model("cpu", seed=31)
+    manager = RevivaManager(model, RevivaConfig(stream_weights=True))
+    budget_where(manager, 96, 6, lambda p: True)  # (the least: weights and most K/V stream)
+    ids = ids_for("cpu", 96, seed=32)
+    out = manager.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    store = out.past_key_values.store
+    weights = manager.weights.store
+    m = reviva.OffloadManager(manager.engine, budget_bytes=1 << 20, policy="lru")
+    sched = reviva.PrefetchScheduler(m, prefetch_groups=2)
+    block = m.register([1 << 16], torch.float32)
+    sched.acquire_group([block], "write")
+    sched.release_group([block])
+    m.synchronize()
+    figures = {
+        "engine": manager.engine.stats(),
+        "pool": manager.pool.stats(),
+        "arena": manager.arena.stats(),
+        "manager": m.metrics(),
+        "manager_timeline": m.timeline(),
+        "scheduler": sched.stats(),
+        "kv_store": store.stats(),
+        "kv_timeline": manager._last_timeline,
+        "weight_store": weights.stats(),
+        "weight_timeline": weights.timeline(),
+    }
+    names = _names(figures)
+    assert {"to_host", "to_device", "busy_s", "compute_stall_s", "start_s"} <= {n for n, _ in names}
+    bad = [(n, w) for n, w in names if not _unit_ok(n, None) or n.endswith("_ms")]
+    assert not bad, bad
+    assert all(e["end_s"] >= e["start_s"] >= 0 for e in figures["weight_timeline"])

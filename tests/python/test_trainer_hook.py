@@ -222,6 +222,76 @@ def test_trl_style_context_in_training_step(tmp_path: Path) -> None:
         enable_activation_offload(trainer)  # both at once: one would shadow the other
 
 
+def sft_trainer(model: nn.Module, out: Path, **config: Any) -> Any:
+    """TRL's SFTTrainer on pre-tokenized samples (a word-level tokenizer of VOCAB ids, made here:
+    SFTTrainer asks for one; nothing is downloaded), TRL's own collator padding them."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+        pad_token="t0",
+        eos_token="t2",
+        unk_token="t1",
+    )
+    g = torch.Generator().manual_seed(12)
+    rows = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in (24, 20) * 4]
+    args = SFTConfig(
+        output_dir=str(out),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        optim="sgd",
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        seed=7,
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+        **config,
+    )
+    return SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_dict({"input_ids": rows}),
+        processing_class=tokenizer,
+    )
+
+
+def test_trl_sft_trainer_with_reviva_offload(tmp_path: Path) -> None:
+    """TRL's own SFTTrainer (trl, a dev requirement, in CI): its maybe_activation_offload_context
+    set to act_offloading_ctx_manager(trainer.model), and a second trainer through
+    enable_activation_offload, each give a plain SFTTrainer's gradients bit for bit (padded
+    batches of two lengths, gradient accumulation), the offload having moved the activations;
+    with SFTConfig's activation_offloading=True, TRL's own offload, Reviva's is refused by name.
+    Found on its first run: TRL's entropy metric, computed with grad and detached, lets saved
+    tensors go before backward (test_a_graph_let_go_before_backward_leaves_the_order)."""
+    import trl
+
+    ref = train(sft_trainer(tiny_llama(seed=9), tmp_path / "plain"))
+    assert len(ref) == 2
+    ctx = sft_trainer(tiny_llama(seed=9), tmp_path / "ctx")
+    assert isinstance(ctx, trl.SFTTrainer)
+    ctx.maybe_activation_offload_context = act_offloading_ctx_manager(ctx.model)
+    assert_identical(ref, train(ctx))
+    st = ctx.maybe_activation_offload_context.stats
+    assert st.steps == 4 and st.bytes_to_host > 0 and st.bytes_to_device > 0, st
+    hooked = sft_trainer(tiny_llama(seed=9), tmp_path / "hook")
+    hook = enable_activation_offload(hooked)
+    assert_identical(ref, train(hooked))
+    assert hook.offload.stats.steps == 4 and hook.offload.stats.bytes_to_host > 0
+    # (TRL's own offload makes CUDA streams at construction: on the CPU the switch is set after)
+    theirs = sft_trainer(tiny_llama(seed=9), tmp_path / "trl")
+    theirs.args.activation_offloading = True
+    with pytest.raises(ValueError, match="activation_offloading=True"):
+        enable_activation_offload(theirs)
+
+
 def test_an_exception_mid_step_leaves_nothing_held(tmp_path: Path) -> None:
     """A layer that raises in the 3rd micro-batch (the second optimizer step, after layer 0's
     activations were offloaded): the offload is left (no hooks installed, nothing held on the

@@ -4,6 +4,7 @@ prefetch ahead of use, and errors naming the bad values. CPU (host backend) in C
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Iterator
 
@@ -60,6 +61,37 @@ def test_offload_all_gradients_bit_identical() -> None:
     assert st.prefetched > 0, "backward should find most layers already on their way"
     assert st.kept_tensors > 0  # parameters and what the head saved
     assert st.stall_s >= 0.0 and 0.0 <= st.overlap_ratio <= 1.0
+
+
+def test_a_graph_let_go_before_backward_leaves_the_order() -> None:
+    """Tensors saved for a graph the step builds and lets go before backward (a metric computed
+    with grad and detached, as TRL's SFTTrainer computes its entropy) are gone by backward: the
+    order holds the live blocks alone (it named a freed block, "unknown block id", before), and
+    the gradients are the plain ones, twice."""
+    model = tiny_llama()
+    ids = torch.randint(0, 211, (2, 96), generator=torch.Generator().manual_seed(3))
+    metrics: list[torch.Tensor] = []
+
+    def metric(module: nn.Module, args: tuple, output: tuple) -> None:
+        # inside the layer's region, with grad: its saved tensors are offloaded, then let go
+        metrics.append(torch.softmax(output[0], -1).exp().sum().detach())
+
+    def step(offload: ActivationOffload | None) -> dict:
+        model.zero_grad(set_to_none=True)
+        ctx = offload_activations(model, offload=offload) if offload else contextlib.nullcontext()
+        with ctx:
+            model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    for layer in model.model.layers:
+        layer.register_forward_hook(metric)
+
+    ref = step(None)
+    off = ActivationOffload(model, min_bytes=0)
+    assert_identical(ref, step(off))
+    assert_identical(ref, step(off))
+    assert off.stats.steps == 2 and off.stats.bytes_to_host > 0
+    assert len(metrics) == 3 * len(model.model.layers) and all(map(torch.isfinite, metrics))
 
 
 def test_views_and_tensors_saved_twice_are_copied_once() -> None:
