@@ -138,6 +138,13 @@ def routed_experts(layer: nn.Module) -> nn.Module | None:
     return experts
 
 
+def _expert_bytes(experts: nn.Module) -> tuple[int, int]:
+    """One expert's gate_up and down projections' bytes (routed_experts' module)."""
+    e = experts.num_experts
+    gate_up, down = (experts.gate_up_proj, experts.down_proj)
+    return gate_up.numel() * gate_up.element_size() // e, down.numel() * down.element_size() // e
+
+
 def routed_expert_sizes(layers: list[nn.Module]) -> tuple[int, int, int]:
     """(one expert's bytes, experts, experts each token chooses) of the first layer with routed
     experts (Note [Routed experts]), (0, 0, 0) where none has: what the planner forecasts a
@@ -147,11 +154,8 @@ def routed_expert_sizes(layers: list[nn.Module]) -> tuple[int, int, int]:
         if experts is None:
             continue
         e = experts.num_experts
-        nbytes = sum(
-            p.numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj)
-        )
         k = getattr(layer.mlp.gate, "top_k", None) or getattr(layer.mlp, "top_k", None) or e
-        return nbytes // e, e, int(k)
+        return sum(_expert_bytes(experts)), e, int(k)
     return 0, 0, 0
 
 
@@ -225,9 +229,7 @@ def _decode_blocks(layer: nn.Module, granularity: int = 1) -> list[int]:
     experts = routed_experts(layer)
     if experts is None:
         return sizes
-    e = experts.num_experts
-    gu, dn = (p.numel() * p.element_size() // e for p in (experts.gate_up_proj, experts.down_proj))
-    return [sizes[0], _round_up(gu, granularity), _round_up(dn, granularity)]
+    return [sizes[0], *(_round_up(b, granularity) for b in _expert_bytes(experts))]
 
 
 def decode_slot_bytes(layers: list[nn.Module], granularity: int = 1) -> int:
@@ -285,13 +287,13 @@ HOST_DECODE_ROOMS = 3
 # of their own). A prefill takes both blocks whole and runs HF's own experts forward (most
 # experts see some of a long prompt's tokens). A decode step takes the first block, and HF's
 # experts forward is replaced there (an instance attribute on the experts module, forwarding to
-# HF's own everywhere else) by `_routed`: it gives the first block back (the router ran), learns
-# which experts were chosen (one synchronization: the host must know what to fetch), and takes
-# each chosen expert's gate_up view, then its down view, one at a time, into decode's room of
-# two blocks (the store fetches a view at its acquire and lets it go at its release). Its
-# arithmetic is HF's grouped_mm experts forward (HF's default: rows sorted by expert, each
-# expert's rows through its projections, weights applied, a sum over the top-k) done expert by
-# expert. A step then moves the attention's bytes and the chosen experts' (2 of 8 experts:
+# HF's own everywhere else) by `_routed_forward`: it gives the first block back (the router
+# ran), learns which experts were chosen (one synchronization: the host must know what to
+# fetch), and takes each chosen expert's gate_up view, then its down view, one at a time, into
+# decode's room of two blocks (the store fetches a view at its acquire and lets it go at its
+# release). Its arithmetic is HF's grouped_mm experts forward (HF's default: rows sorted by
+# expert, each expert's rows through its projections, weights applied, a sum over the top-k)
+# done expert by expert. A step then moves the attention's bytes and the chosen experts' (2 of 8 experts:
 # about a quarter of Mixtral's layer); the experts' whole block stays out of decode's cycle
 # (WeightStore.set_on_demand), and decode's room is two of the largest of those blocks.
 

@@ -71,22 +71,25 @@ def samples(seed: int, n: int = 8, length: int = 24) -> list[dict[str, torch.Ten
     return out
 
 
+# The arguments every trainer of these tests shares (HF's Trainer and TRL's SFTTrainer).
+TRAINING = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=1e-2,
+    optim="sgd",
+    report_to=[],
+    use_cpu=True,
+    save_strategy="no",
+    logging_strategy="no",
+    seed=7,
+    train_sampling_strategy="sequential",
+    disable_tqdm=True,
+)
+
+
 def training_args(out: Path, max_steps: int = 2) -> TrainingArguments:
     return TrainingArguments(
-        output_dir=str(out),
-        max_steps=max_steps,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,
-        optim="sgd",
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        seed=7,
-        train_sampling_strategy="sequential",
-        remove_unused_columns=False,
-        disable_tqdm=True,
+        output_dir=str(out), max_steps=max_steps, remove_unused_columns=False, **TRAINING
     )
 
 
@@ -239,22 +242,7 @@ def sft_trainer(model: nn.Module, out: Path, **config: Any) -> Any:
     )
     g = torch.Generator().manual_seed(12)
     rows = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in (24, 20) * 4]
-    args = SFTConfig(
-        output_dir=str(out),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,
-        optim="sgd",
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        seed=7,
-        train_sampling_strategy="sequential",
-        disable_tqdm=True,
-        **config,
-    )
+    args = SFTConfig(output_dir=str(out), max_steps=2, **TRAINING, **config)
     return SFTTrainer(
         model=model,
         args=args,
