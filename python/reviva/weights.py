@@ -293,9 +293,10 @@ HOST_DECODE_ROOMS = 3
 # decode's room of two blocks (the store fetches a view at its acquire and lets it go at its
 # release). Its arithmetic is HF's grouped_mm experts forward (HF's default: rows sorted by
 # expert, each expert's rows through its projections, weights applied, a sum over the top-k)
-# done expert by expert. A step then moves the attention's bytes and the chosen experts' (2 of 8 experts:
-# about a quarter of Mixtral's layer); the experts' whole block stays out of decode's cycle
-# (WeightStore.set_on_demand), and decode's room is two of the largest of those blocks.
+# done expert by expert. A step then moves the attention's bytes and the chosen experts' (2 of
+# 8 experts: about a quarter of Mixtral's layer); the experts' whole block stays out of
+# decode's cycle (WeightStore.set_on_demand), and decode's room is two of the largest of those
+# blocks.
 
 
 class StreamedWeights:
