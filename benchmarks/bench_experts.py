@@ -1,15 +1,19 @@
 """Mixture-of-experts weights streamed with only the routed experts moving (issue 15's
 `experts_decode` check; Note [Routed experts] in python/reviva/weights.py).
 
-    python benchmarks/bench_experts.py [--out DIR] [--layers 8] [--card-gb 12] [--prompt 4096]
+    python benchmarks/bench_experts.py [--out DIR] [--model mixtral-8x7b|qwen3-30b-a3b]
+                                       [--layers 8] [--card-gb G] [--prompt 4096]
                                        [--new-tokens 32] [--calls 2] [--first routed|all]
                                        [--dry-run]
 
-The Mixtral-8x7B shape (`python -m reviva plan --model mixtral-8x7b`: hidden 4096, MLP 14336, 8
-experts with 2 routed per token, 32/8 heads, vocab 32000) cut to --layers decoder layers (8: 23.4
-GB of bf16 weights, 2.9 GB a layer of which a token's two experts are 0.7 GB) on a --card-gb card
-(card mode: a ballast outside torch's allocator, its allocator at the defaults), built on the meta
-device and filled layer by layer into pinned host memory (random values, SDPA). One
+--model is a preset of `python -m reviva plan`: mixtral-8x7b (the default: hidden 4096, MLP
+14336, 8 experts with 2 routed per token, 32/8 heads, vocab 32000; 8 layers are 23.4 GB of bf16
+weights, 2.9 GB a layer of which a token's two experts are 0.7 GB; a 12 GB card) or qwen3-30b-a3b
+(hidden 2048, 128 experts of MLP 768 with 8 routed per token, 32/4 heads of 128, vocab 151936; 8
+layers are 11.2 GB, 1.25 GB a layer of which a token's eight experts are 75 MB: many small
+copies; a 6 GB card), cut to --layers decoder layers, on a --card-gb card (card mode: a ballast
+outside torch's allocator, its allocator at the defaults), built on the meta device and filled
+layer by layer into pinned host memory (random values, SDPA). One
 RevivaManager(model, RevivaConfig(vram_budget=card)) per fresh worker process makes --calls calls
 of a --prompt-token prompt in a row: one worker routed (the default), one with
 REVIVA_ROUTED_EXPERTS=0 (each streamed layer's experts one block: every expert moves each step).
@@ -17,10 +21,10 @@ Per call: prefill s, decode tok/s (the steps after the first), the decode phase'
 step, the card's peak, the plan's resident and streamed layers.
 
 Check `experts_decode`: every call of both workers completes; the routed worker's decode moves,
-per step and streamed layer, no more than the layer's first block and two experts' bytes (the
-all-experts worker's: the whole layer); each routed call decodes at least twice as fast as the
-all-experts call of the same number. Writes experts-<date>-<sha>.json. --dry-run: a tiny Mixtral
-on the CPU.
+per step and streamed layer, no more than the layer's first block and its k routed experts'
+bytes (the all-experts worker's: the whole layer); each routed call decodes at least twice as
+fast as the all-experts call of the same number. Writes experts-<date>-<sha>.json (Mixtral) or
+experts-<model>-<date>-<sha>.json. --dry-run: a tiny model of the family on the CPU.
 """
 
 from __future__ import annotations
@@ -42,27 +46,38 @@ from common import environment, run_worker, write_result  # noqa: E402
 from reviva.__main__ import PRESETS  # noqa: E402
 
 PCIE_H2D_BPS = 55e9  # DESIGN.md, "Performance model"
-MIXTRAL = {k: v for k, v in PRESETS["mixtral-8x7b"].items() if k != "architectures"}
-DRY = dict(
-    model_type="mixtral",
+MODELS = {
+    name: {k: v for k, v in PRESETS[name].items() if k != "architectures"}
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b")
+}
+CARD_GB = {"mixtral-8x7b": 12.0, "qwen3-30b-a3b": 6.0}  # about half the 8 layers' weights
+TINY = dict(
     hidden_size=64,
     intermediate_size=256,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
     vocab_size=211,
-    num_local_experts=8,
     num_experts_per_tok=2,
-    sliding_window=None,
 )
+DRY = {
+    "mixtral-8x7b": dict(TINY, model_type="mixtral", num_local_experts=8, sliding_window=None),
+    "qwen3-30b-a3b": dict(
+        TINY, model_type="qwen3_moe", head_dim=16, num_experts=8, moe_intermediate_size=48
+    ),
+}
+
+
+def shape(args: argparse.Namespace) -> dict[str, Any]:
+    if args.dry_run:
+        return dict(DRY[args.model])
+    return {**MODELS[args.model], "num_hidden_layers": args.layers}
 
 
 def config(args: argparse.Namespace) -> Any:
     from transformers import AutoConfig
 
-    fields = dict(DRY if args.dry_run else MIXTRAL)
-    if not args.dry_run:
-        fields["num_hidden_layers"] = args.layers
+    fields = shape(args)
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     cfg.max_position_embeddings = args.prompt + args.new_tokens + 64
     cfg.pad_token_id, cfg.eos_token_id = 0, None
@@ -99,7 +114,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     first = w.store.layer_bytes(w.parts[0][0])
     layer = w.layer_bytes[0]
     k = cfg.num_experts_per_tok
-    routed_step = first + k * (layer - first) // cfg.num_local_experts  # a layer's step at most
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    routed_step = first + k * (layer - first) // experts  # a layer's step at most
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(1, cfg.vocab_size, (1, args.prompt), generator=g)
     ids = ids.to("cpu" if args.dry_run else "cuda")
@@ -196,7 +212,7 @@ def analyse(parts: dict[str, Any], calls: int) -> dict[str, Any]:
                 for name in ("routed", "all")
             },
             "limit": "every call completes on the card; a routed decode step moves no more than "
-            "each streamed layer's first block and its two routed experts; each routed call "
+            "each streamed layer's first block and its k routed experts; each routed call "
             "decodes at least 2x as fast as the same call moving every expert "
             "(REVIVA_ROUTED_EXPERTS=0)",
         }
@@ -210,7 +226,7 @@ def driver(args: argparse.Namespace) -> int:
     for part in order:
         cmd = [sys.executable, __file__, "--worker", part, f"--prompt={args.prompt}"]
         cmd += [f"--new-tokens={args.new_tokens}", f"--calls={args.calls}"]
-        cmd += [f"--layers={args.layers}", f"--card-gb={args.card_gb}"]
+        cmd += [f"--model={args.model}", f"--layers={args.layers}", f"--card-gb={args.card_gb}"]
         cmd += ["--dry-run"] if args.dry_run else []
         extra = {"REVIVA_ROUTED_EXPERTS": "1" if part == "routed" else "0"}
         extra["PYTHONPATH"] = os.pathsep.join(
@@ -219,24 +235,25 @@ def driver(args: argparse.Namespace) -> int:
         left = max(args.max_wall_s - (time.perf_counter() - t0), 10)
         parts[part] = run_worker(cmd, extra, left)
     checks = analyse(parts, args.calls)
-    shape = DRY if args.dry_run else {**MIXTRAL, "num_hidden_layers": args.layers}
     result = {
         "environment": environment(cuda=False),
-        "settings": vars(args) | {"shape": shape, "order": order},
+        "settings": vars(args) | {"shape": shape(args), "order": order},
         "checks": checks,
         "parts": parts,
     }
     for k, v in checks.items():
         print(f"{k}: {'PASS' if v['pass'] else 'FAIL'} {json.dumps(v, default=str)[:1800]}")
-    path = write_result("experts-cpu" if args.dry_run else "experts", result, args.out)
+    name = "experts" if args.model == "mixtral-8x7b" else f"experts-{args.model}"
+    path = write_result(f"{name}-cpu" if args.dry_run else name, result, args.out)
     print(f"# wrote {path}")
     return 0 if all(v["pass"] for v in checks.values()) else 1
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=tuple(MODELS), default="mixtral-8x7b")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--card-gb", type=float, default=12)
+    p.add_argument("--card-gb", type=float, default=None, help="default: 12 Mixtral, 6 Qwen3")
     p.add_argument("--prompt", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--calls", type=int, default=2)
@@ -251,6 +268,8 @@ def main() -> int:
     p.add_argument("--max-wall-s", type=float, default=560)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.card_gb is None:
+        args.card_gb = CARD_GB[args.model]
     if args.dry_run and args.prompt == 4096:
         args.prompt, args.new_tokens = 40, 8
     if args.worker:

@@ -161,6 +161,23 @@ PRESETS = {
         num_experts_per_tok=2,
         sliding_window=None,
     ),
+    "qwen3-30b-a3b": dict(  # 128 small experts, 8 routed per token, every layer sparse
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        rope_theta=1000000.0,
+        use_sliding_window=False,
+    ),
 }
 
 
