@@ -73,6 +73,12 @@ class DecoderLayout:
     fused_qkv: bool = False  # self_attn.qkv_proj (Phi-3) instead of q_proj, k_proj and v_proj
     # each layer's sliding window in tokens, None for full attention (Note [Sliding windows])
     windows: tuple[int | None, ...] = ()
+    # Mixture-of-experts layers (Mixtral, Qwen3-MoE): the experts a token is routed to, the
+    # experts' MLP width and their number, the widest over the layers; 0 without experts. What
+    # the planner sizes HF's experts forward by (Note [The experts' working set] in planner.py).
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    num_experts: int = 0
 
     def windows_shorter_than(self, tokens: int) -> dict[int, int]:
         """The layers whose sliding window leaves out some of a call's `tokens` (index: window);
@@ -171,4 +177,27 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
         rotary_emb=rotary_emb,
         fused_qkv=fused,
         windows=tuple(sliding_window(layer.self_attn) for layer in layers),
+        **_experts_shape(cfg, layers),
     )
+
+
+def _experts_shape(cfg: object, layers: nn.ModuleList) -> dict[str, int]:
+    """The widest experts of the layers whose MLP holds HF's experts module (`mlp.experts` with
+    `down_proj` [E, H, I], or [E, I, H] where `is_transposed`): (k, I, E) as DecoderLayout's
+    experts_per_token, expert_intermediate_size and num_experts; zeros where no layer has."""
+    k = i_max = e_max = 0
+    for layer in layers:
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        down = getattr(experts, "down_proj", None)
+        if not isinstance(down, torch.Tensor) or down.dim() != 3:
+            continue
+        e = down.shape[0]
+        width = down.shape[1] if getattr(experts, "is_transposed", False) else down.shape[2]
+        top = (
+            getattr(getattr(layer.mlp, "gate", None), "top_k", None)
+            or getattr(layer.mlp, "top_k", None)
+            or getattr(cfg, "num_experts_per_tok", None)
+            or e
+        )
+        k, i_max, e_max = max(k, int(top)), max(i_max, int(width)), max(e_max, int(e))
+    return dict(experts_per_token=k, expert_intermediate_size=i_max, num_experts=e_max)

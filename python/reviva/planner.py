@@ -46,6 +46,15 @@ class MemoryModel:
     head_temporaries: int = 5  # q with RoPE (2), attention output, o_proj input/output
     kv_head_temporaries: int = 4  # k with RoPE (2), v, their cache write
     mlp_wide_tensors: int = 3  # gate, up, their product
+    # HF's grouped experts forward, per (token, chosen expert) pair (Note [The experts' working
+    # set]): the gathered input and, of the expert's width, four (gate_up and its masked copy;
+    # then that copy, the gate's activation and the gated product); at its end four hidden-sized
+    # tensors (the gathered input, the down projection, weighted, unpermuted); the int64 sort
+    # indices; fp32 router scores per expert.
+    expert_wide_tensors: int = 4
+    expert_hidden_tensors: int = 4
+    expert_index_bytes: int = 4 * 8
+    router_bytes_per_expert: int = 4 * 3
     residual_tensors: int = 3  # input, residual, output
     score_bytes_per_pair: int = 4 * 3  # unfused attention: fp32 scores with softmax temporaries
     logits_bytes_per_vocab: int = 12  # fp32 logits and the sampler's temporaries (+ dtype bytes)
@@ -95,6 +104,36 @@ class MemoryModel:
 
 
 MODEL = MemoryModel()
+
+
+# Note [The experts' working set]
+# A mixture-of-experts layer's prefill runs HF's own experts forward (Note [Routed experts] in
+# weights.py), by default its grouped one (transformers.integrations.moe): each token's input is
+# gathered once per chosen expert, sorted by expert, and each (token, expert) pair goes through
+# that expert's gate_up, gate and down projections; the pairs' outputs are weighted, put back in
+# token order and summed over the k experts. So a chunk of T tokens holds T*k rows at once: of
+# the expert's width while it computes, of the hidden size (four of them) at its end. Qwen3-MoE
+# (k = 8, width 768, hidden 2048) holds 128 KiB a token there, where a dense MLP of its
+# config's intermediate_size (6144, run by none of its layers) is 36 KiB: planned as dense, a
+# 4k-token chunk on a 6 GB card ran out of memory in `weighted_out[inv_perm]` (bench_experts
+# --model qwen3-30b-a3b on the H200 at cb4c235). Measured on the CPU with torch's profiler
+# (test_the_experts_working_set_covers_hfs_grouped_forward): the estimate is within 2% above
+# the forward's peak.
+
+
+def _experts_per_token(lay: DecoderLayout, model: MemoryModel) -> int:
+    """Bytes a prompt token holds in HF's experts forward at its peak (Note [The experts'
+    working set]); 0 for a model without experts."""
+    k, width, e = lay.experts_per_token, lay.expert_intermediate_size, lay.dtype.itemsize
+    if not k:
+        return 0
+    rows = max(
+        lay.hidden_size + width * model.expert_wide_tensors,
+        lay.hidden_size * model.expert_hidden_tensors,
+    )
+    return (
+        k * (rows * e + model.expert_index_bytes) + lay.num_experts * model.router_bytes_per_expert
+    )
 
 
 @dataclass(frozen=True)
@@ -475,7 +514,7 @@ def _make_plan(
         lay.hidden_size * model.hidden_fp32_copies
         + lay.num_heads * lay.head_dim * e * model.head_temporaries
         + lay.num_kv_heads * lay.head_dim * e * model.kv_head_temporaries
-        + lay.intermediate_size * e * model.mlp_wide_tensors
+        + max(lay.intermediate_size * e * model.mlp_wide_tensors, _experts_per_token(lay, model))
         + lay.hidden_size * e * model.residual_tensors
     )
     # Without a fused attention kernel, attention materializes its scores: fp32, with softmax

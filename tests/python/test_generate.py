@@ -358,11 +358,16 @@ def test_beam_search_identical(family: str, layers: int, monkeypatch: pytest.Mon
             assert out.shape == ref.shape and torch.equal(out, ref), f"own {own} shared {shared}"
             assert st["shared_prompt_rows"] == (4 if rows == 2 else 1), st["shared_prompt_rows"]
         if layers == 1:
-            assert st["streamed_layers"] == 5 and st["resident_layers_in_prefill"] == 0, st
+            assert st.prefill.kv_streamed_layers == 5 and st["resident_layers_in_prefill"] == 0
+            # (decode may promote a layer at its start where prefill's working set was the
+            # larger: Mixtral's experts, Note [The experts' working set] in planner.py)
+            decode = st["streamed_layers"]
+            assert decode >= 5 - (family == "mixtral"), st
             row = rows * 2 * 2 * 16 * 4  # the rows held, K and V, 2 heads x 16, fp32
             steps = range(1, 20)  # step s writes its token and rewrites the s - 1 generated before
             per_step = 0 if rows == 2 else sum(steps)
-            assert st["bytes_to_host"] == 5 * row * (60 + per_step), st["bytes_to_host"]
+            want = row * (5 * 60 + decode * per_step)
+            assert st["bytes_to_host"] == want, (st["bytes_to_host"], want)
     if layers == 99 and family == "llama":
         # fp8 rows reordered the same way: every residency gives the same (lossy) sequences
         runs = []

@@ -343,3 +343,70 @@ def test_a_stated_pcie_rate_scales_the_transfer_estimates(
             main(["plan", "--pcie-gbps", bad])
         assert e.value.code == 2
         assert "argument --pcie-gbps" in capsys.readouterr().err
+
+
+def _cpu_peak_bytes(fn, path: Path) -> tuple[int, set[str]]:  # noqa: ANN001
+    """The most bytes torch's CPU allocator held at once above its start during fn() (the
+    profiler's memory events, in time order), and the ops that ran."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        fn()
+    p.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    held = peak = 0
+    for ev in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        held += ev["args"]["Bytes"]
+        peak = max(peak, held)
+    return peak, {e.get("name", "") for e in events}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_experts_working_set_covers_hfs_grouped_forward(family: str, tmp_path: Path) -> None:
+    """Note [The experts' working set] (planner.py): a mixture-of-experts layer's MLP, HF's
+    grouped experts forward over a chunk of tokens, peaks at no more than the planner's bytes a
+    token times the tokens, and at least 95% of them (k = 8 of 16 experts narrower than the
+    hidden size, as Qwen3-MoE's; k = 2 of 8 wider, as Mixtral's); the layout reads k, the
+    experts' width and their number from the modules."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    from reviva.adapters import inspect_model
+    from reviva.planner import MODEL, _experts_per_token
+
+    common = dict(
+        hidden_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            **common,
+            intermediate_size=1024,
+            head_dim=64,
+            moe_intermediate_size=96,
+            num_experts=16,
+            num_experts_per_tok=8,
+        )
+        shape = (8, 96, 16)
+    else:
+        cfg = MixtralConfig(
+            **common, intermediate_size=512, num_local_experts=8, num_experts_per_tok=2
+        )
+        shape = (2, 512, 8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    lay = inspect_model(model)
+    assert (lay.experts_per_token, lay.expert_intermediate_size, lay.num_experts) == shape
+    tokens = 512
+    x = torch.randn(1, tokens, 256, dtype=torch.bfloat16)
+    mlp = model.model.layers[0].mlp
+    with torch.no_grad():
+        mlp(x)  # (first-call allocations out of the way)
+    peak, ops = _cpu_peak_bytes(lambda: mlp(x), tmp_path / "trace.json")
+    assert "aten::_grouped_mm" in ops, "HF's experts forward is no longer the grouped one"
+    estimate = _experts_per_token(lay, MODEL) * tokens
+    assert peak <= estimate <= peak / 0.95, (peak, estimate)
