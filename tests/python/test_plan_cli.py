@@ -295,7 +295,12 @@ def test_sliding_layers_are_estimated_by_their_window(
 
 @pytest.mark.parametrize(
     ("preset", "layers", "streamed"),
-    [("llama3.2-1b", 16, False), ("mistral-7b", 32, False), ("llama3-70b", 80, True)],
+    [
+        ("llama3.2-1b", 16, False),
+        ("mistral-7b", 32, False),
+        ("llama3-70b", 80, True),
+        ("qwen3-30b-a3b", 48, True),
+    ],
 )
 def test_presets_plan_on_the_meta_device(
     capsys: pytest.CaptureFixture[str], preset: str, layers: int, streamed: bool
@@ -307,6 +312,10 @@ def test_presets_plan_on_the_meta_device(
     assert out["weights_streamed"] is streamed
     assert out["forecast"]["decode_tok_s"] > 0 and out["forecast"]["prefill_s"] > 0
     assert out["plan"]["num_layers"] == layers
+    if preset == "qwen3-30b-a3b":  # a decode step moves 8 of each streamed layer's 128 experts
+        plan = out["plan"]
+        assert (plan["weight_experts"], plan["weight_experts_per_token"]) == (128, 8), plan
+        assert plan["weight_expert_bytes"] == 3 * 2048 * 768 * 2, plan
 
 
 def test_version_and_sizes_without_a_unit_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
