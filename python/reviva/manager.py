@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from reviva._C import RevivaOutOfMemoryError
 from reviva.adapters import DecoderLayout, inspect_model
 from reviva.block_attention import call_kernel, resolve_kernel
 from reviva.config import RevivaConfig
@@ -91,6 +93,46 @@ def _pin_mode() -> str:
 # The helper thread pins the rest of a call's host copies when the host issues this layer's
 # prefill (RevivaManager._pin_host_copies).
 _PIN_AFTER_LAYER = 2
+
+
+class CallOutOfMemoryError(RevivaOutOfMemoryError, torch.OutOfMemoryError):
+    """The device ran out of memory inside a call whose plan fitted (Note [Out of memory
+    beyond the plan]): a RevivaOutOfMemoryError and a torch.OutOfMemoryError at once, so code
+    catching either (HF's and accelerate's retries catch torch's) still catches it; its message
+    ends with torch's."""
+
+
+# Note [Out of memory beyond the plan]
+# A call starts only when its plan fits the budget (planner.py); what the plan cannot see is the
+# working set's estimate missing a model's real peak (HF's experts forward was one: Note [The
+# experts' working set]) or other memory taken on the device during the call. torch then
+# raises its OutOfMemoryError from deep inside a layer, where the user cannot tell that Reviva
+# planned the call or what to change. generate re-raises it, after the call's own clean-up, as a
+# CallOutOfMemoryError naming where it happened (prefill's layer and chunk size, or the decode
+# step) and what the plan held, with the two settings that leave room: smaller prefill chunks
+# (RevivaConfig(chunk_tokens=...)) and a smaller vram_budget (free memory outside Reviva's).
+# Nothing is retried: a silent retry would hide a wrong estimate. The finished frames of torch's
+# exception are cleared first (their lines stay in the traceback): their locals held tensors of
+# the call (in Reviva's arena too) for as long as the caller held the exception, so memory the
+# call gave back stayed mapped inside a user's `except` block, where a retry would run.
+
+
+def _beyond_the_plan(error: torch.OutOfMemoryError, plan: Plan, phase: dict[str, Any]) -> str:
+    """CallOutOfMemoryError's message for `error`, raised in the call `plan` planned."""
+    if "prefill_end" not in phase:
+        layers = len(phase.get("layer_events", ()))
+        at = f"layer {layers - 1} of {plan.num_layers}" if layers else "before its first layer"
+        where = f"in prefill ({at}, chunks of {plan.chunk_tokens} tokens)"
+    else:
+        where = f"in decode step {phase.get('decode_steps', 0)}"
+    return (
+        f"RevivaManager.generate ran out of device memory {where}, beyond its plan: budget "
+        f"{plan.budget / 1e9:.2f} GB, {len(plan.resident_layers)} of {plan.num_layers} layers' "
+        f"K/V resident, an estimated working set of {plan.working_set / 1e9:.2f} GB. Leave more "
+        f"room: RevivaConfig(chunk_tokens={max(plan.chunk_tokens // 2, 1)}) (smaller prefill "
+        "chunks) or a smaller vram_budget (more of the device left outside Reviva's plan). "
+        f"torch: {error}"
+    )
 
 
 class RevivaManager:
@@ -1262,6 +1304,14 @@ class RevivaManager:
                 self._in_own_call = True
                 try:
                     out = model.generate(inputs, past_key_values=cache, **kwargs)
+                except torch.OutOfMemoryError as e:
+                    if isinstance(e, RevivaOutOfMemoryError):
+                        raise
+                    # (the finished frames' locals let go: their tensors would keep the call's
+                    # device memory for as long as the caller holds the exception)
+                    traceback.clear_frames(e.__traceback__)
+                    oom = CallOutOfMemoryError(_beyond_the_plan(e, plan, self._phase))
+                    raise oom from e
                 finally:
                     self._in_own_call = False
             returned = bool(gen.return_dict_in_generate)  # (a call that raised returns nothing)

@@ -146,8 +146,16 @@ def test_repeated_calls_leave_nothing_behind(device: str) -> None:
     assert forwards(model) == before
 
 
-@pytest.mark.parametrize("where", ["streamer", "layer"])
+@pytest.mark.parametrize("where", ["streamer", "prefill", "decode"])
 def test_an_exception_mid_call_restores_everything(device: str, where: str) -> None:
+    """A streamer that raises, or torch's out-of-memory inside a layer's MLP in prefill or in a
+    decode step: the exception reaches the caller (an out-of-memory as a CallOutOfMemoryError,
+    still a torch.OutOfMemoryError with torch's message, naming where and what to change: Note
+    [Out of memory beyond the plan]), and the call leaves nothing behind: no wrapper, no device
+    or pinned memory, and the next call gives HF's tokens."""
+    from reviva._C import RevivaOutOfMemoryError
+    from reviva.manager import CallOutOfMemoryError
+
     model = tiny_model(device, seed=3)
     ids = ids_for(device, 100, seed=4)
     ref = model.generate(ids, max_new_tokens=10, do_sample=False)
@@ -161,19 +169,31 @@ def test_an_exception_mid_call_restores_everything(device: str, where: str) -> N
                 ids, max_new_tokens=10, do_sample=False, streamer=RaiseAfter(4, KeyboardInterrupt())
             )
     else:
-        calls = {"n": 0}
+        steps = {"n": 0}
 
-        def oom(module: torch.nn.Module, args: object) -> None:
-            calls["n"] += 1
-            if calls["n"] == 9:  # in decode (5 layers of prefill, then decode steps)
-                raise torch.OutOfMemoryError("injected out-of-memory")
+        def oom(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            if args[0].shape[1] == 1:
+                steps["n"] += 1  # (layer 3's MLP in decode step n)
+            if (where == "prefill") == (args[0].shape[1] > 1) and steps["n"] in (0, 8):
+                raise torch.OutOfMemoryError("CUDA out of memory. (injected)")
 
-        handle = model.model.layers[3].register_forward_pre_hook(oom)
+        plan = manager.plan(1, 100, 10)
+        handle = model.model.layers[3].mlp.register_forward_pre_hook(oom)
         try:
-            with pytest.raises(torch.OutOfMemoryError, match="injected"):
+            with pytest.raises(CallOutOfMemoryError) as raised:
                 manager.generate(ids, max_new_tokens=10, do_sample=False)
         finally:
             handle.remove()
+        e = raised.value
+        assert isinstance(e, torch.OutOfMemoryError) and isinstance(e, RevivaOutOfMemoryError)
+        assert isinstance(e.__cause__, torch.OutOfMemoryError)
+        text = str(e)
+        if where == "prefill":
+            assert f"in prefill (layer 3 of 5, chunks of {plan.chunk_tokens} tokens)" in text
+        else:
+            assert "in decode step 8," in text
+        want = f"RevivaConfig(chunk_tokens={plan.chunk_tokens // 2})"
+        assert want in text and text.endswith("torch: CUDA out of memory. (injected)"), text
     assert forwards(model) == before_forwards, "a wrapper was left on the model"
     # The frames of the raised exception (reference cycles through its traceback) may hold the
     # model's tensors until the collector runs, as in any torch program: not the call's memory.
