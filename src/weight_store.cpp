@@ -37,6 +37,19 @@
 // router's choice only once the router ran, so no prefetch can know it earlier) and leaves at
 // its release (clean: its memory is reused in stream order). Views and layers on demand take no
 // part in the cycle, so the prefetch window keeps bringing the next layers' attention blocks.
+//
+// Note [Declared orders]
+// A decode step (or a prefill) uses every layer once, in index order, and that cycle is the
+// store's default. A training step uses each layer twice: its forward in index order, then its
+// backward in reverse, where the layer's recompute and its gradient read its weights once more
+// (python/reviva/finetune.py). set_order declares such a step as the sequence of its uses; the
+// scheduler's order is that sequence's streamed layers, a layer listed as often as the step
+// uses it, so that what is prefetched after a layer's forward is the next layer's forward, after
+// the last layer's forward its backward needs nothing (the same layer, still on the device: its
+// next use is within the window, so its release does not send it away), and after layer 0's
+// backward the next step's forward begins again with layer 0. A use out of that order (an
+// evaluation's forward alone) still reads the right weights: the scheduler counts it off
+// schedule and the layer is fetched when acquired.
 #include <reviva/error.h>
 #include <reviva/weight_store.h>
 
@@ -211,13 +224,24 @@ std::size_t WeightStore::largest_cycled() const {
   return largest;
 }
 
+// The layers of one step in use order (Note [Declared orders]): set_order's, or each once.
+std::vector<std::size_t> WeightStore::step_uses() const {
+  std::vector<std::size_t> uses;
+  if (order_.empty()) {
+    for (std::size_t i = 0; i < blocks_.size(); ++i) uses.push_back(i);
+  } else {
+    for (int layer : order_) uses.push_back(static_cast<std::size_t>(layer));
+  }
+  return uses;
+}
+
 void WeightStore::declare_cycle() {
   PrefetchSchedulerOptions so;
   so.prefetch_groups = prefetch_layers_;
   so.eager_offload = true;  // a released streamed layer needed after the window goes at once
   scheduler_ = std::make_unique<PrefetchScheduler>(*manager_, so);
   std::vector<std::vector<BlockId>> order;
-  for (std::size_t i = 0; i < blocks_.size(); ++i)
+  for (std::size_t i : step_uses())
     if (!resident_[i] && !on_demand_[i]) order.push_back({blocks_[i]});
   if (!order.empty()) scheduler_->declare_order(std::move(order));
 }
@@ -229,11 +253,37 @@ void WeightStore::prefetch_cycle_start() {
   const std::size_t room = budget_for(slots_) - budget_for(0);  // the slots' bytes
   const std::size_t least = allocator_->min_bytes();
   std::size_t queued = 0;
-  for (std::size_t i = 0; i < blocks_.size(); ++i) {
-    if (resident_[i] || on_demand_[i]) continue;
+  std::vector<bool> seen(blocks_.size(), false);
+  for (std::size_t i : step_uses()) {
+    if (resident_[i] || on_demand_[i] || seen[i]) continue;
+    seen[i] = true;
     queued += std::max(options_.layer_bytes[i], least);
     if (queued > room || !manager_->prefetch(blocks_[i])) break;
   }
+}
+
+void WeightStore::set_order(const std::vector<int>& order) {
+  check_open("set_order");
+  for (std::size_t i = 0; i < acquired_.size(); ++i)
+    REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::set_order: layer ", i,
+                     " is acquired");
+  std::vector<int> uses(static_cast<std::size_t>(first_view_), 0);
+  for (int layer : order) {
+    block_at(layer, "set_order");
+    REVIVA_CHECK_ARG(layer < first_view_, "WeightStore::set_order: layer ", layer,
+                     " is a view: views are fetched on demand, outside any order");
+    ++uses[static_cast<std::size_t>(layer)];
+  }
+  if (!order.empty()) {
+    const auto missing = std::find(uses.begin(), uses.end(), 0);
+    REVIVA_CHECK_ARG(missing == uses.end(), "WeightStore::set_order: layer ",
+                     missing - uses.begin(), " is not in the order (", order.size(),
+                     " uses): every layer is used at least once a step");
+  }
+  if (order == order_) return;
+  order_ = order;
+  scheduler_.reset();
+  declare_cycle();  // (from its first streamed layer)
 }
 
 void WeightStore::set_residency(const std::vector<int>& resident, int slots, int prefetch_layers,

@@ -126,6 +126,13 @@ class REVIVA_API WeightStore {
   // while a layer is acquired.
   void set_on_demand(const std::vector<int>& layers);
   bool on_demand(int layer) const;
+  // The order in which one step uses the layers (Note [Declared orders] in weight_store.cpp):
+  // each layer (views excepted) at least once, as often as the step uses it, e.g. a training
+  // step's forward 0..n-1 then its backward n-1..0. Empty: every layer once, in index order (a
+  // decode step's cycle, the default). The streamed layers of it, on demand ones left out, are
+  // the prefetch cycle, which starts again from its first one. Not while a layer is acquired.
+  void set_order(const std::vector<int>& order);
+  const std::vector<int>& order() const noexcept { return order_; }
   // A resident layer's device address, valid while it stays resident (to lay views out over it),
   // from its fill's issue on (throws before). Its fill may still be in flight: compute reads it
   // only after acquire(), which orders compute after the fill.
@@ -159,6 +166,7 @@ class REVIVA_API WeightStore {
  private:
   BlockId block_at(int layer, const char* what) const;
   void check_open(const char* what) const;
+  std::vector<std::size_t> step_uses() const;
   void declare_cycle();
   void prefetch_cycle_start();
   void fill_resident_near(int layer);
@@ -177,6 +185,7 @@ class REVIVA_API WeightStore {
   std::vector<void*> host_;         // each layer's host copy
   std::vector<bool> resident_;      // held on the device by the store (pinned in the manager)
   std::vector<bool> on_demand_;     // outside the cycle: fetched at acquire (views always)
+  std::vector<int> order_;          // set_order's (empty: every layer once, in index order)
   int first_view_ = 0;              // the first view's index (after the layers)
   std::vector<void*> acquired_;     // the address of an acquired layer, null otherwise
   std::vector<void*> resident_at_;  // a resident layer's address once its fill is issued, or null

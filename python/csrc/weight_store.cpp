@@ -168,6 +168,17 @@ void bind_weight_store(py::module_& m) {
           "Streamed layers left out of the prefetch cycle from now on, as views always are: "
           "fetched when acquired, gone when released. Not while a layer is acquired")
       .def("on_demand", [](PyWeightStore& s, int layer) { return s.store().on_demand(layer); })
+      .def(
+          "set_order",
+          [](PyWeightStore& s, const std::vector<int>& order) {
+            py::gil_scoped_release release;
+            s.store().set_order(order);
+          },
+          py::arg("order"),
+          "The layers one step uses, in use order, each as often as used (a training step: "
+          "0..n-1 then n-1..0); [] for every layer once in index order. Not while a layer is "
+          "acquired")
+      .def_property_readonly("order", [](PyWeightStore& s) { return s.store().order(); })
       .def("view", [](PyWeightStore& s, int layer) { return s.store().view(layer); })
       .def("resident", [](PyWeightStore& s, int layer) { return s.store().resident(layer); })
       .def("acquired", [](PyWeightStore& s, int layer) { return s.store().acquired(layer); })

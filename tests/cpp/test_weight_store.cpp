@@ -478,6 +478,45 @@ TEST_P(WeightStoreTest, ExpertViewsMoveOnlyTheChosenExpertsBytes) {
   EXPECT_EQ(rig.pool->stats().bytes_in_use, 0u) << "a view kept its layer's host copy";
 }
 
+TEST_P(WeightStoreTest, ATrainingOrderFetchesEachStreamedLayerForItsForwardAndItsBackward) {
+  // Note [Declared orders]: a training step uses layers 0..6 (forward), then 6..0 (backward).
+  // Every use reads the layer's exact bytes; a streamed layer comes in once for its forward and
+  // once for its backward, except where its two uses are adjacent: the last layer (forward then
+  // backward) and layer 0 (backward, then the next step's forward) stay on the device between
+  // them. The device never holds more than the resident layers and the slots.
+  const std::vector<std::size_t> kSizes = layer_sizes(backend_);
+  WeightRig rig(backend_, kSizes);
+  std::vector<int> order = {0, 1, 2, 3, 4, 5, 6, 6, 5, 4, 3, 2, 1, 0};
+  rig.store->set_order(order);
+  EXPECT_EQ(rig.store->order(), order);
+  rig.store->set_residency({1, 4}, 2, 1, *rig.compute);
+  const int steps = scaled(5);
+  for (int s = 0; s < steps; ++s) rig.pass(order);
+  rig.store->synchronize();
+  const WeightStoreStats st = rig.store->stats();
+  const std::size_t per_step = 2 * total(kSizes, {2, 3, 5}) + kSizes[6] + kSizes[0];
+  // step 1's layer 0 came in once more (at set_residency), the resident ones once
+  EXPECT_EQ(st.bytes_to_device, per_step * static_cast<std::size_t>(steps) + kSizes[0] +
+                                    kSizes[1] + kSizes[4]);
+  EXPECT_EQ(st.fills - st.prefetched_fills, 2u) << "every streamed fill was a prefetch";
+  EXPECT_EQ(st.bytes_to_host, 0u);
+  EXPECT_LE(st.peak_device_bytes, (2 + 2) * rig.arena->granularity()) << "2 resident, 2 slots";
+  // Back to the default cycle: each layer once a pass.
+  rig.store->set_order({});
+  EXPECT_TRUE(rig.store->order().empty());
+  rig.pass();
+  // Misuse, named.
+  EXPECT_NE(message([&] { rig.store->set_order({0, 1, 2, 3, 4, 5}); })
+                .find("layer 6 is not in the order (6 uses)"),
+            std::string::npos);
+  EXPECT_NE(message([&] { rig.store->set_order({0, 9}); }).find("layer 9 out of range [0, 7)"),
+            std::string::npos);
+  rig.store->acquire(2, *rig.compute);
+  EXPECT_NE(message([&] { rig.store->set_order(order); }).find("layer 2 is acquired"),
+            std::string::npos);
+  rig.store->release(2, *rig.compute);
+}
+
 TEST_P(WeightStoreTest, MisuseIsRefusedNamingTheValues) {
   WeightRig rig(backend_, layer_sizes(backend_));
   EXPECT_NE(message([&] {
