@@ -394,6 +394,10 @@ class WeightStore:
         """
         Streamed layers left out of the prefetch cycle from now on, as views always are: fetched when acquired, gone when released. Not while a layer is acquired
         """
+    def set_order(self, order: collections.abc.Sequence[typing.SupportsInt]) -> None:
+        """
+        The layers one step uses, in use order, each as often as used (a training step: 0..n-1 then n-1..0); [] for every layer once in index order. Not while a layer is acquired
+        """
     def set_residency(
         self,
         resident: collections.abc.Sequence[typing.SupportsInt],
@@ -417,6 +421,8 @@ class WeightStore:
     def view(self, arg0: typing.SupportsInt) -> bool: ...
     @property
     def num_layers(self) -> int: ...
+    @property
+    def order(self) -> list[int]: ...
     @property
     def slot_bytes(self) -> int: ...
 

@@ -27,6 +27,7 @@ from reviva._C import (  # noqa: F401  (re-exported API)
 )
 from reviva._C import version as _core_version
 from reviva.config import RevivaConfig
+from reviva.finetune import Finetune, FinetuneOutOfMemoryError, finetune
 from reviva.resources import (
     device_resources,
     pinned_memory_stats,
@@ -113,6 +114,9 @@ __all__ = [
     "cuda_available",
     "cuda_device_count",
     "enable_activation_offload",
+    "finetune",
+    "Finetune",
+    "FinetuneOutOfMemoryError",
     "parse_bytes",
 ]
 

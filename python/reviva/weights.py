@@ -171,12 +171,18 @@ def _part_of(name: str, pieces: tuple[str, ...]) -> int:
     return max(len(pieces), 1)
 
 
-def _pack(layer: nn.Module, granularity: int = 1) -> list[list[tuple[str, _Slot]]]:
+def _pack(
+    layer: nn.Module, granularity: int = 1, frozen_only: bool = False
+) -> list[list[tuple[str, _Slot]]]:
     """The layer's packing (Note [Layers in parts]): its parameters by block, the attention's
     (and the norms') then the MLP's, empty blocks left out; each (name, slot) at its offset in
     its block, aligned to _ALIGN, in module order. The MLP's projections are blocks of their own
     only where two of the largest block (each rounded to `granularity`, the arena's granule) are
-    less than the whole layer; else the MLP is one block."""
+    less than the whole layer; else the MLP is one block. `frozen_only`: the parameters that
+    need no gradient alone (a fine-tune's base weights: Note [Streamed fine-tuning] in
+    finetune.py), in two blocks (attention, MLP), none per expert or projection."""
+    if frozen_only:
+        return _pack_by(layer, (), frozen_only=True)
     if routed_experts(layer) is not None:  # Note [Routed experts]: the experts alone, then
         return _pack_by(layer, (), routed=True)
     pieces = _mlp_pieces(layer)
@@ -189,13 +195,13 @@ def _pack(layer: nn.Module, granularity: int = 1) -> list[list[tuple[str, _Slot]
 
 
 def _pack_by(
-    layer: nn.Module, pieces: tuple[str, ...], routed: bool = False
+    layer: nn.Module, pieces: tuple[str, ...], routed: bool = False, frozen_only: bool = False
 ) -> list[list[tuple[str, _Slot]]]:
     parts: list[list[tuple[str, _Slot]]] = [[] for _ in range(1 + max(len(pieces), 1))]
     ends = [0] * len(parts)
     for prefix, module in layer.named_modules():
         for key, p in module._parameters.items():
-            if p is None:
+            if p is None or (frozen_only and p.requires_grad):
                 continue
             name = f"{prefix}.{key}" if prefix else key
             k = int(name.startswith("mlp.experts.")) if routed else _part_of(name, pieces)
@@ -310,13 +316,16 @@ class StreamedWeights:
         device: torch.device,
         fill_layer: Callable[[int, nn.Module], None] | None = None,
         timeline_capacity: int = 0,
+        frozen_only: bool = False,
     ) -> None:
+        """frozen_only: only the parameters that need no gradient stream (a fine-tune's base
+        weights); the others (LoRA's, a norm being trained) stay where they are."""
         self.device = device
         seen: dict[int, int] = {}
         self._slots: list[list[_Slot]] = []  # per block (a layer's parts, in order)
         self._parts: list[list[int]] = []  # per layer: its blocks
         for i, layer in enumerate(layers):
-            parts = _pack(layer, int(arena.granularity))
+            parts = _pack(layer, int(arena.granularity), frozen_only)
             for name, slot in (entry for part in parts for entry in part):
                 p = slot.param
                 if id(p) in seen:
@@ -351,7 +360,7 @@ class StreamedWeights:
         self._routed: dict[int, tuple[nn.Module, int, int]] = {}
         views: list[tuple[int, int, int]] = []
         for i, layer in enumerate(layers):
-            experts = routed_experts(layer)
+            experts = None if frozen_only else routed_experts(layer)
             if experts is None:
                 continue
             b = self._parts[i][1]
@@ -613,6 +622,17 @@ class StreamedWeights:
         self._resident_blocks = set()  # (set_residency may raise: then nothing stays)
         self.store.set_residency(sorted(wanted), slots, window if slots else 0)
         self._resident_blocks = wanted
+
+    def set_order(self, layers: list[int]) -> None:
+        """The layers one step uses, in use order, each as often as used (a training step:
+        0..n-1 then n-1..0), each whole (its blocks in order): the store's prefetch cycle (Note
+        [Declared orders] in src/weight_store.cpp); [] for every layer once in index order."""
+        for i in layers:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers:
+                raise ValueError(
+                    f"StreamedWeights.set_order: layer {i!r} out of range [0, {self.num_layers})"
+                )
+        self.store.set_order([b for i in layers for b in self._parts[i]])
 
     def decode_room_bytes(self, rooms: int = DECODE_ROOMS) -> int:
         """Decode's room for streamed weights with `rooms` blocks (Note [Layers in parts]; Note
