@@ -229,6 +229,10 @@ def grads(args: argparse.Namespace, tokens: int, vocab: int, device: str, cuda: 
     batch = data(tokens, vocab, device)
     model.base_model.model.config.use_cache = False
 
+    # (plain runs checkpoint each layer, HF's way: the fp32 copy's activations of 4k tokens
+    # without it, beside both models, ran out of the H200's memory at 921e88f)
+    model.base_model.model.gradient_checkpointing_enable({"use_reentrant": False})
+
     def lora_grads(m: Any) -> dict[str, Any]:
         m(**batch).loss.backward()
         out = {n: p.grad.detach().float().cpu() for n, p in m.named_parameters() if p.requires_grad}
@@ -242,6 +246,7 @@ def grads(args: argparse.Namespace, tokens: int, vocab: int, device: str, cuda: 
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+    model.base_model.model.gradient_checkpointing_disable()
     tuner = reviva.finetune(model, budget=CARD if cuda else None)
     if not cuda:
         stream_some(tuner, tokens)

@@ -694,13 +694,12 @@ class Finetune:
     def plan(self, tokens: int) -> TrainPlan:
         """The plan a step of `tokens` tokens would run with now (train_plan.plan_step)."""
         budget, held = self._budget_now()
-        streamed_now = self.weights.store.stats()
-        resident_now = int(streamed_now["resident_bytes"])
-        # (what the resident weights take now is room the plan may give again)
+        # (the resident weights live in the arena, outside torch's `held`: the plan places them
+        # in the room the budget leaves beside held, the working set and the margin)
         return plan_step(
             self.dims,
             tokens,
-            budget + (resident_now if self._cuda else 0),
+            budget,
             held,
             self.chunk_tokens,
             self.loss_chunk_tokens,
