@@ -657,17 +657,21 @@ class Finetune:
             self._hf_checkpointing[id(layer)] = (layer, func)
             layer._gradient_checkpointing_func = _run_directly
 
+    def _collect(self) -> None:
+        """The training step run since the last begin: its peak of torch's reserved memory
+        beside what was held when it began (CUDA), kept as the working set of its length. The
+        peak only grows until the next begin, so reading it again is harmless."""
+        if self._cuda and self._step_tokens is not None:
+            peak = max(torch.cuda.max_memory_reserved(self.device) - self._held, 0)
+            self._measured[self._step_tokens] = peak
+            self.stats_.working_set_bytes = peak
+
     def _measure(self) -> None:
-        """The training step that ran since the last begin: its peak of torch's reserved memory
-        beside what was held when it began (CUDA)."""
-        if not self._cuda:
-            return
-        if self._step_tokens is not None:
-            peak = torch.cuda.max_memory_reserved(self.device) - self._held
-            self._measured[self._step_tokens] = max(peak, 0)
-            self.stats_.working_set_bytes = max(peak, 0)
-            self._step_tokens = None
-        torch.cuda.reset_peak_memory_stats(self.device)
+        """A step begins: the last one's working set kept (_collect), the peak reset."""
+        self._collect()
+        self._step_tokens = None
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _budget_now(self) -> tuple[int, int]:
         """(the budget, the bytes held before the step): the budget capped by what the device
@@ -692,7 +696,9 @@ class Finetune:
         return budget, max(held, 0)
 
     def plan(self, tokens: int) -> TrainPlan:
-        """The plan a step of `tokens` tokens would run with now (train_plan.plan_step)."""
+        """The plan a step of `tokens` tokens would run with now (train_plan.plan_step), with the
+        working set measured by the last step of that length where one ran (CUDA)."""
+        self._collect()
         budget, held = self._budget_now()
         # (the resident weights live in the arena, outside torch's `held`: the plan places them
         # in the room the budget leaves beside held, the working set and the margin)
