@@ -35,10 +35,11 @@ class TrainMemoryModel:
     # model's dtype): what the recompute saves (the normed input, q and k with RoPE, v, the
     # attention output and its log-sum-exp, the post-attention residual and its norm), their
     # gradients at the attention's backward, the layer's output and output gradient and the
-    # checkpoints (this layer's, and the one brought back ahead). Measured on the H200 at
-    # 8d577a2 (bench_finetune, Llama-3-8B shape, 64k tokens): torch's reserved peak beside what
-    # was held, 8.9 GB, less the MLP and loss chunks (2.3 GB), is 12.3 rows with loss_rows.
-    layer_rows: float = 10.5
+    # checkpoints (this layer's, and the one brought back ahead). Measured on the H200
+    # (bench_finetune, Llama-3-8B shape): torch's reserved peak beside what was held, less the
+    # MLP and loss chunks (2.3 GB), is 12.3 rows with loss_rows at 64k (8.90 GB, 8d577a2) and
+    # 13.7 at 128k (17.03 GB, 6e014ab: the attention's backward grows faster than the tokens).
+    layer_rows: float = 12.0
     # An MLP chunk's recompute and backward: tensors of the MLP's width per chunk token (gate,
     # up, the activation, their product, and the gradients of the first two).
     mlp_wide_tensors: int = 6
@@ -55,9 +56,11 @@ class TrainMemoryModel:
 
 MODEL = TrainMemoryModel()
 
-# The H200's rates for a fine-tuning step (Llama-3-8B shape, bf16, torch 2.11): see forecast_step.
+# The H200's rates for a fine-tuning step (Llama-3-8B shape, bf16, torch 2.11; forecast_step):
+# fitted to bench_finetune's steps on a 24 GB card, 64k 16.99 s (8d577a2) and 128k 53.41 s
+# (6e014ab), the linear work at cuBLAS's usual rate and the rest the attention's.
 TRAIN_LINEAR_FLOPS = 520e12
-TRAIN_ATTENTION_FLOPS = 400e12
+TRAIN_ATTENTION_FLOPS = 480e12
 PCIE_BPS = 55e9
 CALIBRATION = "H200 (PCIe Gen5 x16), Llama-3-8B shape, bf16, torch 2.11"
 
