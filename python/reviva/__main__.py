@@ -8,6 +8,8 @@
                           [--kv-dtype auto|fp8] [--kv-page-tokens N] [--host-memory 128GiB]
                           [--stream-weights auto|on|off] [--no-host-embedding]
                           [--pcie-gbps 25] [--json]
+    python -m reviva plan --train [--model ...] [--context 128k] [--card 24GB] [--lora-r 16]
+                          [--lora-targets q_proj,v_proj] [--json]
 
 `demo` runs a long prompt through SmolLM2-135M-Instruct (a pass key hidden in filler; else a
 random-init Llama-shaped model, with a note saying why) with and without Reviva (which streams
@@ -18,7 +20,9 @@ random tensors to pinned host memory and brings them back through the TransferEn
 every byte, and prints what moved and how fast. Both run on the GPU when there is one, else on
 the host backend, and say which. `plan` prints how a generate call of a shape would use a card
 (the planner's own plan, on a model built on the meta device) and its estimated prefill time and
-decode rate (reviva/forecast.py: calibrated on the H200), without a GPU.
+decode rate (reviva/forecast.py: calibrated on the H200), without a GPU; with --train, a LoRA
+fine-tuning step under reviva.finetune instead (reviva/train_plan.py): the frozen layers streamed,
+the pinned host memory, the longest sequence the card holds and the step's time.
 """
 
 from __future__ import annotations
@@ -220,12 +224,146 @@ def _parse_card(text: str) -> str:
     return text
 
 
+def _config(args: argparse.Namespace) -> object | None:
+    """The model's config: a preset, a config.json or a folder holding one, or a model id whose
+    config is in the Hugging Face cache (nothing is downloaded); None (said on stderr) if none."""
+    import os
+
+    from transformers import AutoConfig
+
+    if args.model in PRESETS:
+        fields = dict(PRESETS[args.model])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if os.path.exists(args.model):
+        return AutoConfig.from_pretrained(args.model)
+    try:  # a model id whose config is in the HF cache (nothing is downloaded)
+        return AutoConfig.from_pretrained(args.model, local_files_only=True)
+    except (OSError, ValueError):
+        print(
+            f"reviva plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}), "
+            "nor a config.json or a folder holding one, nor a model id whose config is in "
+            "the Hugging Face cache",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _plan_training(args: argparse.Namespace) -> int:
+    """`plan --train`: a LoRA fine-tuning step of --context tokens under reviva.finetune on the
+    card (reviva.train_plan: the frozen weights streamed as the room allows, the checkpoints in
+    pinned host memory), the longest sequence the card holds, and the step's time."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    import reviva
+    from reviva.adapters import inspect_model
+    from reviva.forecast import CUDA_CONTEXT_BYTES
+    from reviva.train_plan import TrainDims, forecast_step, longest_tokens, plan_step
+    from reviva.weights import layer_weight_bytes
+
+    cfg = _config(args)
+    if cfg is None:
+        return 2
+    cfg.max_position_embeddings = max(getattr(cfg, "max_position_embeddings", 0) or 0, args.context)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    layout = inspect_model(model)
+    if layout.num_experts:
+        print("reviva plan --train: mixture-of-experts models are not supported", file=sys.stderr)
+        return 2
+    targets = [t for t in args.lora_targets.split(",") if t]
+    missing = [t for t in targets if not any(n.endswith(t) for n, _ in model.named_modules())]
+    if missing:
+        print(
+            f"reviva plan --train: --lora-targets {','.join(missing)}: no such module in the model",
+            file=sys.stderr,
+        )
+        return 2
+    lora = 0  # LoRA parameters (r x (in + out) per targeted projection)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name.endswith(t) for t in targets):
+            lora += args.lora_r * (module.in_features + module.out_features)
+    granule = 2 << 20
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = sum(p.numel() * p.element_size() for lay in layout.layers for p in lay.parameters())
+    embed = model.get_input_embeddings().weight
+    tied = embed is getattr(model.get_output_embeddings(), "weight", None)
+    # on the device beside the layers: the head (and a tied embedding), the final norm, LoRA's
+    # parameters in bf16 with their gradients and Adam's two fp32 states (12 bytes each)
+    held = weights - layers - (0 if tied else embed.numel() * embed.element_size()) + 12 * lora
+    dims = TrainDims(
+        num_layers=layout.num_layers,
+        hidden_size=layout.hidden_size,
+        intermediate_size=layout.intermediate_size,
+        vocab_size=layout.vocab_size,
+        num_heads=layout.num_heads,
+        head_dim=layout.head_dim,
+        dtype_bytes=2,
+        layer_bytes=tuple(layer_weight_bytes(lay, granule) for lay in layout.layers),
+        layer_params=sum(p.numel() for p in layout.layers[0].parameters()),
+        name=args.model,
+        dtype="bfloat16",
+    )
+    card = reviva.parse_bytes(args.card)
+    budget = reviva.parse_bytes(args.vram_budget) if args.vram_budget else card
+    budget = min(budget, card - CUDA_CONTEXT_BYTES)
+    loss_chunk = max(128, (512 << 20) // (4 * layout.vocab_size))  # (finetune's default)
+    longest = longest_tokens(dims, budget, held, 4096, loss_chunk)
+    shape = (
+        f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, bf16 "
+        f"({weights / 1e9:.2f} GB of weights), LoRA r={args.lora_r} on {','.join(targets)}"
+    )
+    out: dict[str, object] = {
+        "model": shape,
+        "tokens": args.context,
+        "card": args.card,
+        "budget": budget,
+        "held": held,
+        "longest_tokens": longest,
+    }
+    try:
+        plan = plan_step(dims, args.context, budget, held, 4096, loss_chunk)
+    except reviva.RevivaOutOfMemoryError as e:
+        out.update(fits=False, error=str(e))
+        if args.json:
+            print(json.dumps(out, indent=1))
+        else:
+            print(f"reviva plan --train: {shape}\n  {args.context}-token step: does not fit\n  {e}")
+        return 1
+    pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
+    f = forecast_step(dims, args.context, plan.streamed_layers, pcie)
+    out.update(fits=True, plan=plan.to_dict(), forecast=f.to_dict())
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    gb = 1e9
+    print(f"reviva plan --train: {shape}")
+    print(
+        f"  a {args.context}-token step on a {args.card} card (CUDA context "
+        f"{CUDA_CONTEXT_BYTES / gb:.2f} GB): {len(plan.resident_layers)} of {dims.num_layers} "
+        f"layers' frozen weights resident, {plan.streamed_layers} streamed "
+        f"({dims.largest_layer / gb:.2f} GB each); working set {plan.working_set / gb:.2f} GB, "
+        f"held {held / gb:.2f} GB (head, norms, LoRA and its optimizer state)"
+    )
+    print(
+        f"  host: {plan.checkpoint_host_bytes / gb:.2f} GB pinned for the layers' checkpoints + "
+        f"{plan.weight_host_bytes / gb:.2f} GB for the frozen weights"
+    )
+    print(f"  longest sequence on this card: {longest} tokens (every layer's weights streamed)")
+    print(
+        f"  estimate ({f.calibration}): {f.step_s:.1f} s a step ({f.bound}-bound: linear "
+        f"{f.linear_s:.1f} s, attention {f.attention_s:.1f} s; copies {f.copies_s:.1f} s under "
+        "them)"
+    )
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
-    import os
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import reviva
     from reviva.adapters import inspect_model
@@ -241,22 +379,9 @@ def _plan(args: argparse.Namespace) -> int:
     )
     from reviva.weights import decode_slot_bytes, layer_weight_bytes, routed_expert_sizes
 
-    if args.model in PRESETS:
-        fields = dict(PRESETS[args.model])
-        cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    elif os.path.exists(args.model):
-        cfg = AutoConfig.from_pretrained(args.model)
-    else:
-        try:  # a model id whose config is in the HF cache (nothing is downloaded)
-            cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
-        except (OSError, ValueError):
-            print(
-                f"reviva plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}), "
-                "nor a config.json or a folder holding one, nor a model id whose config is in "
-                "the Hugging Face cache",
-                file=sys.stderr,
-            )
-            return 2
+    cfg = _config(args)
+    if cfg is None:
+        return 2
     cfg.max_position_embeddings = max(
         getattr(cfg, "max_position_embeddings", 0) or 0, args.context + args.new_tokens
     )
@@ -591,7 +716,22 @@ def main(argv: list[str] | None = None) -> int:
         "`python -m reviva transfers` measures this machine's)",
     )
     pl.add_argument("--json", action="store_true", help="the plan and estimate as JSON")
+    pl.add_argument(
+        "--train",
+        action="store_true",
+        help="a LoRA fine-tuning step of --context tokens under reviva.finetune instead of a "
+        "generate call: the layers streamed, the pinned host memory, the longest sequence the "
+        "card holds and the step's time",
+    )
+    pl.add_argument("--lora-r", type=_parse_tokens, default=16, help="with --train (default 16)")
+    pl.add_argument(
+        "--lora-targets",
+        default="q_proj,v_proj",
+        help="with --train: the projections LoRA adapts (default q_proj,v_proj)",
+    )
     args = parser.parse_args(argv)
+    if args.command == "plan" and args.train:
+        return _plan_training(args)
     if args.command == "plan":
         return _plan(args)
     if args.command == "demo":

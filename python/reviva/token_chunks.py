@@ -84,7 +84,9 @@ def run_by_chunks(
 class TokenChunked(torch.autograd.Function):
     """y = fn(x) by chunks of rows (see the module docstring). `anchor` is a tensor that needs a
     gradient (never used), so that the function's backward runs when x needs none: the
-    parameters inside fn (LoRA's) get theirs through the recompute."""
+    parameters inside fn (LoRA's) get theirs through the recompute. `unread`: y's values are
+    never read (Note [Outputs nobody reads]): the forward computes nothing and returns an
+    uninitialized tensor of x's shape, the backward recomputes each chunk as always."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -94,9 +96,16 @@ class TokenChunked(torch.autograd.Function):
         fn: Callable[[torch.Tensor], torch.Tensor],
         chunk: int,
         random: bool,
+        unread: bool = False,
     ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         spans = _spans(rows.shape[0], chunk)
+        ctx.save_for_backward(x)
+        ctx.fn, ctx.spans = fn, spans
+        if unread:
+            assert not random  # (the chunks' generator states would be those of a forward)
+            ctx.states = [None] * len(spans)
+            return torch.empty_like(x)
         states = []
         out: torch.Tensor | None = None
         for s, e in spans:
@@ -106,14 +115,13 @@ class TokenChunked(torch.autograd.Function):
                 out = torch.empty((rows.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
             out[s:e] = y
         assert out is not None
-        ctx.save_for_backward(x)
-        ctx.fn, ctx.spans, ctx.states = fn, spans, states
+        ctx.states = states
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         (x,) = ctx.saved_tensors
         rows = x.detach().reshape(-1, x.shape[-1])
         grads = dy.reshape(-1, dy.shape[-1])
@@ -126,7 +134,7 @@ class TokenChunked(torch.autograd.Function):
                     torch.autograd.backward(y, grads[s:e])
             if dx is not None:
                 dx[s:e] = piece.grad if piece.grad is not None else 0
-        return (dx.view_as(x) if dx is not None else None), None, None, None, None
+        return (dx.view_as(x) if dx is not None else None), None, None, None, None, None
 
 
 def chunked(
@@ -135,13 +143,16 @@ def chunked(
     chunk: int,
     anchor: torch.Tensor,
     random: bool,
+    unread: bool = False,
 ) -> torch.Tensor:
     """fn(x) by chunks of `chunk` rows where x has more rows than that (TokenChunked under
-    autograd, run_by_chunks without it); fn(x) itself otherwise."""
+    autograd, run_by_chunks without it); fn(x) itself otherwise. `unread` (under autograd, fn
+    drawing no random numbers): TokenChunked's output values are not computed (Note [Outputs
+    nobody reads] in finetune.py)."""
     if x.dim() < 2 or x.reshape(-1, x.shape[-1]).shape[0] <= chunk:
         return fn(x)
     if torch.is_grad_enabled():
-        return TokenChunked.apply(x, anchor, fn, chunk, random)
+        return TokenChunked.apply(x, anchor, fn, chunk, random, unread and not random)
     return run_by_chunks(fn, x, chunk)
 
 

@@ -37,7 +37,7 @@ class TrainMemoryModel:
     # gradients at the attention's backward, the layer's output and output gradient and the
     # checkpoints (this layer's, and the one brought back ahead). Measured on the H200
     # (bench_finetune, Llama-3-8B shape): torch's reserved peak beside what was held, less the
-    # MLP and loss chunks (2.3 GB), is 12.3 rows with loss_rows at 64k (8.90 GB, 8d577a2) and
+    # MLP and loss chunks (2.3 GB), is 12.2 rows with loss_rows at 64k (8.87 GB, 8d577a2) and
     # 13.7 at 128k (17.03 GB, 6e014ab: the attention's backward grows faster than the tokens).
     layer_rows: float = 12.0
     # An MLP chunk's recompute and backward: tensors of the MLP's width per chunk token (gate,
@@ -200,8 +200,23 @@ def longest_tokens(
     model: TrainMemoryModel = MODEL,
     multiple: int = 1024,
 ) -> int:
-    """The longest sequence (a multiple of `multiple` tokens) whose step fits `budget` with
-    every layer's weights streamed; 0 when none does."""
+    """The longest sequence (a multiple of `multiple` tokens, or of 64 under `multiple`) whose
+    step fits `budget` with every layer's weights streamed; 0 when none does."""
+    found = _longest(dims, budget, held, chunk_tokens, loss_chunk_tokens, model, multiple)
+    if found == 0 and multiple > 64:
+        return _longest(dims, budget, held, chunk_tokens, loss_chunk_tokens, model, 64)
+    return found
+
+
+def _longest(
+    dims: TrainDims,
+    budget: int,
+    held: int,
+    chunk_tokens: int,
+    loss_chunk_tokens: int,
+    model: TrainMemoryModel,
+    multiple: int,
+) -> int:
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     room = budget - held - margin - model.weight_slots * dims.largest_layer
     lo, hi = 0, multiple

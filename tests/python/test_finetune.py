@@ -196,6 +196,28 @@ def test_lora_gradients_equal_a_plain_runs(resident: int, targets: tuple[str, ..
         tuner.close()
 
 
+def test_the_mlp_runs_twice_a_step_as_in_a_plain_checkpointed_run() -> None:
+    """Note [Outputs nobody reads]: a Llama layer's MLP runs once in the forward and once in its
+    backward, chunk by chunk (96 rows by 16: 6 calls each), not a third time in the layer's
+    recompute; with a LoRA dropout in the MLP (its masks replayed) the third pass stays. The
+    gradients are a plain run's either way (test_lora_gradients_equal_a_plain_runs)."""
+    for dropout, calls_per_step in ((0.0, 12), (0.2, 18)):
+        model = lora(tiny_llama(seed=14), ("q_proj", "gate_proj"), dropout=dropout)
+        tuner = reviva.finetune(model, device="cpu", chunk_tokens=16)
+        calls = {"n": 0}
+
+        def count(module: nn.Module, args: object, calls: dict = calls) -> None:
+            calls["n"] += 1
+
+        handle = tuner.layers[1].mlp.down_proj.register_forward_pre_hook(count)
+        try:
+            step(model, batch(seed=15, rows=2))
+            assert calls["n"] == calls_per_step, (dropout, calls)
+        finally:
+            handle.remove()
+            tuner.close()
+
+
 def chunk_mlps(model: nn.Module, chunk: int) -> None:
     """A plain model whose MLPs run chunk by chunk under autograd: the random numbers of a LoRA
     dropout inside them are drawn in the order a streamed step draws them."""

@@ -419,3 +419,49 @@ def test_the_experts_working_set_covers_hfs_grouped_forward(family: str, tmp_pat
     assert "aten::_grouped_mm" in ops, "HF's experts forward is no longer the grouped one"
     estimate = _experts_per_token(lay, MODEL) * tokens
     assert peak <= estimate <= peak / 0.95, (peak, estimate)
+
+
+# LoRA r=16 on q_proj and v_proj of the Llama-3-8B shape on a 24 GB card, measured by
+# benchmarks/bench_finetune.py on the H200 (step 2, the working set it measured in step 1):
+# (tokens, step s, measured working set GB, file under benchmarks/results/)
+MEASURED_TRAINING = [
+    (65536, 16.99, 8.87, "finetune-2026-12-04-8d577a231a13.json"),
+    (131072, 53.41, 17.03, "finetune-2026-12-04-6e014ab6a8b9.json"),
+    (147456, 64.52, 19.15, "finetune-2026-12-04-b3e0e53e6d93.json"),
+]
+
+
+@pytest.mark.parametrize(("tokens", "step_s", "working_gb", "source"), MEASURED_TRAINING)
+def test_train_plan_against_the_h200(
+    capsys: pytest.CaptureFixture[str], tokens: int, step_s: float, working_gb: float, source: str
+) -> None:
+    """`plan --train`: the step fits the card, its time within 10% of the H200's, its working set
+    no less than the one measured (the first step plans with it, before any measurement), and
+    the longest sequence between the longest that ran (144k) and the shortest that ran out of
+    memory (160k, in its first step: finetune-2026-12-04-6e014ab6a8b9.json)."""
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    run = json.loads((results / source).read_text())["runs"][f"reviva_{tokens}"]
+    assert run["ok"] and run["step_s"] == pytest.approx(step_s, abs=0.01)
+    assert run["finetune"]["working_set_bytes"] / 1e9 == pytest.approx(working_gb, abs=0.01)
+    out = plan_json(capsys, "--train", "--context", str(tokens))
+    assert out["fits"]
+    assert abs(out["forecast"]["step_s"] / step_s - 1) <= 0.10, (out["forecast"], step_s)
+    assert out["plan"]["working_set"] / 1e9 >= working_gb
+    assert 147456 <= out["longest_tokens"] < 163840
+    assert out["plan"]["checkpoint_host_bytes"] == 32 * tokens * 4096 * 2
+
+
+def test_train_plan_text_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--train", "--context", "64k"]) == 0
+    text = capsys.readouterr().out
+    assert "longest sequence on this card" in text and "s a step" in text
+    assert main(["plan", "--train", "--context", "256k"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert main(["plan", "--train", "--lora-targets", "nope_proj"]) == 2
+    assert "nope_proj: no such module" in capsys.readouterr().err
+    assert main(["plan", "--train", "--model", "mixtral-8x7b"]) == 2
+    assert "mixture-of-experts" in capsys.readouterr().err
+    # a card with more room keeps more layers resident
+    small = plan_json(capsys, "--train", "--card", "20GB")
+    big = plan_json(capsys, "--train", "--card", "40GB")
+    assert len(small["plan"]["resident_layers"]) < len(big["plan"]["resident_layers"]) == 32
