@@ -10,6 +10,8 @@ token-major K/V, grouped heads read in place. A cache stores and this module com
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import logging
 import threading
@@ -608,6 +610,25 @@ CAPTURE_ALL_STEPS = 16
 _capture_streams = threading.local()
 
 
+@contextlib.contextmanager
+def _collection_paused() -> Any:
+    """No Python garbage collection inside a graph capture. A collection runs the finalizers of
+    whatever unreachable cycles hold, anything the process made before (a WeightStore, an
+    OffloadManager, a pinned table), and those synchronize or free device memory: calls that
+    invalidate a capture on this thread even in thread_local mode, whose capture_end then
+    raises and leaves torch's CUDA generator in its capture state, so that every later random
+    op of the process raised "Offset increment outside graph capture encountered unexpectedly"
+    (the H200's GPU suite at 303b431: 18 tests after the first failed capture; the same tests
+    alone passed). torch.cuda.graph collects before capturing for the same reason."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream decode graphs are warmed up and captured on (Note [One capture
     stream]): one per device and thread (two threads capturing at once need two streams)."""
@@ -834,17 +855,19 @@ class DecodeGraphs:
                     path._finish(layer, st["h"].clone(), 0, 1, st["att"])
                     self._warm.add(shapes)
                 front = torch.cuda.CUDAGraph()
-                front.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    qkv = path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
-                finally:
-                    front.capture_end()
+                with _collection_paused():
+                    front.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        qkv = path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
+                    finally:
+                        front.capture_end()
                 back = torch.cuda.CUDAGraph()
-                back.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    path._finish(layer, st["h"], 0, 1, st["att"])
-                finally:
-                    back.capture_end()
+                with _collection_paused():
+                    back.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        path._finish(layer, st["h"], 0, 1, st["att"])
+                    finally:
+                        back.capture_end()
             compute.wait_stream(stream)
             self.layers[i] = (front, back, qkv, _param_ptrs(layer))
             self.captured += 1

@@ -675,3 +675,5 @@ def test_gpu_bf16_lora_gradients_close_to_plain_and_to_fp32() -> None:
         assert tuner.checkpoints.manager.blocks == []
     finally:
         tuner.close()
+        runs.clear()
+        gc.collect()  # (the models' cycles go now, not during a later test's graph capture)
