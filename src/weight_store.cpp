@@ -265,8 +265,7 @@ void WeightStore::prefetch_cycle_start() {
 void WeightStore::set_order(const std::vector<int>& order) {
   check_open("set_order");
   for (std::size_t i = 0; i < acquired_.size(); ++i)
-    REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::set_order: layer ", i,
-                     " is acquired");
+    REVIVA_CHECK_ARG(acquired_[i] == nullptr, "WeightStore::set_order: layer ", i, " is acquired");
   std::vector<int> uses(static_cast<std::size_t>(first_view_), 0);
   for (int layer : order) {
     block_at(layer, "set_order");

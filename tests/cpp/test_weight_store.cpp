@@ -496,8 +496,8 @@ TEST_P(WeightStoreTest, ATrainingOrderFetchesEachStreamedLayerForItsForwardAndIt
   const WeightStoreStats st = rig.store->stats();
   const std::size_t per_step = 2 * total(kSizes, {2, 3, 5}) + kSizes[6] + kSizes[0];
   // step 1's layer 0 came in once more (at set_residency), the resident ones once
-  EXPECT_EQ(st.bytes_to_device, per_step * static_cast<std::size_t>(steps) + kSizes[0] +
-                                    kSizes[1] + kSizes[4]);
+  EXPECT_EQ(st.bytes_to_device,
+            per_step * static_cast<std::size_t>(steps) + kSizes[0] + kSizes[1] + kSizes[4]);
   EXPECT_EQ(st.fills - st.prefetched_fills, 2u) << "every streamed fill was a prefetch";
   EXPECT_EQ(st.bytes_to_host, 0u);
   EXPECT_LE(st.peak_device_bytes, (2 + 2) * rig.arena->granularity()) << "2 resident, 2 slots";
@@ -506,10 +506,13 @@ TEST_P(WeightStoreTest, ATrainingOrderFetchesEachStreamedLayerForItsForwardAndIt
   EXPECT_TRUE(rig.store->order().empty());
   rig.pass();
   // Misuse, named.
-  EXPECT_NE(message([&] { rig.store->set_order({0, 1, 2, 3, 4, 5}); })
-                .find("layer 6 is not in the order (6 uses)"),
+  EXPECT_NE(message([&] {
+              rig.store->set_order({0, 1, 2, 3, 4, 5});
+            }).find("layer 6 is not in the order (6 uses)"),
             std::string::npos);
-  EXPECT_NE(message([&] { rig.store->set_order({0, 9}); }).find("layer 9 out of range [0, 7)"),
+  EXPECT_NE(message([&] {
+              rig.store->set_order({0, 9});
+            }).find("layer 9 out of range [0, 7)"),
             std::string::npos);
   rig.store->acquire(2, *rig.compute);
   EXPECT_NE(message([&] { rig.store->set_order(order); }).find("layer 2 is acquired"),
