@@ -45,16 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from card import CardSampler, emit, error_fields, gb, prepare_device  # noqa: E402
 from common import environment, print_table, result_path, run_worker, write_json  # noqa: E402
 
-SHAPE = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=262144,
-    rope_theta=500000.0,
-)
+from reviva.__main__ import PRESETS  # noqa: E402
+
+# The Llama-3-8B shape: `python -m reviva plan`'s preset, with room for the longest runs.
+SHAPE = {k: v for k, v in PRESETS["llama3-8b"].items() if k not in ("architectures", "model_type")}
+SHAPE["max_position_embeddings"] = 262144
 DRY_SHAPE = dict(
     hidden_size=64,
     intermediate_size=160,
@@ -311,7 +306,6 @@ def main() -> None:
         write_json(out, payload)
     rows = []
     for n, r in payload["runs"].items():
-        card = r.get("card") or {}
         rows.append(
             [
                 n,

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_trainer_hook import TRAINING  # (the arguments every trainer of the tests shares)
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
@@ -412,21 +413,6 @@ def test_eval_and_generate_without_grad_run_the_streamed_layers() -> None:
         assert torch.equal(out_ref, out)
     finally:
         tuner.close()
-
-
-TRAINING = dict(
-    per_device_train_batch_size=2,
-    gradient_accumulation_steps=2,
-    learning_rate=1e-2,
-    optim="sgd",
-    report_to=[],
-    use_cpu=True,
-    save_strategy="no",
-    logging_strategy="no",
-    seed=7,
-    train_sampling_strategy="sequential",
-    disable_tqdm=True,
-)
 
 
 class GradRecorder:
