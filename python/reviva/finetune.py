@@ -167,12 +167,6 @@ def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
     return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
 
 
-@contextlib.contextmanager
-def _autocast_as(state: tuple[bool, torch.dtype], device: torch.device) -> Iterator[None]:
-    with torch.autocast(device.type, dtype=state[1], enabled=state[0]):
-        yield
-
-
 class _Checkpoint:
     """One layer's input of a step in pinned host memory (Note [Checkpoints on the host])."""
 
@@ -323,7 +317,7 @@ class _LayerStep(torch.autograd.Function):
             with (
                 tuner._weights_of(i),
                 rng_restored(ctx.rng, device),
-                _autocast_as(ctx.autocast, device),
+                torch.autocast(device.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]),
                 torch.enable_grad(),
                 tuner._recomputing(i),
             ):
@@ -442,7 +436,8 @@ class Finetune:
         self.checkpoints = _Checkpoints(self.resources.engine, prefetch_layers)
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._original: list[Callable[..., Any]] = [layer.forward for layer in self.layers]
-        self._patched: list[tuple[nn.Module, str]] = []
+        # each patched module and the forward its instance had before (False: none of its own)
+        self._patched: list[tuple[nn.Module, Any]] = []
         self._hooks: list[Any] = []
         # layers whose HF gradient checkpointing runs directly: their own checkpoint function
         self._hf_checkpointing: dict[int, tuple[nn.Module, Any]] = {}

@@ -106,17 +106,14 @@ class TokenChunked(torch.autograd.Function):
             assert not random  # (the chunks' generator states would be those of a forward)
             ctx.states = [None] * len(spans)
             return torch.empty_like(x)
-        states = []
-        out: torch.Tensor | None = None
-        for s, e in spans:
+        states: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
+
+        def each(piece: torch.Tensor) -> torch.Tensor:  # (a chunk's generators, then the chunk)
             states.append(rng_state(x.device) if random else None)
-            y = fn(rows[s:e])
-            if out is None:
-                out = torch.empty((rows.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
-            out[s:e] = y
-        assert out is not None
+            return fn(piece)
+
         ctx.states = states
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return run_by_chunks(each, x, chunk)
 
     @staticmethod
     def backward(  # type: ignore[override]

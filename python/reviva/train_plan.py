@@ -275,16 +275,13 @@ def forecast_step(
     )
 
 
-def gb(n: float) -> float:
-    return round(n / 1e9, 3)
-
-
 def describe(dims: TrainDims, plan: TrainPlan) -> str:
     """One line for logs."""
     return (
         f"{plan.tokens} tokens: {len(plan.resident_layers)} of {dims.num_layers} layers' weights "
-        f"resident, {plan.streamed_layers} streamed; working set {gb(plan.working_set)} GB"
-        f"{' (measured)' if plan.working_measured else ''}, held {gb(plan.held)} GB, budget "
-        f"{gb(plan.budget)} GB; pinned host {gb(plan.checkpoint_host_bytes)} GB of checkpoints + "
-        f"{gb(plan.weight_host_bytes)} GB of weights"
+        f"resident, {plan.streamed_layers} streamed; working set {format_bytes(plan.working_set)}"
+        f"{' (measured)' if plan.working_measured else ''}, held {format_bytes(plan.held)}, "
+        f"budget {format_bytes(plan.budget)}; pinned host "
+        f"{format_bytes(plan.checkpoint_host_bytes)} of checkpoints + "
+        f"{format_bytes(plan.weight_host_bytes)} of weights"
     )
