@@ -58,4 +58,34 @@ struct RowGatherArgs {
 
 cudaError_t launch_gather_rows(const RowGatherArgs& args, cudaStream_t stream);
 
+// A decode step's attention over fp8 K/V rows read in place (layout shared with
+// reviva::Fp8DecodeAttention, whose comments say what each field holds; Note [fp8 decode
+// attention] in src/fp8_attention.cpp).
+struct Fp8DecodeArgs {
+  bool bfloat16;  // q, k_new, v_new and out are bf16 (else fp16)
+  std::size_t batch, heads, kv_heads, head_dim;
+  const void* q;  // [batch][heads][head_dim]
+  std::int64_t q_stride[2];
+  const void* k_new;  // [batch][kv_heads][head_dim] or null
+  const void* v_new;
+  std::int64_t k_new_stride[2];
+  std::int64_t v_new_stride[2];
+  void* k_rows;  // [batch][kv_heads][tokens] rows of head_dim + 4 bytes
+  void* v_rows;
+  std::int64_t row_stride[3];  // bytes
+  std::size_t first_key, length;
+  float scale;
+  void* out;  // [batch][heads][head_dim]
+  std::int64_t out_stride[2];
+  void* workspace;
+  std::size_t workspace_bytes;
+  int sm_count;  // the device's multiprocessors (how many splits fill it)
+};
+
+// Bytes of workspace launch_attend_fp8_decode needs for these arguments (0: one split).
+std::size_t fp8_decode_workspace_bytes(const Fp8DecodeArgs& args);
+// cudaErrorInvalidValue when the arguments break the layout above (checked first by the
+// backend, which names the value) or the workspace is smaller than fp8_decode_workspace_bytes.
+cudaError_t launch_attend_fp8_decode(const Fp8DecodeArgs& args, cudaStream_t stream);
+
 }  // namespace reviva::kernels

@@ -2,10 +2,10 @@
 #include <reviva/backend.h>
 #include <reviva/error.h>
 
-#include <cmath>
+#include "half_bits.h"
+
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 namespace reviva {
 
@@ -45,39 +45,9 @@ void check_fp8_rows(const Fp8Rows& rows, const void* out) {
                      rows.stride[d], " bytes is not a multiple of 4");
 }
 
-namespace {
-
-// e4m3 (no infinities; S.1111.111 is NaN) to fp32, exactly.
-float e4m3_to_float(std::uint8_t b) {
-  const int exponent = (b >> 3) & 15, mantissa = b & 7;
-  float v;
-  if (exponent == 15 && mantissa == 7)
-    v = std::numeric_limits<float>::quiet_NaN();
-  else if (exponent == 0)
-    v = std::ldexp(static_cast<float>(mantissa), -9);
-  else
-    v = std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
-  return (b & 0x80) ? -v : v;
-}
-
-// fp32 to bf16 bits, rounded to nearest even (a NaN stays a quiet NaN).
-std::uint16_t to_bf16(float x) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if (std::isnan(x)) return static_cast<std::uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<std::uint16_t>(bits >> 16);
-}
-
-// fp32 to fp16 bits, rounded to nearest even.
-std::uint16_t to_fp16(float x) {
-  const _Float16 h = static_cast<_Float16>(x);
-  std::uint16_t bits;
-  std::memcpy(&bits, &h, 2);
-  return bits;
-}
-
-}  // namespace
+using detail::e4m3_to_float;
+using detail::to_bf16;
+using detail::to_fp16;
 
 void dequantize_fp8_rows(const Fp8Rows& rows, void* out, HalfType type) {
   check_fp8_rows(rows, out);

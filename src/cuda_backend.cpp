@@ -118,6 +118,35 @@ struct VmmDriver {
   }
 };
 
+kernels::Fp8DecodeArgs fp8_decode_args(const Fp8DecodeAttention& a, int sm_count) {
+  kernels::Fp8DecodeArgs k{};
+  k.bfloat16 = a.type == HalfType::BFloat16;
+  k.batch = a.batch;
+  k.heads = a.heads;
+  k.kv_heads = a.kv_heads;
+  k.head_dim = a.head_dim;
+  k.q = a.q;
+  k.k_new = a.k_new;
+  k.v_new = a.v_new;
+  k.k_rows = a.k_rows;
+  k.v_rows = a.v_rows;
+  for (int d = 0; d < 2; ++d) {
+    k.q_stride[d] = a.q_stride[d];
+    k.k_new_stride[d] = a.k_new_stride[d];
+    k.v_new_stride[d] = a.v_new_stride[d];
+    k.out_stride[d] = a.out_stride[d];
+  }
+  for (int d = 0; d < 3; ++d) k.row_stride[d] = a.row_stride[d];
+  k.first_key = a.first_key;
+  k.length = a.length;
+  k.scale = a.scale;
+  k.out = a.out;
+  k.workspace = a.workspace;
+  k.workspace_bytes = a.workspace_bytes;
+  k.sm_count = sm_count;
+  return k;
+}
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
@@ -133,6 +162,7 @@ class CudaBackend final : public Backend {
     // holds the compute stream) and pass on the H200 with this preload; not rerun without it.
     REVIVA_CUDA_CHECK(kernels::preload_copy_segments());
     REVIVA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest_priority_, &highest_priority_));
+    sm_count_ = prop.multiProcessorCount;
     int host_pointer = 0;
     REVIVA_CUDA_CHECK(cudaDeviceGetAttribute(
         &host_pointer, cudaDevAttrCanUseHostPointerForRegisteredMem, device_));
@@ -411,6 +441,22 @@ class CudaBackend final : public Backend {
                                                           as_stream(stream)));
   }
 
+  void attend_fp8_decode_async(const Fp8DecodeAttention& attention, StreamHandle stream) override {
+    check_fp8_decode_attention(attention);
+    const kernels::Fp8DecodeArgs args = fp8_decode_args(attention, sm_count_);
+    const std::size_t need = kernels::fp8_decode_workspace_bytes(args);
+    REVIVA_CHECK_ARG(
+        need == 0 || (attention.workspace != nullptr && attention.workspace_bytes >= need),
+        "attend_fp8_decode: a workspace of ", need, " bytes is needed, got ",
+        attention.workspace_bytes, " at ", attention.workspace);
+    DeviceGuard guard(device_);
+    REVIVA_CUDA_CHECK(kernels::launch_attend_fp8_decode(args, as_stream(stream)));
+  }
+
+  std::size_t fp8_decode_workspace_bytes(const Fp8DecodeAttention& attention) const override {
+    return kernels::fp8_decode_workspace_bytes(fp8_decode_args(attention, sm_count_));
+  }
+
   // The table may be pinned host memory: with unified addressing its host pointer is the
   // device's (Note [Pinning by registration]: registered only where the device can use it so).
   void gather_rows_async(const RowGather& gather, StreamHandle stream) override {
@@ -481,6 +527,7 @@ class CudaBackend final : public Backend {
   std::string device_name_;
   int lowest_priority_ = 0;
   int highest_priority_ = 0;
+  int sm_count_ = 1;  // multiprocessors: how many splits fill the device (attend_fp8_decode)
   VmmDriver driver_;
   CUmemAllocationProp prop_{};
   std::size_t granularity_ = 0;  // 0: no virtual memory management

@@ -379,6 +379,13 @@ class HostBackend final : public Backend {
     as_stream(stream)->submit([gather] { gather_rows(gather); });
   }
 
+  void attend_fp8_decode_async(const Fp8DecodeAttention& attention, StreamHandle stream) override {
+    check_fp8_decode_attention(attention);
+    as_stream(stream)->submit([attention] { attend_fp8_decode(attention); });
+  }
+
+  std::size_t fp8_decode_workspace_bytes(const Fp8DecodeAttention&) const override { return 0; }
+
  private:
   HostBackendOptions options_;
   std::mutex mutex_;

@@ -60,6 +60,37 @@ struct RowGather {
 // The 16-bit float types a kernel writes.
 enum class HalfType { BFloat16, Float16 };
 
+// One decode step's attention over fp8 K/V rows read in place (Note [fp8 decode attention] in
+// src/fp8_attention.cpp): each sequence's query of each head attends the keys [first_key,
+// length) of its kv head (heads / kv_heads query heads share one), after the new token's key and
+// value (when given) are quantized into row length - 1 of the rows (Note [fp8 K/V rows]).
+// Strides of q, k_new, v_new and out count elements (their last dimension is dense); those of
+// the rows count bytes (K and V rows share them: one token-major store holds both).
+struct Fp8DecodeAttention {
+  HalfType type = HalfType::BFloat16;  // of q, k_new, v_new and out
+  std::size_t batch = 0;
+  std::size_t heads = 0;
+  std::size_t kv_heads = 0;
+  std::size_t head_dim = 0;  // a multiple of 4, at most kFp8DecodeMaxHeadDim
+  const void* q = nullptr;   // [batch][heads][head_dim]
+  std::int64_t q_stride[2] = {0, 0};
+  const void* k_new = nullptr;  // [batch][kv_heads][head_dim], or null: the rows hold the token
+  const void* v_new = nullptr;  // [batch][kv_heads][head_dim], null exactly when k_new is
+  std::int64_t k_new_stride[2] = {0, 0};
+  std::int64_t v_new_stride[2] = {0, 0};
+  void* k_rows = nullptr;  // [batch][kv_heads][tokens] rows of head_dim + 4 bytes
+  void* v_rows = nullptr;
+  std::int64_t row_stride[3] = {0, 0, 0};  // bytes
+  std::size_t first_key = 0;               // a sliding window's first key, else 0
+  std::size_t length = 0;                  // keys [0, length) are valid after the step
+  float scale = 1.0f;                      // of the scores (1 / sqrt(head_dim) in most models)
+  void* out = nullptr;                     // [batch][heads][head_dim]
+  std::int64_t out_stride[2] = {0, 0};
+  void* workspace = nullptr;  // device memory of Backend::fp8_decode_workspace_bytes()
+  std::size_t workspace_bytes = 0;
+};
+constexpr std::size_t kFp8DecodeMaxHeadDim = 256;
+
 struct DeviceMemoryInfo {
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
@@ -142,6 +173,13 @@ class REVIVA_API Backend {
                                          StreamHandle stream) = 0;
   // Table rows by index (RowGather), ordered on `stream` (one kernel on CUDA).
   virtual void gather_rows_async(const RowGather& gather, StreamHandle stream) = 0;
+  // Fp8DecodeAttention, ordered on `stream`: on CUDA a split-K kernel over the keys and a merge
+  // of the splits (two launches, no allocation); on the host the reference loop.
+  virtual void attend_fp8_decode_async(const Fp8DecodeAttention& attention,
+                                       StreamHandle stream) = 0;
+  // Bytes of device workspace attend_fp8_decode_async needs for `attention` (its splits'
+  // partial outputs); 0 on the host and when one split covers the keys.
+  virtual std::size_t fp8_decode_workspace_bytes(const Fp8DecodeAttention& attention) const = 0;
 };
 
 struct HostBackendOptions {
@@ -161,6 +199,14 @@ REVIVA_API void check_fp8_rows(const Fp8Rows& rows, const void* out);
 // Dequantizes fp8 rows on the calling thread (the host backend's way, and the reference the CUDA
 // kernel is tested against: the same values to the bit).
 REVIVA_API void dequantize_fp8_rows(const Fp8Rows& rows, void* out, HalfType type);
+
+// Checks the arguments of Backend::attend_fp8_decode_async (not the workspace); throws
+// InvalidArgument naming the bad value.
+REVIVA_API void check_fp8_decode_attention(const Fp8DecodeAttention& attention);
+// Runs Fp8DecodeAttention on the calling thread: the new token quantized exactly as
+// python/reviva/kv_fp8.py quantizes, the attention in fp32 (the host backend's way, and the
+// reference the CUDA kernel is tested against).
+REVIVA_API void attend_fp8_decode(const Fp8DecodeAttention& attention);
 
 // Checks the arguments of Backend::gather_rows_async; throws InvalidArgument naming the bad
 // value (null pointers with rows to gather, an empty row, an empty table).

@@ -313,6 +313,105 @@ class PyKVStore {
     return {rows.select(1, 0).permute({1, 2, 0, 3}), rows.select(1, 1).permute({1, 2, 0, 3})};
   }
 
+  // Note [fp8 decode attention] (src/fp8_attention.cpp): a decode step of an fp8 layer in one
+  // call. `key`, `value`: the new token's [batch, kv_heads, 1, head_dim] (16-bit), quantized into
+  // row `first` of the acquired layer (its rows then hold first + 1 tokens, sent on to its host
+  // copy as write() does); `q`: its queries, [batch, heads, 1, head_dim] of the same dtype,
+  // attending keys [first_key, first + 1). Writes `out` ([batch, heads, 1, head_dim], any
+  // strides with a dense last dimension: the decode graphs' static buffer) and returns it. The
+  // rows are read in place; nothing of the layer's size is allocated.
+  torch::Tensor attend_fp8_decode(int layer, int64_t first, const torch::Tensor& q,
+                                  const torch::Tensor& key, const torch::Tensor& value,
+                                  double scale, int64_t first_key, torch::Tensor out) {
+    REVIVA_CHECK_ARG(dtype_ == torch::kUInt8 && row_[3] > 4,
+                     "KVStore::attend_fp8_decode: the store holds ", c10::toString(dtype_),
+                     " rows of ", row_[3], ", not fp8 rows (uint8, head_dim + 4 bytes)");
+    REVIVA_CHECK_ARG(!store_->paged(layer), "KVStore::attend_fp8_decode: layer ", layer,
+                     " is paged (read page by page)");
+    const int64_t batch = row_[1], kv_heads = row_[2], dim = row_[3] - 4;
+    for (const torch::Tensor* t :
+         std::initializer_list<const torch::Tensor*>{&q, &key, &value, &out}) {
+      REVIVA_CHECK_ARG(t->defined() && t->device() == rt_->device(),
+                       "KVStore::attend_fp8_decode: expected tensors on ", rt_->device().str());
+    }
+    const auto type = q.scalar_type();
+    REVIVA_CHECK_ARG(type == torch::kBFloat16 || type == torch::kHalf,
+                     "KVStore::attend_fp8_decode: q must be bfloat16 or float16, got a ",
+                     describe(q));
+    REVIVA_CHECK_ARG(q.dim() == 4 && q.size(0) == batch && q.size(2) == 1 && q.size(3) == dim &&
+                         q.size(1) % kv_heads == 0 && q.stride(3) == 1,
+                     "KVStore::attend_fp8_decode: q must be [", batch, ", heads (a multiple of ",
+                     kv_heads, "), 1, ", dim, "] with a dense last dimension, got a ", describe(q));
+    const int64_t heads = q.size(1);
+    for (const torch::Tensor* t : {&key, &value}) {
+      REVIVA_CHECK_ARG(
+          t->dim() == 4 && t->size(0) == batch && t->size(1) == kv_heads && t->size(2) == 1 &&
+              t->size(3) == dim && t->stride(3) == 1 && t->scalar_type() == type,
+          "KVStore::attend_fp8_decode: key and value must be [", batch, ", ", kv_heads, ", 1, ",
+          dim, "] of q's dtype with a dense last dimension, got a ", describe(*t));
+    }
+    REVIVA_CHECK_ARG(out.dim() == 4 && out.size(0) == batch && out.size(1) == heads &&
+                         out.size(2) == 1 && out.size(3) == dim && out.stride(3) == 1 &&
+                         out.scalar_type() == type,
+                     "KVStore::attend_fp8_decode: out must be [", batch, ", ", heads, ", 1, ", dim,
+                     "] of q's dtype with a dense last dimension, got a ", describe(out));
+    const auto capacity = static_cast<int64_t>(store_->capacity(layer));
+    REVIVA_CHECK_ARG(first >= 0 && first < capacity, "KVStore::attend_fp8_decode: ", first + 1,
+                     " tokens exceed layer ", layer, "'s capacity of ", capacity,
+                     " tokens (prompt + max_new_tokens) planned for this generate call");
+    REVIVA_CHECK_ARG(first_key >= 0 && first_key <= first, "KVStore::attend_fp8_decode: first_key ",
+                     first_key, " outside [0, ", first, "]");
+    {
+      py::gil_scoped_release release;
+      store_->reserve(layer, static_cast<std::size_t>(first + 1));
+    }
+    torch::Tensor rows = view(layer, first + 1);  // [tokens, 2, batch, kv_heads, dim + 4]
+    Fp8DecodeAttention a;
+    a.type = type == torch::kBFloat16 ? HalfType::BFloat16 : HalfType::Float16;
+    a.batch = static_cast<std::size_t>(batch);
+    a.heads = static_cast<std::size_t>(heads);
+    a.kv_heads = static_cast<std::size_t>(kv_heads);
+    a.head_dim = static_cast<std::size_t>(dim);
+    a.q = q.data_ptr();
+    a.q_stride[0] = q.stride(0);
+    a.q_stride[1] = q.stride(1);
+    a.k_new = key.data_ptr();
+    a.v_new = value.data_ptr();
+    a.k_new_stride[0] = key.stride(0);
+    a.k_new_stride[1] = key.stride(1);
+    a.v_new_stride[0] = value.stride(0);
+    a.v_new_stride[1] = value.stride(1);
+    a.k_rows = rows.select(1, 0).data_ptr();
+    a.v_rows = rows.select(1, 1).data_ptr();
+    a.row_stride[0] = rows.stride(2);
+    a.row_stride[1] = rows.stride(3);
+    a.row_stride[2] = rows.stride(0);
+    a.first_key = static_cast<std::size_t>(first_key);
+    a.length = static_cast<std::size_t>(first + 1);
+    a.scale = static_cast<float>(scale);
+    a.out = out.data_ptr();
+    a.out_stride[0] = out.stride(0);
+    a.out_stride[1] = out.stride(1);
+    const auto& backend = rt_->backend();
+    torch::Tensor workspace;
+    if (const std::size_t bytes = backend->fp8_decode_workspace_bytes(a); bytes > 0) {
+      workspace = torch::empty({static_cast<int64_t>(bytes)},
+                               torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
+      a.workspace = workspace.data_ptr();
+      a.workspace_bytes = bytes;
+    }
+    auto compute = rt_->compute_stream();
+    if (rt_->is_cuda()) {
+      backend->attend_fp8_decode_async(a, compute->handle());
+    } else {
+      py::gil_scoped_release release;
+      backend->attend_fp8_decode_async(a, compute->handle());
+      compute->synchronize();  // (torch on the CPU reads out at once)
+    }
+    store_->wrote(layer, static_cast<std::size_t>(first), 1, *compute);
+    return out;
+  }
+
   void wrote(int layer, std::size_t first, std::size_t count) {
     store_->wrote(layer, first, count, *rt_->compute_stream());
   }
@@ -442,6 +541,9 @@ void bind_kv_store(py::module_& m) {
            py::arg("value"))
       .def("kv", &PyKVStore::kv, py::arg("layer"), py::arg("tokens"))
       .def("wrote", &PyKVStore::wrote, py::arg("layer"), py::arg("first"), py::arg("count"))
+      .def("attend_fp8_decode", &PyKVStore::attend_fp8_decode, py::arg("layer"), py::arg("first"),
+           py::arg("q"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("first_key"),
+           py::arg("out"))
       .def("release", &PyKVStore::release, py::arg("layer"))
       .def(
           "truncate",

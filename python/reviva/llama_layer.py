@@ -81,18 +81,26 @@ class LlamaLayerPath:
         try:
             # All of the prompt's K/V is written in this call: map it at once, not by chunks.
             cache.reserve(i, past + h.shape[1])
-            if past:
-                self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, None, past)
-            elif whole or not plan.whole_attention or cache.paged(i) or windowed:
-                # (pages and windows: by chunks)
-                hf = None if windowed else interface
-                with cache.prefill_order(i, h.shape[1], plan.chunk_tokens):
-                    self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, hf)
-            else:
-                self._prefill_whole_attention(cache, plan, i, layer, h, cos, sin, mask, interface)
+            with cache.prefill_shadow(i, past + h.shape[1]):  # Note [fp8 prefill shadow]
+                self._prefill_layer(cache, plan, i, layer, h, cos, sin, mask, interface, past)
         finally:
             cache.release(i)
         return h
+
+    def _prefill_layer(self, cache, plan, i, layer, h, cos, sin, mask, interface, past) -> None:  # noqa: ANN001
+        """prefill()'s way through one acquired layer: by chunks, or whole attention."""
+        whole = plan.chunk_tokens >= h.shape[1]
+        window = self.layout.windows[i]
+        windowed = window is not None and window < past + h.shape[1]
+        if past:
+            self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, None, past)
+        elif whole or not plan.whole_attention or cache.paged(i) or windowed:
+            # (pages and windows: by chunks)
+            hf = None if windowed else interface
+            with cache.prefill_order(i, h.shape[1], plan.chunk_tokens):
+                self._prefill_fused(cache, plan, i, layer, h, cos, sin, mask, hf)
+        else:
+            self._prefill_whole_attention(cache, plan, i, layer, h, cos, sin, mask, interface)
 
     def prefill_from_host(
         self,
@@ -114,7 +122,7 @@ class LlamaLayerPath:
         cache.acquire(i)
         try:
             cache.reserve(i, tokens)
-            with cache.prefill_order(i, tokens, chunk):
+            with cache.prefill_order(i, tokens, chunk), cache.prefill_shadow(i, tokens):
                 self._prefill_from_host_chunks(cache, i, layer, residual, positions, rotary, chunk)
         finally:
             cache.release(i)
@@ -313,7 +321,7 @@ class LlamaLayerPath:
         numbers as HF); else Reviva's bottom-right causal call on the cache's layout."""
         q, k, v = self._qkv(layer, h, s, e, cos, sin)
         last = first + e - s
-        if interface is not None and not (cache.paged(i) or cache.fp8):
+        if interface is not None and not (cache.paged(i) or cache.read_by_blocks(i)):
             cache.write(i, first, k, v)
             k_all, v_all = cache.view(i, last)
             out = self._attend_hf(layer.self_attn, q, k_all, v_all, mask, interface)
@@ -380,6 +388,8 @@ def write_and_attend(
                 "(decode_attention='device' does)"
             )
         return cache.host_attend(i, q, k, v, scale, window)
+    if cache.attends_fp8_in_place(i, q, mask):  # Note [fp8 decode attention]
+        return cache.attend_fp8_decode(i, first, q, k, v, scale, window)
     if cache.paged(i):
         out = attend_cache(cache, i, q, first, last, scale, mask, k, v, window)
         cache.write(i, first, k, v)
@@ -411,7 +421,7 @@ def attend_cache(
         if mask is not None:
             raise ValueError("RevivaManager: a shared prompt with a padding mask is not supported")
         return cache.attend_shared(i, q, first, last, scale)
-    if window is not None and window < last and (cache.paged(i) or cache.fp8):
+    if window is not None and window < last and (cache.paged(i) or cache.read_by_blocks(i)):
         raise ValueError(
             f"RevivaManager: layer {i} attends within a sliding window of {window} tokens, which "
             "fp8 and paged K/V (attended by blocks) do not support yet; use kv_dtype='auto' and "
@@ -445,7 +455,7 @@ def attend_cache(
         return chunk_attention(
             q, k_w, v_w, rows, first - lo, last - lo, scale, cache.attention_kernel, ring[0]
         )
-    if not cache.fp8:
+    if not cache.read_by_blocks(i):  # (an fp8 layer's prefill: Note [fp8 prefill shadow])
         k_all, v_all = cache.view(i, last)
         return chunk_attention(
             q, k_all, v_all, mask, first, last, scale, cache.attention_kernel, window
@@ -728,8 +738,12 @@ class DecodeGraphs:
         front.replay()
         attn = self.path.layout.layers[i].self_attn
         window = self.path.layout.windows[i]
-        out = write_and_attend(cache, i, q, k, v, past, past + 1, attn.scaling, None, window)
-        st["att"].copy_(out.transpose(1, 2))
+        if cache.attends_fp8_in_place(i, q, None):  # straight into the static buffer
+            att = st["att"].transpose(1, 2)
+            cache.attend_fp8_decode(i, past, q, k, v, attn.scaling, window, out=att)
+        else:
+            out = write_and_attend(cache, i, q, k, v, past, past + 1, attn.scaling, None, window)
+            st["att"].copy_(out.transpose(1, 2))
         back.replay()
         self.replays += 1
         return st["h"]

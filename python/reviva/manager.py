@@ -1272,6 +1272,7 @@ class RevivaManager:
                 device=self.layout.device,
                 rings={i: (self.layout.windows[i], plan.ring_tokens) for i in plan.ring_layers},
             )
+            cache.fp8_shadow = plan.kv_fp8_shadow_bytes > 0  # Note [fp8 prefill shadow]
             # Note [Prefill masks left to Reviva] (kv_cache.py)
             cache.skip_prefill_masks = (
                 not padded
@@ -1628,6 +1629,7 @@ class RevivaManager:
             layer_kv_bytes=layer_kv,
             kv_fp8_rel_error=cache.fp8_error if plan.kv_fp8 else None,
             kv_block_tokens=plan.kv_block_tokens,
+            kv_fp8_prefill_shadow_bytes=plan.kv_fp8_shadow_bytes,
             # Note [Paged layers]: layers kept in pages, the page size and the pages' staging room
             kv_page_tokens=plan.page_tokens,
             paged_layers=st["paged_layers"],

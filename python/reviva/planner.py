@@ -239,6 +239,9 @@ class Plan:
     kv_fp8: bool = False
     kv_block_tokens: int = 0
     kv_decode_block_tokens: int = 0  # the same in decode steps (MemoryModel.kv_decode_block_bytes)
+    # Note [fp8 prefill shadow] (kv_cache.py): bytes of the layer's 16-bit K/V that prefill
+    # keeps beside its fp8 rows while it runs, or 0 (attended by blocks)
+    kv_fp8_shadow_bytes: int = 0
     # Note [Paged layers] (src/kv_store.cpp): streamed layers' K/V in pages of page_tokens
     # tokens; the staging room is page_slots pages of page_bytes (and `slots` is 0).
     page_tokens: int = 0
@@ -605,6 +608,20 @@ def _make_plan(
     if fp8:
         decode += decode_block_tokens * per_block_token + accumulators
     decode_margin = model.margin_fixed + int(budget * model.decode_margin_fraction)
+    # Note [fp8 prefill shadow] (kv_cache.py): with 16-bit compute, prefill may keep the layer's
+    # K/V dequantized beside its rows (no blocks then); taken where it costs no residency
+    shadow = 0
+    if fp8 and not paged and e == 2:
+        shadow = 2 * batch * keys * lay.num_kv_heads * lay.head_dim * e
+        without = budget - baseline - max(prefill + margin, decode + decode_margin)
+        prefill_shadow = prefill - block_tokens * per_block_token + shadow
+        with_shadow = budget - baseline - max(prefill_shadow + margin, decode + decode_margin)
+        args = (n, layer_kv, layer_kv, window, weight_layers, weight_bytes)  # (fp8: no rings)
+        rest = (model.weight_slots, 0, 0)
+        if _residency(with_shadow, *args, *rest) == _residency(without, *args, *rest):
+            prefill = prefill_shadow
+        else:
+            shadow = 0
     working = max(prefill + margin, decode + decode_margin)
     avail = budget - baseline - working
     unit = page_bytes if paged else layer_kv
@@ -693,6 +710,7 @@ def _make_plan(
         kv_fp8=fp8,
         kv_block_tokens=block_tokens,
         kv_decode_block_tokens=decode_block_tokens,
+        kv_fp8_shadow_bytes=shadow,
         hidden_bytes_per_token=lay.hidden_size * e,
         page_tokens=config.kv_page_tokens if page_slots else 0,
         page_bytes=page_bytes if page_slots else 0,

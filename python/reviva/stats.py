@@ -87,6 +87,7 @@ class GenerateStats(Mapping[str, Any]):
     layer_kv_bytes: int
     kv_fp8_rel_error: float | None  # Note [fp8 K/V rows]
     kv_block_tokens: int
+    kv_fp8_prefill_shadow_bytes: int  # Note [fp8 prefill shadow]: 0 when prefill read blocks
     kv_page_tokens: int
     paged_layers: int
     page_slots: int

@@ -1577,6 +1577,13 @@ class ProbingBackend final : public Backend {
     probe("gather_rows_async");
     inner_->gather_rows_async(gather, s);
   }
+  void attend_fp8_decode_async(const Fp8DecodeAttention& attention, StreamHandle s) override {
+    probe("attend_fp8_decode_async");
+    inner_->attend_fp8_decode_async(attention, s);
+  }
+  std::size_t fp8_decode_workspace_bytes(const Fp8DecodeAttention& attention) const override {
+    return inner_->fp8_decode_workspace_bytes(attention);
+  }
 
  private:
   void probe(const char* call) noexcept {

@@ -106,6 +106,116 @@ def test_gpu_dequantize_kernel_gives_torchs_bits() -> None:
     check_dequantize_kernel("cuda")
 
 
+def fp8_cache(device: str, batch: int, kv_heads: int, head_dim: int, capacity: int, **kw):  # noqa: ANN003, ANN201
+    """A one-layer fp8 RevivaCache on the device's shared resources, the layer resident."""
+    from reviva.kv_cache import RevivaCache
+
+    res = reviva.device_resources(device)
+    return RevivaCache(
+        res.engine,
+        res.arena,
+        1,
+        batch,
+        kv_heads,
+        head_dim,
+        torch.bfloat16,
+        capacity,
+        [0],
+        0,
+        1,
+        kv_fp8=True,
+        block_tokens=64,
+        runtime=res.runtime,
+        device=torch.device(device),
+        **kw,
+    )
+
+
+def check_fused_decode(device: str) -> None:
+    """Note [fp8 decode attention]: prompts written as rows, then decode steps through the core's
+    fused call against the same steps through the blocks of dequantized rows (write, then
+    attend_cache's block merge): the new token's rows to the bit (kv_fp8.quantize's, on the
+    device's own torch ops), the output within bf16/fp16 rounding of fp32 attention, with and
+    without a sliding window, GQA groups of 1, 3 and 4, head_dim 64 and 128, many keys."""
+    from reviva.llama_layer import attend_cache
+
+    g = torch.Generator().manual_seed(3)
+    for batch, heads, kv_heads, dim, prompt, window, dtype in [
+        (2, 6, 2, 64, 300, None, torch.bfloat16),
+        (1, 8, 2, 128, 2100, None, torch.float16),
+        (1, 4, 4, 64, 90, 33, torch.bfloat16),
+    ]:
+        fused = fp8_cache(device, batch, kv_heads, dim, prompt + 4)
+        blocks = fp8_cache(device, batch, kv_heads, dim, prompt + 4)
+        k = torch.randn(batch, kv_heads, prompt, dim, generator=g).to(device, dtype)
+        v = torch.randn(batch, kv_heads, prompt, dim, generator=g).to(device, dtype)
+        for c in (fused, blocks):
+            c.acquire(0)
+            c.write(0, 0, k, v)
+            c.release(0)
+        scale = dim**-0.5
+        for step in range(3):
+            first = prompt + step
+            q = torch.randn(batch, heads, 1, dim, generator=g).to(device, dtype)
+            kn = 3 * torch.randn(batch, kv_heads, 1, dim, generator=g).to(device, dtype)
+            vn = torch.randn(batch, kv_heads, 1, dim, generator=g).to(device, dtype)
+            fused.acquire(0)
+            assert fused.attends_fp8_in_place(0, q, None)
+            got = fused.attend_fp8_decode(0, first, q, kn, vn, scale, window)
+            rows = [r.clone() for r in fused.rows(0, first + 1)]
+            fused.release(0)
+            blocks.acquire(0)
+            blocks.write(0, first, kn, vn)
+            lo = 0 if window is None else max(first + 1 - window, 0)
+            k_all, v_all = blocks.rows(0, first + 1)
+            want_rows = [r.clone() for r in (k_all, v_all)]
+            kd = kv_fp8.dequantize(k_all[:, :, lo:], torch.float32)
+            vd = kv_fp8.dequantize(v_all[:, :, lo:], torch.float32)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.float(), kd, vd, scale=scale, enable_gqa=True
+            )
+            if window is None:
+                merged = attend_cache(blocks, 0, q, first, first + 1, scale, None)
+                assert (merged.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+            blocks.release(0)
+            assert got.shape == q.shape and got.dtype == dtype
+            for mine, theirs in zip(rows, want_rows, strict=True):
+                assert torch.equal(mine.cpu(), theirs.cpu()), "the new token's rows"
+            eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
+            err = (got.float() - ref).abs()
+            assert bool((err <= eps * ref.abs() + 1e-3 * ref.abs().max()).all()), float(err.max())
+        fused.close()
+        blocks.close()
+
+
+def test_fused_fp8_decode_attention_against_blocks_and_names_bad_input() -> None:
+    """The host backend's fused fp8 decode attention (the CUDA kernel's reference) against the
+    block path; bad tensors are refused by name."""
+    check_fused_decode("cpu")
+    c = fp8_cache("cpu", 1, 2, 64, 16)
+    q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    c.acquire(0)
+    with pytest.raises(ValueError, match="q must be bfloat16 or float16"):
+        c.attend_fp8_decode(0, 0, q.float(), kv, kv, 1.0)
+    with pytest.raises(ValueError, match="key and value must be \\[1, 2, 1, 64\\]"):
+        c.attend_fp8_decode(0, 0, q, kv.half(), kv, 1.0)
+    with pytest.raises(ValueError, match="17 tokens exceed layer 0's capacity of 16"):
+        c.attend_fp8_decode(0, 16, q, kv, kv, 1.0)
+    with pytest.raises(ValueError, match="out must be \\[1, 4, 1, 64\\]"):
+        c.attend_fp8_decode(0, 0, q, kv, kv, 1.0, out=torch.empty(1, 4, 1, 32, dtype=q.dtype))
+    assert not c.attends_fp8_in_place(0, q.float(), None)
+    assert not c.attends_fp8_in_place(0, torch.zeros(1, 4, 2, 64, dtype=q.dtype), None)
+    c.release(0)
+    c.close()
+
+
+@pytest.mark.gpu
+def test_gpu_fused_fp8_decode_attention_against_blocks() -> None:
+    """The CUDA kernel: the same checks as on the host backend (its rows to torch's bits)."""
+    check_fused_decode("cuda")
+
+
 def assert_close_to_exact(out, ref, prompt: int, tol: float = 0.05) -> int:  # noqa: ANN001
     """fp8 is lossy: per sequence, the logits of every step whose context is still plain HF's
     are within `tol` of HF's (relative, per step); where the greedy token first differs, HF's
@@ -128,6 +238,48 @@ def assert_close_to_exact(out, ref, prompt: int, tol: float = 0.05) -> int:  # n
             )
             assert float(r[theirs] - r[mine]) <= 2 * tol * float(r.norm()), (b, last)
     return compared
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_generate_bf16_with_fp8_kv_decodes_through_the_fused_call(family: str) -> None:
+    """A bf16 model (its decode steps take the fused call, Note [fp8 decode attention]; an fp32
+    model's take the blocks), all resident and streamed: tokens and logits against plain HF in
+    bf16 as the fp32 test above holds them, twice in a row."""
+    model = tiny_model(family).to(torch.bfloat16)
+    ids = torch.randint(1, 211, (2, 150), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=24, do_sample=False, output_logits=True)
+    ref = model.generate(ids, return_dict_in_generate=True, **kwargs)
+    calls = []
+    from reviva.kv_cache import RevivaCache
+
+    fused = RevivaCache.attend_fp8_decode
+
+    def counted(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(a[0])
+        return fused(self, *a, **kw)
+
+    for layers in (99, 2):
+        budget = budget_for(model, 2, 150, 24, layers, 48, kv_dtype="fp8", kv_block_tokens=40)
+        cfg = RevivaConfig(vram_budget=budget, kv_dtype="fp8", chunk_tokens=48, kv_block_tokens=40)
+        manager = RevivaManager(model, cfg)
+        RevivaCache.attend_fp8_decode = counted
+        try:
+            outs = [manager.generate(ids, return_dict_in_generate=True, **kwargs) for _ in range(2)]
+        finally:
+            RevivaCache.attend_fp8_decode = fused
+        assert torch.equal(outs[0].sequences, outs[1].sequences)
+        assert assert_close_to_exact(outs[0], ref, 150, 0.08) >= 24
+        # every layer of every decode step after the first (the prompt's step is prefill)
+        assert len(calls) == 2 * 23 * model.config.num_hidden_layers, len(calls)
+        calls.clear()
+        st = manager.get_memory_stats()
+        if layers < 5:
+            assert st["streamed_layers"] > 0
+        else:  # (all resident: the shadow costs no residency, Note [fp8 prefill shadow])
+            cfg = model.config
+            dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            kv = cfg.num_key_value_heads * dim  # values of a token's K (or V) per row
+            assert st["kv_fp8_prefill_shadow_bytes"] == 2 * 2 * 150 * kv * 2, st
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -194,6 +346,36 @@ def test_fp8_holds_more_layers_in_the_same_budget() -> None:
     assert narrow.kv_token_bytes * 3 < wide.kv_token_bytes
     assert narrow.kv_fp8 and not narrow.whole_attention
     assert held(narrow) > held(wide)
+
+
+def test_fp8_prefill_shadow_only_where_it_costs_no_residency() -> None:
+    """Note [fp8 prefill shadow]: a bf16 model's plan keeps the prefill's layer dequantized when
+    the budget holds it beside the same residency; at the least budget that keeps every layer
+    resident without it, it reads by blocks instead; an fp32 model never takes it."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    manager = RevivaManager(model)
+    lay = manager.layout
+    state = device_state(lay, manager.arena)
+    n = 65536  # (prefill's working set is the larger one: the shadow adds to it)
+    # (blocks of 64 tokens: the shadow of n takes more than the blocks it replaces)
+    cfg = dict(kv_dtype="fp8", chunk_tokens=256, prefill_residual="device", kv_block_tokens=64)
+    roomy = make_plan(lay, RevivaConfig(vram_budget=1 << 30, **cfg), state, 1, n, 24)
+    assert roomy.kv_fp8_shadow_bytes == 2 * n * lay.num_kv_heads * lay.head_dim * 2
+    assert len(roomy.resident_layers) == lay.num_layers
+
+    def all_resident(p):  # noqa: ANN001, ANN202
+        return len(p.resident_layers) == lay.num_layers
+
+    least = smallest_budget(lay, RevivaConfig(**cfg), state, 1, n, 24, all_resident)
+    tight = make_plan(lay, RevivaConfig(vram_budget=least, **cfg), state, 1, n, 24)
+    assert all_resident(tight) and tight.kv_fp8_shadow_bytes == 0
+    # (with the shadow's bytes more it is taken again)
+    budget = least + roomy.kv_fp8_shadow_bytes + (4 << 20)
+    again = make_plan(lay, RevivaConfig(vram_budget=budget, **cfg), state, 1, n, 24)
+    assert all_resident(again) and again.kv_fp8_shadow_bytes > 0
+    fp32 = RevivaManager(tiny_model("llama"))
+    plan = make_plan(fp32.layout, RevivaConfig(vram_budget=1 << 30, **cfg), state, 1, n, 24)
+    assert plan.kv_fp8 and plan.kv_fp8_shadow_bytes == 0
 
 
 def test_fp8_refusals() -> None:
