@@ -53,7 +53,7 @@ __device__ inline std::uint32_t float_to_e4m3(float x) {
 }
 
 // The new token's vector (16-bit, [head_dim] from `src`) quantized into `row` by one warp, as
-// kv_fp8.quantize does: scale amax / 448 (1 for a zero vector), values x / scale clamped to
+// kv_fp8.quantize does: scale amax x fp32(1/448) (1 for a zero vector), values x / scale clamped to
 // +-448, e4m3 rounded to nearest even. NV: 4-byte words per lane.
 template <typename T, int NV>
 __device__ void quantize_row(const T* src, std::size_t head_dim, unsigned char* row, int lane) {
@@ -69,7 +69,7 @@ __device__ void quantize_row(const T* src, std::size_t head_dim, unsigned char* 
     }
 #pragma unroll
   for (int off = 16; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
-  const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+  const float scale = amax > 0.0f ? amax * (1.0f / kE4M3Max) : 1.0f;
 #pragma unroll
   for (int n = 0; n < NV; ++n) {
     const std::size_t j = 4 * (lane + 32 * n);

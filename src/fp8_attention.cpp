@@ -10,7 +10,7 @@
 // against bf16's 92 at 64k on the H200 (Llama-3-8B shape, every layer resident). So the rows are
 // read where the store holds them and dequantized in registers, and one call does the step:
 //   1. the new token's key and value (16-bit) are quantized into row length - 1 exactly as
-//      kv_fp8.quantize does (amax / 448 per row, e4m3 rounded to nearest even), by the kernel
+//      kv_fp8.quantize does (amax x fp32(1/448) per row, e4m3 rounded to nearest even), by the kernel
 //      block whose keys end there: the token's attention then reads the values every later step
 //      reads;
 //   2. split-K: the keys [first_key, length) are cut into splits, and each block attends one
@@ -58,7 +58,7 @@ constexpr float kE4M3Max = 448.0f;
 void quantize_row(const float* x, std::size_t head_dim, std::uint8_t* row) {
   float amax = 0.0f;
   for (std::size_t j = 0; j < head_dim; ++j) amax = std::max(amax, std::fabs(x[j]));
-  const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+  const float scale = amax > 0.0f ? amax * (1.0f / kE4M3Max) : 1.0f;  // (Note [fp8 K/V rows])
   for (std::size_t j = 0; j < head_dim; ++j)
     row[j] = detail::float_to_e4m3(std::clamp(x[j] / scale, -kE4M3Max, kE4M3Max));
   std::memcpy(row + head_dim, &scale, 4);

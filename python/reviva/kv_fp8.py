@@ -3,7 +3,10 @@
 Note [fp8 K/V rows]
 ~~~~~~~~~~~~~~~~~~~
 Each head's key (and value) vector of a token is stored as head_dim e4m3 values and its fp32
-scale, amax / 448 (448 is e4m3's largest finite value), in one row of head_dim + 4 bytes. The
+scale, amax x fp32(1/448) (448 is e4m3's largest finite value; a product, not a quotient: torch
+divides a CUDA tensor by a scalar as a product by its reciprocal and a CPU tensor exactly, and
+the rows must be the same bits wherever they are quantized: here, on either device, and by the
+core's fused decode call, Note [fp8 decode attention]), in one row of head_dim + 4 bytes. The
 KVStore holds these rows as bytes (a uint8 store whose "head_dim" is head_dim + 4), so its
 residency, write-through host copies and streaming are unchanged and move half the bytes of
 bf16 (head_dim 128: 132 bytes against 256). Scales per token and head: the cache grows a token
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 E4M3_MAX = 448.0
+_INV_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)  # fp32(1/448), the scale's factor
 SCALE_BYTES = 4  # an fp32 scale per token and head
 
 
@@ -43,7 +47,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"fp8 K/V: head_dim must be a multiple of 4, got {x.shape[-1]}")
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * _INV_MAX, torch.ones_like(amax))
     q = (xf / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     rows = torch.empty(*x.shape[:-1], x.shape[-1] + SCALE_BYTES, dtype=torch.uint8, device=x.device)
     rows[..., : x.shape[-1]] = q.view(torch.uint8)
@@ -96,7 +100,7 @@ def round_trip_bound(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     2^-4 |x| + 2^-10 s, plus the output dtype's rounding."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * _INV_MAX, torch.ones_like(amax))
     out_eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
     return xf.abs() * (2**-4) * (1 + out_eps) + scale * 2**-10 + xf.abs() * out_eps
 
