@@ -10,9 +10,9 @@
 // against bf16's 92 at 64k on the H200 (Llama-3-8B shape, every layer resident). So the rows are
 // read where the store holds them and dequantized in registers, and one call does the step:
 //   1. the new token's key and value (16-bit) are quantized into row length - 1 exactly as
-//      kv_fp8.quantize does (amax x fp32(1/448) per row, e4m3 rounded to nearest even), by the kernel
-//      block whose keys end there: the token's attention then reads the values every later step
-//      reads;
+//      kv_fp8.quantize does (amax x fp32(1/448) per row, e4m3 rounded to nearest even), by the
+//      kernel block whose keys end there: the token's attention then reads the values every
+//      later step reads;
 //   2. split-K: the keys [first_key, length) are cut into splits, and each block attends one
 //      split for one kv head and up to 8 of the query heads that share it (the rows read once
 //      for all of them), with an online softmax in fp32; its output (normalized) and its
