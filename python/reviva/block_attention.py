@@ -71,6 +71,11 @@ _REFERENCE_ROWS = 1024
 CUDNN_MIN_QUERIES = 128
 # Prompts below which "auto" keeps flash (the plans' one-time cost against the gain).
 CUDNN_MIN_PROMPT = 131072
+# ... when the plan attends by chunks anyway (fp8 K/V on a card, which attends whole only where
+# that costs no residency: Note [fp8 prefill shadow] in kv_cache.py). At 64k of the 8B shape in
+# 3584-token chunks flash's attention is ~3.5 s a call and cuDNN's ~2.0 s, against ~18 plans of
+# ~37 ms in a process's first call; the two break even near 32k in a first call.
+CUDNN_MIN_CHUNKED_PROMPT = 49152
 
 
 def cudnn_available(device: torch.device) -> bool:
@@ -101,10 +106,12 @@ def resolve_kernel(choice: str, device: torch.device) -> str:
     return choice
 
 
-def call_kernel(device_kernel: str, choice: str, prompt_tokens: int) -> str:
+def call_kernel(device_kernel: str, choice: str, prompt_tokens: int, chunked: bool = False) -> str:
     """The kernel of one call: `device_kernel` (resolve_kernel's answer for the device), except
-    that "auto" keeps flash for prompts shorter than CUDNN_MIN_PROMPT."""
-    if choice == "auto" and device_kernel == "cudnn" and prompt_tokens < CUDNN_MIN_PROMPT:
+    that "auto" keeps flash for prompts shorter than CUDNN_MIN_PROMPT, or CUDNN_MIN_CHUNKED_PROMPT
+    when the plan attends by chunks (`chunked`)."""
+    least = CUDNN_MIN_CHUNKED_PROMPT if chunked else CUDNN_MIN_PROMPT
+    if choice == "auto" and device_kernel == "cudnn" and prompt_tokens < least:
         return "flash"
     return device_kernel
 

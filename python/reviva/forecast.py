@@ -124,7 +124,9 @@ def forecast(
         raise ValueError(f"pcie_bps must be > 0 bytes a second, got {pcie_bps!r}")
     pcie = pcie_bps if pcie_bps is not None else PCIE_BPS
     if attention_kernel == "auto":  # the H200 takes cuDNN: call_kernel decides by the prompt
-        attention_kernel = call_kernel("cudnn", "auto", plan.prompt_tokens)
+        attention_kernel = call_kernel(
+            "cudnn", "auto", plan.prompt_tokens, chunked=not plan.whole_attention
+        )
     e = layout.dtype.itemsize
     params = weight_bytes / e
     # The embedding is a lookup and the head runs on one position: not prefill FLOPs.

@@ -1230,7 +1230,10 @@ class RevivaManager:
         setup["pinned"] = (time.perf_counter() - t_setup) * 1e3
         self._copy_hidden = bool(gen.output_hidden_states)
         self._call_kernel = call_kernel(
-            self._device_kernel, self.config.attention_kernel, plan.prompt_tokens
+            self._device_kernel,
+            self.config.attention_kernel,
+            plan.prompt_tokens,
+            chunked=not plan.whole_attention,
         )
         weights_before = None
         try:

@@ -585,9 +585,9 @@ def _make_plan(
     weight_layers, weight_bytes, weight_decode_slot = weights
     # the least room streamed weights need beside the K/V: their slots (or all of them resident)
     weight_least = min(weight_layers, model.weight_slots) * weight_bytes
-    # a chunk's queries at a time: fp8 K/V by blocks, never whole; after a returned cache's
-    # tokens, each chunk attends the cache's buffer in place (LlamaLayerPath.prefill)
-    if host_residual or fp8 or past_tokens:
+    # after a returned cache's tokens, each chunk attends the cache's buffer in place
+    # (LlamaLayerPath.prefill); fp8 K/V attends whole only through a shadow (below)
+    if host_residual or past_tokens:
         whole_attention = False
     elif chunk >= prompt_tokens or config.prefill_attention == "whole":
         whole_attention = True
@@ -598,30 +598,46 @@ def _make_plan(
         fits = base + q_and_out + margin + (window + 1) * (page_bytes if paged else layer_kv)
         fits += weight_least
         whole_attention = fits <= budget - baseline
-    if whole_attention and chunk < prompt_tokens:
-        prefill = base + q_and_out  # whole queries and output, and the scores
-    elif whole_attention:  # q and out are in per_token
-        prefill = base + score * prompt_tokens * keys + kv_copy
-    else:
-        prefill = base + score * chunk * keys
+
+    def prefill_bytes(whole: bool) -> int:
+        if whole and chunk < prompt_tokens:
+            return base + q_and_out  # whole queries and output, and the scores
+        if whole:  # q and out are in per_token
+            return base + score * prompt_tokens * keys + kv_copy
+        return base + score * chunk * keys
+
     decode = logits + batch * capacity * 8 + per_token + model.decode_fixed
     if fp8:
         decode += decode_block_tokens * per_block_token + accumulators
     decode_margin = model.margin_fixed + int(budget * model.decode_margin_fraction)
-    # Note [fp8 prefill shadow] (kv_cache.py): with 16-bit compute, prefill may keep the layer's
-    # K/V dequantized beside its rows (no blocks then); taken where it costs no residency
+    prefill = prefill_bytes(whole_attention)
     shadow = 0
-    if fp8 and not paged and e == 2:
-        shadow = 2 * batch * keys * lay.num_kv_heads * lay.head_dim * e
-        without = budget - baseline - max(prefill + margin, decode + decode_margin)
-        prefill_shadow = prefill - block_tokens * per_block_token + shadow
-        with_shadow = budget - baseline - max(prefill_shadow + margin, decode + decode_margin)
+    if fp8:
+        # Note [fp8 prefill shadow] (kv_cache.py): with 16-bit compute, prefill may keep the
+        # layer's K/V dequantized beside its rows (no blocks then) and attend it as a bf16
+        # layer's, whole where the rules above allow; taken where it costs no residency against
+        # the blocks by chunks, whole attention first.
+        blocks_only = prefill_bytes(False)
         args = (n, layer_kv, layer_kv, window, weight_layers, weight_bytes)  # (fp8: no rings)
         rest = (model.weight_slots, 0, 0)
-        if _residency(with_shadow, *args, *rest) == _residency(without, *args, *rest):
-            prefill = prefill_shadow
-        else:
-            shadow = 0
+
+        def residency(p: int) -> object:
+            room = budget - baseline - max(p + margin, decode + decode_margin)
+            return _residency(room, *args, *rest)
+
+        choices = []
+        if not paged and e == 2:
+            sh = 2 * batch * keys * lay.num_kv_heads * lay.head_dim * e
+            swap = sh - block_tokens * per_block_token  # (the shadow instead of the blocks)
+            if whole_attention:
+                choices.append((True, prefill_bytes(True) + swap, sh))
+            choices.append((False, blocks_only + swap, sh))
+        reference = residency(blocks_only)
+        whole_attention, prefill = False, blocks_only
+        for whole, bytes_, sh in choices:
+            if residency(bytes_) == reference:
+                whole_attention, prefill, shadow = whole, bytes_, sh
+                break
     working = max(prefill + margin, decode + decode_margin)
     avail = budget - baseline - working
     unit = page_bytes if paged else layer_kv

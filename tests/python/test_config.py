@@ -80,9 +80,12 @@ def test_auto_takes_cudnn_only_for_long_prompts() -> None:
     """Note [Prefill attention kernel]: where the device takes cuDNN, "auto" keeps flash below
     CUDNN_MIN_PROMPT tokens (cuDNN's plans per shape cost more than they save there); a forced
     kernel stays; off CUDA the reference path whatever the prompt."""
-    from reviva.block_attention import CUDNN_MIN_PROMPT, call_kernel
+    from reviva.block_attention import CUDNN_MIN_CHUNKED_PROMPT, CUDNN_MIN_PROMPT, call_kernel
 
     assert call_kernel("cudnn", "auto", CUDNN_MIN_PROMPT - 1) == "flash"
+    assert call_kernel("cudnn", "auto", CUDNN_MIN_CHUNKED_PROMPT, chunked=True) == "cudnn"
+    assert call_kernel("cudnn", "auto", CUDNN_MIN_CHUNKED_PROMPT - 1, chunked=True) == "flash"
+    assert call_kernel("cudnn", "auto", CUDNN_MIN_CHUNKED_PROMPT) == "flash"
     assert call_kernel("cudnn", "auto", CUDNN_MIN_PROMPT) == "cudnn"
     assert call_kernel("cudnn", "cudnn", 100) == "cudnn"
     assert call_kernel("flash", "auto", 10**6) == "flash"
