@@ -14,7 +14,6 @@ namespace reviva::kernels {
 namespace {
 
 constexpr int kWarps = 4;              // per block
-constexpr int kBlocksPerSm = 4;        // splits are chosen to launch about this many blocks per SM
 constexpr std::size_t kMinKeys = 256;  // keys per split, at least
 constexpr int kMaxSplits = 1024;       // the merge kernel's shared table of splits
 constexpr unsigned kFull = 0xFFFFFFFFu;
@@ -121,12 +120,26 @@ std::size_t head_groups(const Fp8DecodeArgs& a) {
   return (a.heads / a.kv_heads + gp - 1) / gp;
 }
 
+// Blocks of the split kernel for `a` that an SM holds at once (its registers decide), so that
+// the splits fill the device in one wave; asked of the runtime once per kernel variant.
+int resident_blocks(const Fp8DecodeArgs& a);
+
+// The splits (and, with the length known on the host, the keys of each). Captured in a graph
+// (device_length) the splits are fixed by the capacity and each launch cuts the keys of its
+// step evenly among them (chunk 0 here: the kernel computes it).
 Split split_of(const Fp8DecodeArgs& a) {
-  const std::size_t keys = a.length - a.first_key;
+  const bool graphed = a.device_length != nullptr;
+  const std::size_t keys = graphed ? a.length : a.length - a.first_key;
   const std::size_t blocks = a.batch * a.kv_heads * head_groups(a);
   const std::size_t fill = std::max<std::size_t>(
-      1, (static_cast<std::size_t>(std::max(a.sm_count, 1)) * kBlocksPerSm + blocks - 1) / blocks);
+      1, (static_cast<std::size_t>(std::max(a.sm_count, 1) * resident_blocks(a)) + blocks - 1) /
+             blocks);
   const std::size_t by_keys = std::max<std::size_t>(1, keys / kMinKeys);
+  if (graphed) {
+    const std::size_t splits =
+        std::min<std::size_t>({fill, by_keys, static_cast<std::size_t>(kMaxSplits)});
+    return {static_cast<int>(splits), 0};
+  }
   const std::size_t want =
       std::min<std::size_t>({fill, by_keys, static_cast<std::size_t>(kMaxSplits)});
   const std::size_t chunk = (keys + want - 1) / want;
@@ -139,8 +152,8 @@ Split split_of(const Fp8DecodeArgs& a) {
 // [batch * heads][splits]).
 template <typename T, int NV, int GP>
 __global__ void __launch_bounds__(kWarps * 32)
-    attend_split_kernel(Fp8DecodeArgs a, int splits, std::size_t chunk) {
-  constexpr int kTokens = 32 / GP;  // per warp and round
+    attend_split_kernel(Fp8DecodeArgs a, int splits, std::size_t chunk) {  // (0 when graphed)
+  constexpr int kTokens = 32 / GP;                                         // per warp and round
   constexpr int kDim = 128 * NV;
   __shared__ float sm_acc[kWarps][GP][kDim];
   __shared__ float sm_m[kWarps][GP];
@@ -158,24 +171,35 @@ __global__ void __launch_bounds__(kWarps * 32)
   const std::size_t group = a.heads / a.kv_heads;
   const std::size_t g0 = hg * GP;
   const int count = static_cast<int>(min(static_cast<std::size_t>(GP), group - g0));
-  const std::size_t begin = a.first_key + static_cast<std::size_t>(split) * chunk;
-  const std::size_t end = min(a.length, begin + chunk);
+  // the step's keys: given, or read now (captured in a graph: its splits share them evenly)
+  std::size_t length = a.length, first_key = a.first_key;
+  if (a.device_length != nullptr) {
+    length = static_cast<std::size_t>(*a.device_length);
+    first_key = a.window > 0 && length > a.window ? length - a.window : 0;
+    chunk = (length - first_key + splits - 1) / splits;
+  }
+  const std::size_t begin = min(length, first_key + static_cast<std::size_t>(split) * chunk);
+  const std::size_t end = min(length, begin + chunk);
   const std::size_t dim = a.head_dim;
 
-  unsigned char* k_base = static_cast<unsigned char*>(a.k_rows) +
-                          static_cast<std::int64_t>(b) * a.row_stride[0] +
+  unsigned char* k_rows = static_cast<unsigned char*>(a.k_rows);
+  unsigned char* v_rows = static_cast<unsigned char*>(a.v_rows);
+  if (a.device_rows != nullptr) {
+    k_rows = reinterpret_cast<unsigned char*>(static_cast<std::uintptr_t>(a.device_rows[0]));
+    v_rows = reinterpret_cast<unsigned char*>(static_cast<std::uintptr_t>(a.device_rows[1]));
+  }
+  unsigned char* k_base = k_rows + static_cast<std::int64_t>(b) * a.row_stride[0] +
                           static_cast<std::int64_t>(kvh) * a.row_stride[1];
-  unsigned char* v_base = static_cast<unsigned char*>(a.v_rows) +
-                          static_cast<std::int64_t>(b) * a.row_stride[0] +
+  unsigned char* v_base = v_rows + static_cast<std::int64_t>(b) * a.row_stride[0] +
                           static_cast<std::int64_t>(kvh) * a.row_stride[1];
 
   // 1. the new token, by the block(s) whose keys end at it
-  if (a.k_new != nullptr && end == a.length && warp < 2) {
+  if (a.k_new != nullptr && begin < end && end == length && warp < 2) {
     const T* src = static_cast<const T*>(warp == 0 ? a.k_new : a.v_new);
     const std::int64_t* s = warp == 0 ? a.k_new_stride : a.v_new_stride;
     src += static_cast<std::int64_t>(b) * s[0] + static_cast<std::int64_t>(kvh) * s[1];
     unsigned char* row =
-        (warp == 0 ? k_base : v_base) + static_cast<std::int64_t>(a.length - 1) * a.row_stride[2];
+        (warp == 0 ? k_base : v_base) + static_cast<std::int64_t>(length - 1) * a.row_stride[2];
     quantize_row<T, NV>(src, dim, row, lane);
   }
   __syncthreads();  // (the rows written are read below by every warp of the block)
@@ -205,43 +229,55 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int e = 0; e < 4 * NV; ++e) acc[g][e] = 0.0f;
 
-  for (std::size_t base = begin + static_cast<std::size_t>(warp) * kTokens; base < end;
-       base += static_cast<std::size_t>(kWarps) * kTokens) {
-    // (plain loads, not __ldg: step 1 may have written the last row in this kernel)
-    std::uint32_t kw[kTokens][NV], vw[kTokens][NV];
-    float ks[kTokens], vs[kTokens];
+  // One round's rows in registers: lane l holds 4 NV bytes of each of the round's kTokens keys
+  // and values, and the scales of its own token (lane l's token is l / GP). The next round's
+  // loads are issued before this round computes (plain loads, not __ldg: step 1 may have
+  // written the last row in this kernel).
+  struct Round {
+    std::uint32_t k[kTokens][NV], v[kTokens][NV];
+    float k_scale, v_scale;
+  };
+  const auto load = [&](std::size_t base, Round& r) {
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
       const bool valid = base + t < end;
       const std::int64_t at = static_cast<std::int64_t>(base + t) * a.row_stride[2];
-      const unsigned char* kr = k_base + at;
-      const unsigned char* vr = v_base + at;
 #pragma unroll
       for (int n = 0; n < NV; ++n) {
         const std::size_t j = 4 * (lane + 32 * n);
         const bool in = valid && j < dim;
-        kw[t][n] = in ? *reinterpret_cast<const unsigned*>(kr + j) : 0u;
-        vw[t][n] = in ? *reinterpret_cast<const unsigned*>(vr + j) : 0u;
+        r.k[t][n] = in ? *reinterpret_cast<const unsigned*>(k_base + at + j) : 0u;
+        r.v[t][n] = in ? *reinterpret_cast<const unsigned*>(v_base + at + j) : 0u;
       }
-      ks[t] = valid ? *reinterpret_cast<const float*>(kr + dim) : 0.0f;
-      vs[t] = valid ? *reinterpret_cast<const float*>(vr + dim) : 0.0f;
     }
+    const std::size_t own = base + static_cast<std::size_t>(lane / GP);
+    const std::int64_t at = static_cast<std::int64_t>(own) * a.row_stride[2];
+    r.k_scale = own < end ? *reinterpret_cast<const float*>(k_base + at + dim) : 0.0f;
+    r.v_scale = own < end ? *reinterpret_cast<const float*>(v_base + at + dim) : 0.0f;
+  };
+  constexpr std::size_t kStep = static_cast<std::size_t>(kWarps) * kTokens;
+  Round cur, next;
+  std::size_t base = begin + static_cast<std::size_t>(warp) * kTokens;
+  if (base < end) load(base, cur);
+  for (; base < end; base += kStep) {
+    if (base + kStep < end) load(base + kStep, next);
     float vals[32];
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
       float kf[4 * NV];
 #pragma unroll
-      for (int n = 0; n < NV; ++n) e4m3x4_to_float(kw[t][n], kf + 4 * n);
+      for (int n = 0; n < NV; ++n) e4m3x4_to_float(cur.k[t][n], kf + 4 * n);
 #pragma unroll
       for (int g = 0; g < GP; ++g) {
         float d = 0.0f;
 #pragma unroll
         for (int e = 0; e < 4 * NV; ++e) d = fmaf(q[g][e], kf[e], d);
-        vals[t * GP + g] = d * ks[t];
+        vals[t * GP + g] = d;
       }
     }
-    reduce_scatter(vals, lane);
-    float s = base + static_cast<std::size_t>(lane / GP) < end ? vals[0] : -INFINITY;
+    reduce_scatter(vals, lane);  // lane l: token l / GP's dot product for head l % GP, unscaled
+    const bool mine = base + static_cast<std::size_t>(lane / GP) < end;
+    const float s = mine ? vals[0] * cur.k_scale : -INFINITY;
     float top = s;
 #pragma unroll
     for (int off = GP; off < 32; off <<= 1) top = fmaxf(top, __shfl_xor_sync(kFull, top, off));
@@ -250,6 +286,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const float p = exp2f(s - m_new);   // 0 for a key past the end
     l = l * c + p;
     m = m_new;
+    const float pv_own = p * cur.v_scale;  // (the value's scale folded into its weight)
 #pragma unroll
     for (int g = 0; g < GP; ++g) {
       const float cg = __shfl_sync(kFull, c, g);
@@ -260,14 +297,15 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int t = 0; t < kTokens; ++t) {
       float vf[4 * NV];
 #pragma unroll
-      for (int n = 0; n < NV; ++n) e4m3x4_to_float(vw[t][n], vf + 4 * n);
+      for (int n = 0; n < NV; ++n) e4m3x4_to_float(cur.v[t][n], vf + 4 * n);
 #pragma unroll
       for (int g = 0; g < GP; ++g) {
-        const float pv = __shfl_sync(kFull, p, t * GP + g) * vs[t];
+        const float pv = __shfl_sync(kFull, pv_own, t * GP + g);
 #pragma unroll
         for (int e = 0; e < 4 * NV; ++e) acc[g][e] = fmaf(pv, vf[e], acc[g][e]);
       }
     }
+    cur = next;
   }
 #pragma unroll
   for (int off = GP; off < 32; off <<= 1) l += __shfl_xor_sync(kFull, l, off);
@@ -346,6 +384,37 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(Fp8DecodeArgs a, int 
 }
 
 template <typename T, int NV, int GP>
+int occupancy() {
+  static const int blocks = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attend_split_kernel<T, NV, GP>,
+                                                      kWarps * 32, 0) != cudaSuccess) {
+      (void)cudaGetLastError();  // (not sticky: the launch reports any real failure)
+      n = 1;
+    }
+    return std::max(n, 1);
+  }();
+  return blocks;
+}
+
+template <typename T, int NV>
+int occupancy_by_heads(const Fp8DecodeArgs& a) {
+  switch (heads_per_block(a)) {
+    case 1: return occupancy<T, NV, 1>();
+    case 2: return occupancy<T, NV, 2>();
+    case 4: return occupancy<T, NV, 4>();
+    default: return occupancy<T, NV, 8>();
+  }
+}
+
+int resident_blocks(const Fp8DecodeArgs& a) {
+  if (a.bfloat16)
+    return a.head_dim <= 128 ? occupancy_by_heads<__nv_bfloat16, 1>(a)
+                             : occupancy_by_heads<__nv_bfloat16, 2>(a);
+  return a.head_dim <= 128 ? occupancy_by_heads<__half, 1>(a) : occupancy_by_heads<__half, 2>(a);
+}
+
+template <typename T, int NV, int GP>
 cudaError_t launch_split(const Fp8DecodeArgs& a, const Split& sp, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.batch * a.kv_heads * head_groups(a)),
                   static_cast<unsigned>(sp.splits));
@@ -378,21 +447,51 @@ bool aligned4(std::int64_t x) { return (x & 3) == 0; }
 
 }  // namespace
 
+cudaError_t preload_attend_fp8() {
+  // (every variant: one module, but each kernel's own load under lazy loading)
+  cudaFuncAttributes f{};
+  cudaError_t e = cudaSuccess;
+  const auto load = [&](const void* kernel) {
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&f, kernel);
+  };
+  load(reinterpret_cast<const void*>(merge_splits_kernel<__nv_bfloat16>));
+  load(reinterpret_cast<const void*>(merge_splits_kernel<__half>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__nv_bfloat16, 1, 1>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__nv_bfloat16, 1, 2>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__nv_bfloat16, 1, 4>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__nv_bfloat16, 1, 8>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__nv_bfloat16, 2, 1>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__nv_bfloat16, 2, 2>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__nv_bfloat16, 2, 4>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__nv_bfloat16, 2, 8>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__half, 1, 1>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__half, 1, 2>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__half, 1, 4>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__half, 1, 8>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__half, 2, 1>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__half, 2, 2>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__half, 2, 4>));
+  load(reinterpret_cast<const void*>(attend_split_kernel<__half, 2, 8>));
+  return e;
+}
+
 std::size_t fp8_decode_workspace_bytes(const Fp8DecodeArgs& a) {
-  if (a.kv_heads == 0 || a.length <= a.first_key) return 0;
+  if (a.kv_heads == 0 || (a.device_length == nullptr && a.length <= a.first_key)) return 0;
   const Split sp = split_of(a);
   if (sp.splits == 1) return 0;
   return a.batch * a.heads * static_cast<std::size_t>(sp.splits) * (a.head_dim + 1) * sizeof(float);
 }
 
 cudaError_t launch_attend_fp8_decode(const Fp8DecodeArgs& a, cudaStream_t stream) {
+  const bool graphed = a.device_length != nullptr, rows_given = a.device_rows == nullptr;
   if (a.batch == 0 || a.heads == 0 || a.kv_heads == 0 || a.heads % a.kv_heads != 0 ||
-      a.head_dim == 0 || a.head_dim % 4 != 0 || a.head_dim > 256 || a.first_key >= a.length ||
-      a.q == nullptr || a.out == nullptr || a.k_rows == nullptr || a.v_rows == nullptr ||
+      a.head_dim == 0 || a.head_dim % 4 != 0 || a.head_dim > 256 ||
+      (graphed ? a.length == 0 : a.first_key >= a.length) || a.q == nullptr || a.out == nullptr ||
+      (rows_given && (a.k_rows == nullptr || a.v_rows == nullptr)) ||
       (a.k_new == nullptr) != (a.v_new == nullptr) ||
-      !aligned4(reinterpret_cast<std::intptr_t>(a.k_rows)) ||
-      !aligned4(reinterpret_cast<std::intptr_t>(a.v_rows)) || !aligned4(a.row_stride[0]) ||
-      !aligned4(a.row_stride[1]) || !aligned4(a.row_stride[2]))
+      (rows_given && (!aligned4(reinterpret_cast<std::intptr_t>(a.k_rows)) ||
+                      !aligned4(reinterpret_cast<std::intptr_t>(a.v_rows)))) ||
+      !aligned4(a.row_stride[0]) || !aligned4(a.row_stride[1]) || !aligned4(a.row_stride[2]))
     return cudaErrorInvalidValue;
   const std::size_t need = fp8_decode_workspace_bytes(a);
   if (need > 0 && (a.workspace == nullptr || a.workspace_bytes < need))

@@ -74,6 +74,9 @@ struct Fp8DecodeArgs {
   void* v_rows;
   std::int64_t row_stride[3];  // bytes
   std::size_t first_key, length;
+  const std::int64_t* device_length;  // or null (captured in a graph: length read at run time)
+  const std::uint64_t* device_rows;   // or null (k_rows, v_rows read at run time)
+  std::size_t window;                 // with device_length: first key = length - window (0: none)
   float scale;
   void* out;  // [batch][heads][head_dim]
   std::int64_t out_stride[2];
@@ -87,5 +90,8 @@ std::size_t fp8_decode_workspace_bytes(const Fp8DecodeArgs& args);
 // cudaErrorInvalidValue when the arguments break the layout above (checked first by the
 // backend, which names the value) or the workspace is smaller than fp8_decode_workspace_bytes.
 cudaError_t launch_attend_fp8_decode(const Fp8DecodeArgs& args, cudaStream_t stream);
+// Loads the fp8 decode attention's kernels now (as preload_copy_segments): their first launch
+// may be inside a CUDA graph's capture (Note [fp8 attention in the decode graphs]).
+cudaError_t preload_attend_fp8();
 
 }  // namespace reviva::kernels

@@ -139,6 +139,9 @@ kernels::Fp8DecodeArgs fp8_decode_args(const Fp8DecodeAttention& a, int sm_count
   for (int d = 0; d < 3; ++d) k.row_stride[d] = a.row_stride[d];
   k.first_key = a.first_key;
   k.length = a.length;
+  k.device_length = a.device_length;
+  k.device_rows = a.device_rows;
+  k.window = a.window;
   k.scale = a.scale;
   k.out = a.out;
   k.workspace = a.workspace;
@@ -161,6 +164,7 @@ class CudaBackend final : public Backend {
     // device. The KVStore CUDA tests hung at their first append (issued while a host function
     // holds the compute stream) and pass on the H200 with this preload; not rerun without it.
     REVIVA_CUDA_CHECK(kernels::preload_copy_segments());
+    REVIVA_CUDA_CHECK(kernels::preload_attend_fp8());
     REVIVA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest_priority_, &highest_priority_));
     sm_count_ = prop.multiProcessorCount;
     int host_pointer = 0;
@@ -454,6 +458,7 @@ class CudaBackend final : public Backend {
   }
 
   std::size_t fp8_decode_workspace_bytes(const Fp8DecodeAttention& attention) const override {
+    DeviceGuard guard(device_);  // (the splits follow the kernel's occupancy on this device)
     return kernels::fp8_decode_workspace_bytes(fp8_decode_args(attention, sm_count_));
   }
 

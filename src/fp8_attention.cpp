@@ -87,16 +87,21 @@ void check_fp8_decode_attention(const Fp8DecodeAttention& a) {
   REVIVA_CHECK_ARG(a.head_dim > 0 && a.head_dim % 4 == 0 && a.head_dim <= kFp8DecodeMaxHeadDim,
                    "attend_fp8_decode: head_dim must be a positive multiple of 4 up to ",
                    kFp8DecodeMaxHeadDim, ", got ", a.head_dim);
-  REVIVA_CHECK_ARG(a.first_key < a.length, "attend_fp8_decode: no keys to attend (first_key ",
-                   a.first_key, ", length ", a.length, ")");
-  REVIVA_CHECK_ARG(a.q != nullptr && a.out != nullptr && a.k_rows != nullptr && a.v_rows != nullptr,
+  const bool graphed = a.device_length != nullptr;
+  REVIVA_CHECK_ARG(graphed || a.first_key < a.length,
+                   "attend_fp8_decode: no keys to attend (first_key ", a.first_key, ", length ",
+                   a.length, ")");
+  REVIVA_CHECK_ARG(!graphed || a.length > 0,
+                   "attend_fp8_decode: a capacity of 0 tokens (the most a step's length can be)");
+  const bool rows = a.device_rows != nullptr || (a.k_rows != nullptr && a.v_rows != nullptr);
+  REVIVA_CHECK_ARG(a.q != nullptr && a.out != nullptr && rows,
                    "attend_fp8_decode: null pointer (q ", a.q, ", out ", a.out, ", k_rows ",
                    a.k_rows, ", v_rows ", a.v_rows, ")");
   REVIVA_CHECK_ARG((a.k_new == nullptr) == (a.v_new == nullptr),
                    "attend_fp8_decode: k_new and v_new must be given together");
   const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 4 == 0; };
-  REVIVA_CHECK_ARG(aligned(a.k_rows) && aligned(a.v_rows), "attend_fp8_decode: rows at ", a.k_rows,
-                   " and ", a.v_rows,
+  REVIVA_CHECK_ARG(a.device_rows != nullptr || (aligned(a.k_rows) && aligned(a.v_rows)),
+                   "attend_fp8_decode: rows at ", a.k_rows, " and ", a.v_rows,
                    " are not 4-byte aligned (values and scales are read 4 bytes at a time)");
   for (int d = 0; d < 3; ++d)
     REVIVA_CHECK_ARG(a.row_stride[d] % 4 == 0, "attend_fp8_decode: row stride ", d, " of ",
@@ -104,8 +109,23 @@ void check_fp8_decode_attention(const Fp8DecodeAttention& a) {
   REVIVA_CHECK_ARG(std::isfinite(a.scale), "attend_fp8_decode: scale ", a.scale, " is not finite");
 }
 
-void attend_fp8_decode(const Fp8DecodeAttention& a) {
-  check_fp8_decode_attention(a);
+void attend_fp8_decode(const Fp8DecodeAttention& given) {
+  check_fp8_decode_attention(given);
+  Fp8DecodeAttention a = given;  // (the step's length and rows, where they are read at run time)
+  if (a.device_length != nullptr) {
+    const std::int64_t length = *a.device_length;
+    REVIVA_CHECK_ARG(length >= 1 && static_cast<std::size_t>(length) <= a.length,
+                     "attend_fp8_decode: a length of ", length, " tokens outside [1, ", a.length,
+                     "]");
+    a.length = static_cast<std::size_t>(length);
+    a.first_key = a.window > 0 && a.length > a.window ? a.length - a.window : 0;
+  }
+  if (a.device_rows != nullptr) {
+    a.k_rows = reinterpret_cast<void*>(static_cast<std::uintptr_t>(a.device_rows[0]));
+    a.v_rows = reinterpret_cast<void*>(static_cast<std::uintptr_t>(a.device_rows[1]));
+    REVIVA_CHECK_ARG(a.k_rows != nullptr && a.v_rows != nullptr,
+                     "attend_fp8_decode: device_rows holds a null address");
+  }
   const std::size_t d = a.head_dim, group = a.heads / a.kv_heads;
   std::vector<float> x(d);
   if (a.k_new != nullptr) {

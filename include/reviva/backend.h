@@ -83,8 +83,16 @@ struct Fp8DecodeAttention {
   std::int64_t row_stride[3] = {0, 0, 0};  // bytes
   std::size_t first_key = 0;               // a sliding window's first key, else 0
   std::size_t length = 0;                  // keys [0, length) are valid after the step
-  float scale = 1.0f;                      // of the scores (1 / sqrt(head_dim) in most models)
-  void* out = nullptr;                     // [batch][heads][head_dim]
+  // Captured in a CUDA graph (Note [fp8 attention in the decode graphs]): with device_length,
+  // the step's length is read from there when the kernel runs (`length` above is then the
+  // most it can be, the layer's capacity, which sets the splits), and the first key is
+  // length - window (0 without a window: `first_key` is not read); with device_rows, the K and
+  // V rows' addresses are read from device_rows[0] and [1] (k_rows and v_rows are not read).
+  const std::int64_t* device_length = nullptr;
+  const std::uint64_t* device_rows = nullptr;
+  std::size_t window = 0;
+  float scale = 1.0f;   // of the scores (1 / sqrt(head_dim) in most models)
+  void* out = nullptr;  // [batch][heads][head_dim]
   std::int64_t out_stride[2] = {0, 0};
   void* workspace = nullptr;  // device memory of Backend::fp8_decode_workspace_bytes()
   std::size_t workspace_bytes = 0;

@@ -323,38 +323,7 @@ class PyKVStore {
   torch::Tensor attend_fp8_decode(int layer, int64_t first, const torch::Tensor& q,
                                   const torch::Tensor& key, const torch::Tensor& value,
                                   double scale, int64_t first_key, torch::Tensor out) {
-    REVIVA_CHECK_ARG(dtype_ == torch::kUInt8 && row_[3] > 4,
-                     "KVStore::attend_fp8_decode: the store holds ", c10::toString(dtype_),
-                     " rows of ", row_[3], ", not fp8 rows (uint8, head_dim + 4 bytes)");
-    REVIVA_CHECK_ARG(!store_->paged(layer), "KVStore::attend_fp8_decode: layer ", layer,
-                     " is paged (read page by page)");
-    const int64_t batch = row_[1], kv_heads = row_[2], dim = row_[3] - 4;
-    for (const torch::Tensor* t :
-         std::initializer_list<const torch::Tensor*>{&q, &key, &value, &out}) {
-      REVIVA_CHECK_ARG(t->defined() && t->device() == rt_->device(),
-                       "KVStore::attend_fp8_decode: expected tensors on ", rt_->device().str());
-    }
-    const auto type = q.scalar_type();
-    REVIVA_CHECK_ARG(type == torch::kBFloat16 || type == torch::kHalf,
-                     "KVStore::attend_fp8_decode: q must be bfloat16 or float16, got a ",
-                     describe(q));
-    REVIVA_CHECK_ARG(q.dim() == 4 && q.size(0) == batch && q.size(2) == 1 && q.size(3) == dim &&
-                         q.size(1) % kv_heads == 0 && q.stride(3) == 1,
-                     "KVStore::attend_fp8_decode: q must be [", batch, ", heads (a multiple of ",
-                     kv_heads, "), 1, ", dim, "] with a dense last dimension, got a ", describe(q));
-    const int64_t heads = q.size(1);
-    for (const torch::Tensor* t : {&key, &value}) {
-      REVIVA_CHECK_ARG(
-          t->dim() == 4 && t->size(0) == batch && t->size(1) == kv_heads && t->size(2) == 1 &&
-              t->size(3) == dim && t->stride(3) == 1 && t->scalar_type() == type,
-          "KVStore::attend_fp8_decode: key and value must be [", batch, ", ", kv_heads, ", 1, ",
-          dim, "] of q's dtype with a dense last dimension, got a ", describe(*t));
-    }
-    REVIVA_CHECK_ARG(out.dim() == 4 && out.size(0) == batch && out.size(1) == heads &&
-                         out.size(2) == 1 && out.size(3) == dim && out.stride(3) == 1 &&
-                         out.scalar_type() == type,
-                     "KVStore::attend_fp8_decode: out must be [", batch, ", ", heads, ", 1, ", dim,
-                     "] of q's dtype with a dense last dimension, got a ", describe(out));
+    Fp8DecodeAttention a = fp8_decode_args(layer, q, key, value, scale, out);
     const auto capacity = static_cast<int64_t>(store_->capacity(layer));
     REVIVA_CHECK_ARG(first >= 0 && first < capacity, "KVStore::attend_fp8_decode: ", first + 1,
                      " tokens exceed layer ", layer, "'s capacity of ", capacity,
@@ -366,50 +335,57 @@ class PyKVStore {
       store_->reserve(layer, static_cast<std::size_t>(first + 1));
     }
     torch::Tensor rows = view(layer, first + 1);  // [tokens, 2, batch, kv_heads, dim + 4]
-    Fp8DecodeAttention a;
-    a.type = type == torch::kBFloat16 ? HalfType::BFloat16 : HalfType::Float16;
-    a.batch = static_cast<std::size_t>(batch);
-    a.heads = static_cast<std::size_t>(heads);
-    a.kv_heads = static_cast<std::size_t>(kv_heads);
-    a.head_dim = static_cast<std::size_t>(dim);
-    a.q = q.data_ptr();
-    a.q_stride[0] = q.stride(0);
-    a.q_stride[1] = q.stride(1);
-    a.k_new = key.data_ptr();
-    a.v_new = value.data_ptr();
-    a.k_new_stride[0] = key.stride(0);
-    a.k_new_stride[1] = key.stride(1);
-    a.v_new_stride[0] = value.stride(0);
-    a.v_new_stride[1] = value.stride(1);
     a.k_rows = rows.select(1, 0).data_ptr();
     a.v_rows = rows.select(1, 1).data_ptr();
-    a.row_stride[0] = rows.stride(2);
-    a.row_stride[1] = rows.stride(3);
-    a.row_stride[2] = rows.stride(0);
     a.first_key = static_cast<std::size_t>(first_key);
     a.length = static_cast<std::size_t>(first + 1);
-    a.scale = static_cast<float>(scale);
-    a.out = out.data_ptr();
-    a.out_stride[0] = out.stride(0);
-    a.out_stride[1] = out.stride(1);
-    const auto& backend = rt_->backend();
-    torch::Tensor workspace;
-    if (const std::size_t bytes = backend->fp8_decode_workspace_bytes(a); bytes > 0) {
-      workspace = torch::empty({static_cast<int64_t>(bytes)},
-                               torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
-      a.workspace = workspace.data_ptr();
-      a.workspace_bytes = bytes;
-    }
-    auto compute = rt_->compute_stream();
-    if (rt_->is_cuda()) {
-      backend->attend_fp8_decode_async(a, compute->handle());
-    } else {
-      py::gil_scoped_release release;
-      backend->attend_fp8_decode_async(a, compute->handle());
-      compute->synchronize();  // (torch on the CPU reads out at once)
-    }
-    store_->wrote(layer, static_cast<std::size_t>(first), 1, *compute);
+    launch_fp8_decode(a);
+    store_->wrote(layer, static_cast<std::size_t>(first), 1, *rt_->compute_stream());
     return out;
+  }
+
+  // Note [fp8 attention in the decode graphs] (python/reviva/llama_layer.py): the same step as
+  // attend_fp8_decode, to be captured in a CUDA graph and replayed at every step: the step's
+  // length (tokens after it) is read from `length` (int64 [1] on the device) and the rows'
+  // addresses from `rows` (int64 [2] on the device: rows_address()) when the kernels run.
+  // Launches the kernels alone: the caller reserves the row (reserve) before each replay and
+  // reports it written (wrote) after. Keys from length - window on (0: every key).
+  torch::Tensor attend_fp8_decode_graphed(int layer, const torch::Tensor& q,
+                                          const torch::Tensor& key, const torch::Tensor& value,
+                                          double scale, int64_t window, const torch::Tensor& length,
+                                          const torch::Tensor& rows, torch::Tensor out) {
+    Fp8DecodeAttention a = fp8_decode_args(layer, q, key, value, scale, out);
+    REVIVA_CHECK_ARG(window >= 0,
+                     "KVStore::attend_fp8_decode_graphed: window must be >= 0 (0: "
+                     "none), got ",
+                     window);
+    REVIVA_CHECK_ARG(length.defined() && length.device() == rt_->device() &&
+                         length.scalar_type() == torch::kInt64 && length.numel() == 1,
+                     "KVStore::attend_fp8_decode_graphed: length must be one int64 on ",
+                     rt_->device().str(), ", got a ", describe(length));
+    REVIVA_CHECK_ARG(rows.defined() && rows.device() == rt_->device() &&
+                         rows.scalar_type() == torch::kInt64 && rows.numel() == 2 &&
+                         rows.is_contiguous(),
+                     "KVStore::attend_fp8_decode_graphed: rows must be two contiguous int64 on ",
+                     rt_->device().str(), ", got a ", describe(rows));
+    a.device_length = length.data_ptr<int64_t>();
+    a.device_rows = reinterpret_cast<const std::uint64_t*>(rows.data_ptr<int64_t>());
+    a.window = static_cast<std::size_t>(window);
+    a.length = store_->capacity(layer);  // (the most a step's length can be: sets the splits)
+    launch_fp8_decode(a);
+    return out;
+  }
+
+  // The acquired layer's K and V rows' addresses (for attend_fp8_decode_graphed's `rows`).
+  std::pair<std::uint64_t, std::uint64_t> rows_address(int layer) {
+    REVIVA_CHECK_ARG(dtype_ == torch::kUInt8, "KVStore::rows_address: the store holds ",
+                     c10::toString(dtype_), " rows, not fp8 rows");
+    REVIVA_CHECK_ARG(!store_->paged(layer), "KVStore::rows_address: layer ", layer,
+                     " is paged (read page by page)");
+    std::shared_ptr<ArenaBuffer> buffer = store_->buffer(layer);
+    const auto k = reinterpret_cast<std::uint64_t>(buffer->data());
+    const auto v_offset = static_cast<std::uint64_t>(row_[1] * row_[2] * row_[3]);
+    return {k, k + v_offset};
   }
 
   void wrote(int layer, std::size_t first, std::size_t count) {
@@ -449,6 +425,92 @@ class PyKVStore {
 
   KVStore& store() { return *store_; }
   std::shared_ptr<const Stream> compute() { return rt_->compute_stream(); }
+
+  // The checks and fields attend_fp8_decode and attend_fp8_decode_graphed share: the store's
+  // fp8 rows, q [batch, heads, 1, D], key and value [batch, kv_heads, 1, D] of q's 16-bit dtype,
+  // out like q; every tensor on the runtime's device with a dense last dimension.
+  Fp8DecodeAttention fp8_decode_args(int layer, const torch::Tensor& q, const torch::Tensor& key,
+                                     const torch::Tensor& value, double scale,
+                                     const torch::Tensor& out) {
+    REVIVA_CHECK_ARG(dtype_ == torch::kUInt8 && row_[3] > 4,
+                     "KVStore::attend_fp8_decode: the store holds ", c10::toString(dtype_),
+                     " rows of ", row_[3], ", not fp8 rows (uint8, head_dim + 4 bytes)");
+    REVIVA_CHECK_ARG(!store_->paged(layer), "KVStore::attend_fp8_decode: layer ", layer,
+                     " is paged (read page by page)");
+    const int64_t batch = row_[1], kv_heads = row_[2], dim = row_[3] - 4;
+    for (const torch::Tensor* t :
+         std::initializer_list<const torch::Tensor*>{&q, &key, &value, &out}) {
+      REVIVA_CHECK_ARG(t->defined() && t->device() == rt_->device(),
+                       "KVStore::attend_fp8_decode: expected tensors on ", rt_->device().str());
+    }
+    const auto type = q.scalar_type();
+    REVIVA_CHECK_ARG(type == torch::kBFloat16 || type == torch::kHalf,
+                     "KVStore::attend_fp8_decode: q must be bfloat16 or float16, got a ",
+                     describe(q));
+    REVIVA_CHECK_ARG(q.dim() == 4 && q.size(0) == batch && q.size(2) == 1 && q.size(3) == dim &&
+                         q.size(1) % kv_heads == 0 && q.stride(3) == 1,
+                     "KVStore::attend_fp8_decode: q must be [", batch, ", heads (a multiple of ",
+                     kv_heads, "), 1, ", dim, "] with a dense last dimension, got a ", describe(q));
+    const int64_t heads = q.size(1);
+    for (const torch::Tensor* t : {&key, &value}) {
+      REVIVA_CHECK_ARG(
+          t->dim() == 4 && t->size(0) == batch && t->size(1) == kv_heads && t->size(2) == 1 &&
+              t->size(3) == dim && t->stride(3) == 1 && t->scalar_type() == type,
+          "KVStore::attend_fp8_decode: key and value must be [", batch, ", ", kv_heads, ", 1, ",
+          dim, "] of q's dtype with a dense last dimension, got a ", describe(*t));
+    }
+    REVIVA_CHECK_ARG(out.dim() == 4 && out.size(0) == batch && out.size(1) == heads &&
+                         out.size(2) == 1 && out.size(3) == dim && out.stride(3) == 1 &&
+                         out.scalar_type() == type,
+                     "KVStore::attend_fp8_decode: out must be [", batch, ", ", heads, ", 1, ", dim,
+                     "] of q's dtype with a dense last dimension, got a ", describe(out));
+    Fp8DecodeAttention a;
+    a.type = type == torch::kBFloat16 ? HalfType::BFloat16 : HalfType::Float16;
+    a.batch = static_cast<std::size_t>(batch);
+    a.heads = static_cast<std::size_t>(heads);
+    a.kv_heads = static_cast<std::size_t>(kv_heads);
+    a.head_dim = static_cast<std::size_t>(dim);
+    a.q = q.data_ptr();
+    a.q_stride[0] = q.stride(0);
+    a.q_stride[1] = q.stride(1);
+    a.k_new = key.data_ptr();
+    a.v_new = value.data_ptr();
+    a.k_new_stride[0] = key.stride(0);
+    a.k_new_stride[1] = key.stride(1);
+    a.v_new_stride[0] = value.stride(0);
+    a.v_new_stride[1] = value.stride(1);
+    // token-major rows [tokens][2][batch][kv_heads][dim + 4]
+    const int64_t row_bytes = row_[3];
+    a.row_stride[0] = kv_heads * row_bytes;
+    a.row_stride[1] = row_bytes;
+    a.row_stride[2] = 2 * batch * kv_heads * row_bytes;
+    a.scale = static_cast<float>(scale);
+    a.out = out.data_ptr();
+    a.out_stride[0] = out.stride(0);
+    a.out_stride[1] = out.stride(1);
+    return a;
+  }
+
+  // Runs `a` on compute's stream (torch's current one on CUDA, with a workspace from torch's
+  // allocator: a graph's own pool while capturing); on the host runtime, waited for.
+  void launch_fp8_decode(Fp8DecodeAttention& a) {
+    const auto& backend = rt_->backend();
+    torch::Tensor workspace;
+    if (const std::size_t bytes = backend->fp8_decode_workspace_bytes(a); bytes > 0) {
+      workspace = torch::empty({static_cast<int64_t>(bytes)},
+                               torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
+      a.workspace = workspace.data_ptr();
+      a.workspace_bytes = bytes;
+    }
+    auto compute = rt_->compute_stream();
+    if (rt_->is_cuda()) {
+      backend->attend_fp8_decode_async(a, compute->handle());
+      return;
+    }
+    py::gil_scoped_release release;
+    backend->attend_fp8_decode_async(a, compute->handle());
+    compute->synchronize();  // (torch on the CPU reads out at once)
+  }
 
  private:
   std::shared_ptr<Runtime> rt_;
@@ -544,6 +606,10 @@ void bind_kv_store(py::module_& m) {
       .def("attend_fp8_decode", &PyKVStore::attend_fp8_decode, py::arg("layer"), py::arg("first"),
            py::arg("q"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("first_key"),
            py::arg("out"))
+      .def("attend_fp8_decode_graphed", &PyKVStore::attend_fp8_decode_graphed, py::arg("layer"),
+           py::arg("q"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("window"),
+           py::arg("length"), py::arg("rows"), py::arg("out"))
+      .def("rows_address", &PyKVStore::rows_address, py::arg("layer"))
       .def("release", &PyKVStore::release, py::arg("layer"))
       .def(
           "truncate",

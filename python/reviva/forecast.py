@@ -8,8 +8,9 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
   the no-card all-resident runs with decode graphs (64k: 11.0 ms a token, 90.8 tok/s, 13a52f1;
   128k: 13.2 ms, 75.5 tok/s, 612b104): 16.1 GB of weights at an effective 1.82 TB/s and 128 KiB of
   K/V per token at 3.9 TB/s (launch and host costs folded in).
-- fp8 K/V (not calibrated): in each step every block of rows is read by the dequantization
-  kernel, written as 16 bits and read again by attention, at the same rate as bf16 K/V.
+- fp8 K/V: a step reads the rows in place (Note [fp8 decode attention]) at the fused kernel's
+  rate, FP8_ROWS_READ_BPS (bench_fp8_decode.py on the H200, one layer of the 8B shape: 1.32 TB/s
+  of rows at 64k, 1.60 at 512k; e6233b3).
 - decode, transfer: the streamed layers' K/V, and the streamed layers' weights (Note [Streamed
   weights]), over PCIe at 55 GB/s (pinned H2D, measured by bench_transfer), a step taking the
   slower of the two (the copies overlap the compute). Streamed weights measured at 0.95-0.98 of
@@ -54,6 +55,7 @@ CALIBRATION = "H200 (PCIe Gen5 x16), Llama-3-8B shape, bf16, torch 2.11; benchma
 PCIE_BPS = 55e9
 WEIGHT_READ_BPS = 1.82e12
 KV_READ_BPS = 3.9e12
+FP8_ROWS_READ_BPS = 1.32e12
 LINEAR_FLOPS = 546e12
 WHOLE_ATTENTION_FLOPS = 530e12
 CHUNKED_ATTENTION_FLOPS = 325e12
@@ -164,12 +166,10 @@ def forecast(
         residual = max(copies - compute_prefill, 0.0) + exposed
     held = plan.past_tokens + plan.prompt_tokens  # after prefill (Note [A returned cache])
     mean_len = held + (plan.capacity - held) / 2
-    kv_read = plan.kv_token_bytes
-    if plan.kv_fp8:  # the rows, then the 16-bit block written and read back
-        kv_read += 2 * (2 * plan.batch * layout.num_kv_heads * layout.head_dim * e)
     read = [mean_len if w is None else min(w, mean_len) for w in windows]
-    kv_bytes = sum(read) * kv_read
-    compute = weight_bytes / WEIGHT_READ_BPS + kv_bytes / KV_READ_BPS
+    kv_bytes = sum(read) * plan.kv_token_bytes
+    kv_rate = FP8_ROWS_READ_BPS if plan.kv_fp8 else KV_READ_BPS
+    compute = weight_bytes / WEIGHT_READ_BPS + kv_bytes / kv_rate
     # the layers streamed in decode: not resident in prefill, less the promotions after it
     # (full layers first: RevivaManager._promote_after_prefill)
     streamed_ids = list(plan.streamed_layer_ids)

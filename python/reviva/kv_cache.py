@@ -570,6 +570,19 @@ class RevivaCache(Cache):
             and layer_idx not in self._host_layers
         )
 
+    def fp8_graphable(self, layer_idx: int) -> bool:
+        """Whether the layer's decode steps can hold its fp8 attention in their graph (Note
+        [fp8 attention in the decode graphs] in llama_layer.py): what attends_fp8_in_place asks
+        of a layer, in 16 bits on CUDA."""
+        return (
+            self.fp8
+            and self.device.type == "cuda"
+            and self.dtype in (torch.bfloat16, torch.float16)
+            and self.head_dim <= FP8_DECODE_MAX_HEAD_DIM
+            and not self.paged(layer_idx)
+            and layer_idx not in self._host_layers
+        )
+
     def attend_fp8_decode(
         self,
         layer_idx: int,

@@ -600,6 +600,20 @@ def chunk_attention(
 # merged, disabled or switched) or a hook would silently not take effect. Under autocast the
 # eager path runs (the graphs were captured without it).
 
+# Note [fp8 attention in the decode graphs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With fp8 K/V a layer's decode step is one graph: its compute before attention, the fused fp8
+# attention call (Note [fp8 decode attention] in src/fp8_attention.cpp: the new token's rows
+# written, the rows read in place) and its compute after. What changes from step to step is
+# read by the kernels when they run: the step's length from a device scalar the host fills once
+# a step (shared by every layer), the rows' addresses from two device words per layer, filled
+# when the layer's buffer moved (a new call's cache, a streamed layer's staging slot). The
+# splits are fixed at capture by the layer's capacity and each replay cuts its keys among
+# them. Around each replay the host still reserves the new row and reports it written (the
+# store's bookkeeping, and a streamed layer's copy to its host row). Measured on the H200 at
+# 33e5ea4 (64k, 8B shape, every layer resident on the 24 GB card), with the attention eager
+# between two replays as bf16's is: 87-90 tok/s, as fast as bf16 on the whole card and bound
+# by the host's per-layer calls, not by the device.
 CAPTURE_MS_MAX = 200.0
 # With this many decode steps to come, capture_pending captures every waiting layer at once: a
 # capture costs the host ~3-6 ms, an eager layer step ~0.33 ms over a replay (H200, 64k on a
@@ -694,6 +708,14 @@ class DecodeGraphs:
         self._cos: torch.Tensor | None = None
         # Parameter shapes (and dtypes) of layers warmed up since the static buffers were made.
         self._warm: set[tuple[tuple[Any, ...], ...]] = set()
+        # Note [fp8 attention in the decode graphs]: the call's cache (set by the manager), the
+        # layers whose one graph holds their attention, each layer's rows' addresses on the
+        # device and on the host (as last written), and the step length last written.
+        self.cache: RevivaCache | None = None
+        self.fused: set[int] = set()
+        self._rows_dev: dict[int, torch.Tensor] = {}
+        self._rows_at: dict[int, tuple[int, int]] = {}
+        self._length_at: int | None = None
 
     def begin_call(self, layers: list[nn.Module]) -> None:
         """Drops the graphs of layers whose parameters moved since their capture."""
@@ -708,6 +730,7 @@ class DecodeGraphs:
         for i in list(self.layers):
             if self.layers[i][3] != _param_ptrs(layers[i]) or uncapturable(layers[i]) is not None:
                 del self.layers[i]
+                self.fused.discard(i)
 
     def ready(self, i: int, h: torch.Tensor) -> bool:
         """Layer i has graphs for decode steps of h's batch and dtype ([batch, 1, hidden])."""
@@ -716,7 +739,13 @@ class DecodeGraphs:
         if torch.is_autocast_enabled(h.device.type):  # the capture ran without autocast
             return False
         st = self._static.get("h")
-        return st is not None and st.shape[0] == h.shape[0] and st.dtype == h.dtype
+        if st is None or st.shape[0] != h.shape[0] or st.dtype != h.dtype:
+            return False
+        if i in self.fused and (self.cache is None or not self.cache.fp8_graphable(i)):
+            del self.layers[i]  # (this call's cache attends it otherwise: captured again)
+            self.fused.discard(i)
+            return False
+        return True
 
     def step(
         self,
@@ -735,6 +764,20 @@ class DecodeGraphs:
             st["cos"].copy_(cos)
             st["sin"].copy_(sin)
             self._cos = cos
+        if back is None:  # Note [fp8 attention in the decode graphs]: one graph, the whole layer
+            if self._length_at != past + 1:
+                st["length"].fill_(past + 1)
+                self._length_at = past + 1
+            at = cache.store.rows_address(i)
+            if self._rows_at.get(i) != at:
+                self._rows_dev[i][0].fill_(at[0])
+                self._rows_dev[i][1].fill_(at[1])
+                self._rows_at[i] = at
+            cache.reserve(i, past + 1)
+            front.replay()
+            cache.store.wrote(i, past, 1)
+            self.replays += 1
+            return st["h"]
         front.replay()
         attn = self.path.layout.layers[i].self_attn
         window = self.path.layout.windows[i]
@@ -843,6 +886,7 @@ class DecodeGraphs:
                 kw = dict(dtype=h.dtype, device=h.device)
                 cos_shape = (batch, 1, cos.shape[-1])
                 new = {
+                    "length": torch.ones(1, dtype=torch.int64, device=h.device),
                     "h": torch.zeros(batch, 1, hidden, **kw),
                     "cos": torch.zeros(cos_shape, dtype=cos.dtype, device=h.device),
                     "sin": torch.zeros(cos_shape, dtype=sin.dtype, device=h.device),
@@ -854,6 +898,8 @@ class DecodeGraphs:
                 self._pool = pool
                 self._cos = None
                 self._warm.clear()
+                self.fused.clear()
+                self._length_at = None
             stream = capture_stream(h.device)
             compute = torch.cuda.current_stream(h.device)
             stream.wait_stream(compute)
@@ -868,22 +914,15 @@ class DecodeGraphs:
                     path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
                     path._finish(layer, st["h"].clone(), 0, 1, st["att"])
                     self._warm.add(shapes)
-                front = torch.cuda.CUDAGraph()
-                with _collection_paused():
-                    front.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                    try:
-                        qkv = path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
-                    finally:
-                        front.capture_end()
-                back = torch.cuda.CUDAGraph()
-                with _collection_paused():
-                    back.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                    try:
-                        path._finish(layer, st["h"], 0, 1, st["att"])
-                    finally:
-                        back.capture_end()
+                if self.cache is not None and self.cache.fp8_graphable(i):
+                    graphs = self._capture_fused(i, layer)
+                else:
+                    graphs = self._capture_two(layer)
             compute.wait_stream(stream)
-            self.layers[i] = (front, back, qkv, _param_ptrs(layer))
+            self.layers[i] = (*graphs, _param_ptrs(layer))
+            self.fused.discard(i)
+            if graphs[1] is None:
+                self.fused.add(i)
             self.captured += 1
         except torch.OutOfMemoryError as e:  # this layer stays eager in this call
             self.uncaptured[i] = f"out of memory while capturing: {e}"[:200]
@@ -891,10 +930,56 @@ class DecodeGraphs:
         except Exception as e:  # noqa: BLE001 (any other capture failure: decode goes on eagerly)
             self.failed = f"{type(e).__name__}: {e}"
             self.layers.clear()
+            self.fused.clear()
             self._pending.clear()
             log.warning("reviva: CUDA graphs for decode turned off (%s)", self.failed)
         finally:
             self.capture_ms += (time.perf_counter() - t) * 1e3
+
+    def _capture_two(self, layer: nn.Module) -> tuple[Any, Any, tuple[torch.Tensor, ...]]:
+        """The layer's compute before attention and after it as two graphs (Note [Decode
+        graphs]), and the queries, keys and values the first leaves in the graphs' pool."""
+        st, path = self._static, self.path
+        front = torch.cuda.CUDAGraph()
+        with _collection_paused():
+            front.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                qkv = path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
+            finally:
+                front.capture_end()
+        back = torch.cuda.CUDAGraph()
+        with _collection_paused():
+            back.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                path._finish(layer, st["h"], 0, 1, st["att"])
+            finally:
+                back.capture_end()
+        return front, back, qkv
+
+    def _capture_fused(self, i: int, layer: nn.Module) -> tuple[Any, None, tuple[Any, ...]]:
+        """Note [fp8 attention in the decode graphs]: layer i's step as one graph with its fp8
+        attention inside (None in place of the second graph)."""
+        st, path, cache = self._static, self.path, self.cache
+        assert cache is not None
+        rows = self._rows_dev.get(i)
+        if rows is None:
+            rows = self._rows_dev[i] = torch.zeros(2, dtype=torch.int64, device=st["h"].device)
+        self._rows_at.pop(i, None)  # (written at the first replay)
+        attn = path.layout.layers[i].self_attn
+        window = path.layout.windows[i] or 0
+        graph = torch.cuda.CUDAGraph()
+        with _collection_paused():
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                q, k, v = path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
+                out = st["att"].transpose(1, 2)
+                cache.store.attend_fp8_decode_graphed(
+                    i, q, k, v, attn.scaling, window, st["length"], rows, out
+                )
+                path._finish(layer, st["h"], 0, 1, st["att"])
+            finally:
+                graph.capture_end()
+        return graph, None, (q, k, v)
 
 
 # The parts of a decoder layer that the own decode path calls (LlamaLayerPath._qkv, _finish).

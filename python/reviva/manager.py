@@ -1303,6 +1303,8 @@ class RevivaManager:
                 )
             setup["cache_made"] = (time.perf_counter() - t_setup) * 1e3
             self._cache, self._plan = cache, plan
+            if self._graphs is not None:  # Note [fp8 attention in the decode graphs]
+                self._graphs.cache = cache
             self._share = share
             with self:
                 self._in_own_call = True
@@ -1335,6 +1337,8 @@ class RevivaManager:
             self._share = 1
             prefix, self._prefix = self._prefix, 0
             self._cache, self._plan = None, None
+            if self._graphs is not None:
+                self._graphs.cache = None
             try:
                 if cache is not None:
                     # (a cache generate returns is parked: Note [A returned cache])

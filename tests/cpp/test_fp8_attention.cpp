@@ -124,22 +124,39 @@ Result reference(const Problem& p) {
   return r;
 }
 
-// The backend's, through its device memory.
-Result run(const std::shared_ptr<Backend>& backend, const Problem& p) {
+// The backend's, through its device memory. `graphed`: as captured in a CUDA graph (Note [fp8
+// attention in the decode graphs]): the length and the rows' addresses in device memory, read
+// when the kernels run, the first key from a window, the capacity `extra` tokens beyond.
+Result run(const std::shared_ptr<Backend>& backend, const Problem& p, bool graphed = false,
+           std::size_t extra = 0) {
   Stream st(backend);
   const std::size_t rows_bytes = p.rows.size(), q_bytes = p.q.size() * 2;
   const std::size_t kv_bytes = p.k_new.size() * 2;
-  const std::size_t total = rows_bytes + q_bytes + 2 * kv_bytes + q_bytes;
+  const std::size_t out_at = rows_bytes + q_bytes + 2 * kv_bytes;
+  const std::size_t step_at = out_at + q_bytes;  // the length, then the rows' two addresses
+  const std::size_t total = step_at + 24;
   auto* host = static_cast<std::uint8_t*>(backend->allocate_pinned_host(total));
   auto* dev = static_cast<std::uint8_t*>(backend->allocate_device(total, st.handle()));
   std::memcpy(host, p.rows.data(), rows_bytes);
   std::memcpy(host + rows_bytes, p.q.data(), q_bytes);
   std::memcpy(host + rows_bytes + q_bytes, p.k_new.data(), kv_bytes);
   std::memcpy(host + rows_bytes + q_bytes + kv_bytes, p.v_new.data(), kv_bytes);
+  Fp8DecodeAttention a = p.args(dev, dev + rows_bytes, dev + rows_bytes + q_bytes,
+                                dev + rows_bytes + q_bytes + kv_bytes, dev + out_at);
+  if (graphed) {
+    const auto length = static_cast<std::int64_t>(p.s.length);
+    const std::uint64_t rows[2] = {reinterpret_cast<std::uint64_t>(a.k_rows),
+                                   reinterpret_cast<std::uint64_t>(a.v_rows)};
+    std::memcpy(host + step_at, &length, 8);
+    std::memcpy(host + step_at + 8, rows, 16);
+    a.device_length = reinterpret_cast<const std::int64_t*>(dev + step_at);
+    a.device_rows = reinterpret_cast<const std::uint64_t*>(dev + step_at + 8);
+    a.k_rows = a.v_rows = nullptr;  // (not read)
+    a.window = p.s.first_key > 0 ? p.s.length - p.s.first_key : 0;
+    a.first_key = 12345;  // (not read)
+    a.length = p.s.length + extra;
+  }
   backend->copy_async(dev, host, total, st.handle());
-  Fp8DecodeAttention a =
-      p.args(dev, dev + rows_bytes, dev + rows_bytes + q_bytes,
-             dev + rows_bytes + q_bytes + kv_bytes, dev + rows_bytes + q_bytes + 2 * kv_bytes);
   const std::size_t ws = backend->fp8_decode_workspace_bytes(a);
   void* workspace = ws > 0 ? backend->allocate_device(ws, st.handle()) : nullptr;
   a.workspace = workspace;
@@ -149,7 +166,7 @@ Result run(const std::shared_ptr<Backend>& backend, const Problem& p) {
   st.synchronize();
   Result r{std::vector<std::uint8_t>(host, host + rows_bytes),
            std::vector<std::uint16_t>(p.q.size())};
-  std::memcpy(r.out.data(), host + rows_bytes + q_bytes + 2 * kv_bytes, q_bytes);
+  std::memcpy(r.out.data(), host + out_at, q_bytes);
   if (workspace != nullptr) backend->free_device(workspace, st.handle());
   backend->free_device(dev, st.handle());
   st.synchronize();
@@ -277,6 +294,33 @@ TEST_P(Fp8Attention, EveryVariantAgreesWithTheReference) {
     // the same call again gives the same bits (no state carried between calls)
     const Result again = run(backend_, p);
     EXPECT_EQ(again.out, got.out);
+  }
+}
+
+TEST_P(Fp8Attention, AsCapturedInAGraphItReadsTheStepFromDeviceMemory) {
+  // The same results with the step's length, first key and rows read when the kernels run,
+  // under capacities from the step's own length to far beyond it (other splits on CUDA).
+  const Shape shapes[] = {
+      {1, 32, 8, 128, 5000, 0, HalfType::BFloat16},
+      {3, 4, 4, 128, 777, 500, HalfType::BFloat16},  // a window: keys from 500 on
+      {2, 9, 3, 64, 1, 0, HalfType::Float16},
+  };
+  std::uint64_t seed = 40;
+  for (const Shape& s : shapes) {
+    for (std::size_t extra : {std::size_t{0}, std::size_t{3}, std::size_t{60000}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "heads " << s.heads << "/" << s.kv_heads << ", keys [" << s.first_key << ", "
+                   << s.length << "), capacity +" << extra);
+      const Problem p(s, ++seed);
+      const Result want = reference(p);
+      const Result got = run(backend_, p, /*graphed=*/true, extra);
+      ASSERT_EQ(got.rows.size(), want.rows.size());
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < got.rows.size(); ++i) differ += got.rows[i] != want.rows[i];
+      EXPECT_EQ(differ, 0u) << "bytes of the rows differ from the reference's";
+      expect_close(got.out, as_double(want.out, s.type), s.type, "against the reference", 2);
+      expect_close(got.out, exact(p, got.rows), s.type, "against double precision");
+    }
   }
 }
 

@@ -188,10 +188,65 @@ def check_fused_decode(device: str) -> None:
         blocks.close()
 
 
+def check_graphed_decode(device: str) -> None:
+    """Note [fp8 attention in the decode graphs]: the graphed call (the step's length and the
+    rows' addresses read from device memory when the kernels run), captured in a CUDA graph on
+    CUDA and replayed step after step, gives the eager call's rows and outputs to the bit."""
+    g = torch.Generator().manual_seed(9)
+    batch, heads, kv_heads, dim, prompt, steps = 1, 8, 2, 64, 700, 4
+    eager = fp8_cache(device, batch, kv_heads, dim, prompt + steps)
+    graphed = fp8_cache(device, batch, kv_heads, dim, prompt + steps)
+    k = torch.randn(batch, kv_heads, prompt, dim, generator=g).to(device, torch.bfloat16)
+    for c in (eager, graphed):
+        c.acquire(0)
+        c.reserve(0, prompt + steps)
+        c.write(0, 0, k, k.flip(-1))
+    qs = torch.randn(steps, batch, heads, 1, dim, generator=g).to(device, torch.bfloat16)
+    ks = torch.randn(steps, batch, kv_heads, 1, dim, generator=g).to(device, torch.bfloat16)
+    vs = torch.randn(steps, batch, kv_heads, 1, dim, generator=g).to(device, torch.bfloat16)
+    q, kn, vn = qs[0].clone(), ks[0].clone(), vs[0].clone()  # the graph's static inputs
+    out = torch.empty_like(q)
+    length = torch.ones(1, dtype=torch.int64, device=device)
+    rows = torch.tensor(graphed.store.rows_address(0), dtype=torch.int64, device=device)
+    scale = dim**-0.5
+
+    def call() -> None:
+        graphed.store.attend_fp8_decode_graphed(0, q, kn, vn, scale, 0, length, rows, out)
+
+    graph = None
+    if device == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+    for step in range(steps):
+        first = prompt + step
+        want = eager.attend_fp8_decode(0, first, qs[step], ks[step], vs[step], scale)
+        q.copy_(qs[step])
+        kn.copy_(ks[step])
+        vn.copy_(vs[step])
+        length.fill_(first + 1)
+        if graph is not None:
+            graph.replay()
+        else:
+            call()
+        graphed.store.wrote(0, first, 1)
+        assert torch.equal(out, want), step
+        for a, b in zip(graphed.rows(0, first + 1), eager.rows(0, first + 1), strict=True):
+            assert torch.equal(a, b), step
+    for c in (eager, graphed):
+        c.release(0)
+        c.close()
+
+
 def test_fused_fp8_decode_attention_against_blocks_and_names_bad_input() -> None:
     """The host backend's fused fp8 decode attention (the CUDA kernel's reference) against the
     block path; bad tensors are refused by name."""
     check_fused_decode("cpu")
+    check_graphed_decode("cpu")
     c = fp8_cache("cpu", 1, 2, 64, 16)
     q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
     kv = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
@@ -212,8 +267,10 @@ def test_fused_fp8_decode_attention_against_blocks_and_names_bad_input() -> None
 
 @pytest.mark.gpu
 def test_gpu_fused_fp8_decode_attention_against_blocks() -> None:
-    """The CUDA kernel: the same checks as on the host backend (its rows to torch's bits)."""
+    """The CUDA kernel: the same checks as on the host backend (its rows to torch's bits), and
+    the graphed call captured in a CUDA graph."""
     check_fused_decode("cuda")
+    check_graphed_decode("cuda")
 
 
 def assert_close_to_exact(out, ref, prompt: int, tol: float = 0.05) -> int:  # noqa: ANN001
