@@ -49,6 +49,18 @@ def test_estimate_within_12_percent_of_the_h200_measurements(
     assert f["decode_bound"] == "transfer"
 
 
+def test_fp8_estimate_against_the_h200(capsys: pytest.CaptureFixture[str]) -> None:
+    """fp8 K/V at 64k on the 24 GB card (Note [fp8 decode attention]): every layer resident,
+    prefill by chunks through cuDNN with its shadow, decode at the fused kernel's rate; call 2
+    of generate-card24-2026-12-04-c27175f26a93.json: 4.08 s and 87.1 tok/s."""
+    out = plan_json(capsys, "--context", "64k", "--kv-dtype", "fp8")
+    f, plan = out["forecast"], out["plan"]
+    assert len(plan["resident_layers"]) == 32 and plan["kv_fp8_shadow_bytes"] > 0
+    assert abs(f["prefill_s"] / 4.08 - 1) <= 0.12, f["prefill_s"]
+    assert abs(f["decode_call_tok_s"] / 87.1 - 1) <= 0.12, f["decode_call_tok_s"]
+    assert f["decode_bound"] == "compute"
+
+
 def test_512k_fits_with_the_residual_on_the_host(capsys: pytest.CaptureFixture[str]) -> None:
     out = plan_json(capsys, "--context", "512k", "--new-tokens", "16")
     plan = out["plan"]

@@ -12,6 +12,7 @@ gguf package on PYTHONPATH); without it the tests skip, naming why."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 
@@ -122,6 +123,23 @@ def test_pass_key_retrieved_with_fp8_kv(smollm2) -> None:  # noqa: ANN001
     assert 0.005 < st["kv_fp8_rel_error"] < 0.05, st["kv_fp8_rel_error"]
 
 
+def test_pass_key_with_fp8_kv_read_in_place_gives_bf16s_tokens(smollm2) -> None:  # noqa: ANN001
+    """In bf16, fp8 K/V's decode steps take the fused call (Note [fp8 decode attention]: the
+    host reference here, the CUDA kernel on the GPU) and its prefill the shadow (Note [fp8
+    prefill shadow]): the pass key is retrieved and the greedy tokens are bf16 K/V's."""
+    tok, model = smollm2
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    ids = pass_key_prompt(tok)
+    outs = {}
+    for kv in ("auto", "fp8"):
+        manager = RevivaManager(half, RevivaConfig(kv_dtype=kv))
+        outs[kv] = manager.generate(ids, max_new_tokens=6, do_sample=False)
+        text = tok.decode(outs[kv][0, ids.shape[1] :])
+        assert str(KEY) in text, (kv, text)
+    assert manager.get_memory_stats()["kv_fp8_prefill_shadow_bytes"] > 0
+    assert torch.equal(outs["fp8"], outs["auto"])
+
+
 def test_capital_of_france(smollm2) -> None:  # noqa: ANN001
     tok, model = smollm2
     ids = tok("The capital of France is", return_tensors="pt").input_ids
@@ -137,8 +155,6 @@ def test_gpu_fp8_decode_logits_against_bf16_on_the_real_model(smollm2) -> None: 
     streamed and the hidden states on the host: plain HF, Reviva with bf16 K/V and with fp8 K/V
     each retrieve the key; fp8's decode logits against bf16 K/V's, relative error per step (in
     the message; benchmarks/bench_real_model.py writes them to a result file)."""
-    import copy
-
     tok, model = smollm2
     gpu = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)
     ids = pass_key_prompt(tok).cuda()
