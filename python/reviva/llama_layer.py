@@ -610,10 +610,11 @@ def chunk_attention(
 # when the layer's buffer moved (a new call's cache, a streamed layer's staging slot). The
 # splits are fixed at capture by the layer's capacity and each replay cuts its keys among
 # them. Around each replay the host still reserves the new row and reports it written (the
-# store's bookkeeping, and a streamed layer's copy to its host row). Measured on the H200 at
-# 33e5ea4 (64k, 8B shape, every layer resident on the 24 GB card), with the attention eager
-# between two replays as bf16's is: 87-90 tok/s, as fast as bf16 on the whole card and bound
-# by the host's per-layer calls, not by the device.
+# store's bookkeeping, and a streamed layer's copy to its host row). Measured on the H200 (64k, 8B
+# shape, every layer resident on a 24 GB card): 87.1-88.7 tok/s in one graph per layer (c27175f)
+# against 87.4-90.5 with the attention eager between two replays as bf16's is (33e5ea4): the step
+# is bound by the device (busy ~10.8 ms of ~11.3, diag_decode_profile.py), not by the host, so
+# the graph saves host time but not step time; the attention kernel's rate is what is left.
 CAPTURE_MS_MAX = 200.0
 # With this many decode steps to come, capture_pending captures every waiting layer at once: a
 # capture costs the host ~3-6 ms, an eager layer step ~0.33 ms over a replay (H200, 64k on a
