@@ -84,6 +84,17 @@ __device__ void quantize_row(const T* src, std::size_t head_dim, unsigned char* 
   if (lane == 0) *reinterpret_cast<float*>(row + head_dim) = scale;
 }
 
+// NaN into the outputs of `count` heads from `h0` of sequence b (an impossible step length).
+template <typename T>
+__device__ void write_nan(const Fp8DecodeArgs& a, std::size_t b, std::size_t h0, int count) {
+  for (std::size_t i = threadIdx.x; i < static_cast<std::size_t>(count) * a.head_dim;
+       i += blockDim.x) {
+    T* out = static_cast<T*>(a.out) + static_cast<std::int64_t>(b) * a.out_stride[0] +
+             static_cast<std::int64_t>(h0 + i / a.head_dim) * a.out_stride[1];
+    out[i % a.head_dim] = from_float<T>(NAN);
+  }
+}
+
 // One step of reduce_scatter: lanes that differ in bit `Off` swap halves of vals[0, 2 Off).
 template <int Off>
 __device__ inline void reduce_scatter_step(float (&vals)[32], int lane) {
@@ -174,7 +185,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   // the step's keys: given, or read now (captured in a graph: its splits share them evenly)
   std::size_t length = a.length, first_key = a.first_key;
   if (a.device_length != nullptr) {
-    length = static_cast<std::size_t>(*a.device_length);
+    const std::int64_t given = *a.device_length;
+    if (given < 1 || static_cast<std::size_t>(given) > a.length) {  // (NaN out, rows left)
+      if (split == 0) write_nan<T>(a, b, kvh * group + g0, count);
+      return;
+    }
+    length = static_cast<std::size_t>(given);
     first_key = a.window > 0 && length > a.window ? length - a.window : 0;
     chunk = (length - first_key + splits - 1) / splits;
   }
@@ -355,6 +371,9 @@ __global__ void __launch_bounds__(kWarps * 32)
 // Grid batch * heads; merges the splits' outputs by their log2-sum-exp into `out`.
 template <typename T>
 __global__ void __launch_bounds__(128) merge_splits_kernel(Fp8DecodeArgs a, int splits) {
+  if (a.device_length != nullptr &&
+      (*a.device_length < 1 || static_cast<std::size_t>(*a.device_length) > a.length))
+    return;  // (the split kernel wrote NaN)
   __shared__ float weight[kMaxSplits];
   __shared__ float total;
   const std::size_t row = blockIdx.x;  // b * heads + h

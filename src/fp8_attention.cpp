@@ -113,18 +113,26 @@ void attend_fp8_decode(const Fp8DecodeAttention& given) {
   check_fp8_decode_attention(given);
   Fp8DecodeAttention a = given;  // (the step's length and rows, where they are read at run time)
   if (a.device_length != nullptr) {
+    // (read when the step runs, on the backend's stream: an impossible length is not thrown
+    // from there; the step writes NaN and leaves the rows, as the CUDA kernel does)
     const std::int64_t length = *a.device_length;
-    REVIVA_CHECK_ARG(length >= 1 && static_cast<std::size_t>(length) <= a.length,
-                     "attend_fp8_decode: a length of ", length, " tokens outside [1, ", a.length,
-                     "]");
+    if (length < 1 || static_cast<std::size_t>(length) > a.length) {
+      for (std::size_t b = 0; b < a.batch; ++b)
+        for (std::size_t h = 0; h < a.heads; ++h)
+          for (std::size_t j = 0; j < a.head_dim; ++j)
+            store_half(a.out,
+                       static_cast<std::int64_t>(b) * a.out_stride[0] +
+                           static_cast<std::int64_t>(h) * a.out_stride[1] +
+                           static_cast<std::int64_t>(j),
+                       std::numeric_limits<float>::quiet_NaN(), a.type);
+      return;
+    }
     a.length = static_cast<std::size_t>(length);
     a.first_key = a.window > 0 && a.length > a.window ? a.length - a.window : 0;
   }
   if (a.device_rows != nullptr) {
     a.k_rows = reinterpret_cast<void*>(static_cast<std::uintptr_t>(a.device_rows[0]));
     a.v_rows = reinterpret_cast<void*>(static_cast<std::uintptr_t>(a.device_rows[1]));
-    REVIVA_CHECK_ARG(a.k_rows != nullptr && a.v_rows != nullptr,
-                     "attend_fp8_decode: device_rows holds a null address");
   }
   const std::size_t d = a.head_dim, group = a.heads / a.kv_heads;
   std::vector<float> x(d);

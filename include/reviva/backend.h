@@ -88,6 +88,8 @@ struct Fp8DecodeAttention {
   // most it can be, the layer's capacity, which sets the splits), and the first key is
   // length - window (0 without a window: `first_key` is not read); with device_rows, the K and
   // V rows' addresses are read from device_rows[0] and [1] (k_rows and v_rows are not read).
+  // A length read there outside [1, length] writes NaN to `out` and leaves the rows (the step
+  // cannot throw from the stream it runs on).
   const std::int64_t* device_length = nullptr;
   const std::uint64_t* device_rows = nullptr;
   std::size_t window = 0;

@@ -128,7 +128,7 @@ Result reference(const Problem& p) {
 // attention in the decode graphs]): the length and the rows' addresses in device memory, read
 // when the kernels run, the first key from a window, the capacity `extra` tokens beyond.
 Result run(const std::shared_ptr<Backend>& backend, const Problem& p, bool graphed = false,
-           std::size_t extra = 0) {
+           std::size_t extra = 0, std::int64_t step_length = -1) {
   Stream st(backend);
   const std::size_t rows_bytes = p.rows.size(), q_bytes = p.q.size() * 2;
   const std::size_t kv_bytes = p.k_new.size() * 2;
@@ -144,7 +144,7 @@ Result run(const std::shared_ptr<Backend>& backend, const Problem& p, bool graph
   Fp8DecodeAttention a = p.args(dev, dev + rows_bytes, dev + rows_bytes + q_bytes,
                                 dev + rows_bytes + q_bytes + kv_bytes, dev + out_at);
   if (graphed) {
-    const auto length = static_cast<std::int64_t>(p.s.length);
+    const auto length = step_length >= 0 ? step_length : static_cast<std::int64_t>(p.s.length);
     const std::uint64_t rows[2] = {reinterpret_cast<std::uint64_t>(a.k_rows),
                                    reinterpret_cast<std::uint64_t>(a.v_rows)};
     std::memcpy(host + step_at, &length, 8);
@@ -172,6 +172,13 @@ Result run(const std::shared_ptr<Backend>& backend, const Problem& p, bool graph
   st.synchronize();
   backend->free_pinned_host(host);
   return r;
+}
+
+// run(graphed) with `length` written to the device in place of the problem's (whose length is
+// the capacity).
+Result run_with_length(const std::shared_ptr<Backend>& backend, const Problem& p,
+                       std::int64_t length) {
+  return run(backend, p, /*graphed=*/true, 0, length);
 }
 
 // Independent of the reference: the rows `after` (the new token included) dequantized in
@@ -321,6 +328,19 @@ TEST_P(Fp8Attention, AsCapturedInAGraphItReadsTheStepFromDeviceMemory) {
       expect_close(got.out, as_double(want.out, s.type), s.type, "against the reference", 2);
       expect_close(got.out, exact(p, got.rows), s.type, "against double precision");
     }
+  }
+}
+
+TEST_P(Fp8Attention, AnImpossibleLengthReadAtRunTimeGivesNaNAndLeavesTheRows) {
+  // (read on the stream the step runs on: it cannot throw there; 0 or beyond the capacity)
+  const Shape s{1, 32, 8, 128, 3000, 0, HalfType::BFloat16};
+  for (std::int64_t length : {std::int64_t{0}, std::int64_t{3001}}) {
+    const Problem p(s, 77);
+    const Result got = run_with_length(backend_, p, length);
+    EXPECT_TRUE(got.rows == p.rows) << "length " << length << ": the rows were written";
+    std::size_t nan = 0;
+    for (std::uint16_t x : got.out) nan += std::isnan(half_value(x, s.type));
+    EXPECT_EQ(nan, got.out.size()) << "length " << length;
   }
 }
 

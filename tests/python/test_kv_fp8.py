@@ -5,6 +5,8 @@ it refuses."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_generate import FAMILIES, MOE_FAMILIES, budget_for, gpu_llama, tiny_model
@@ -259,6 +261,21 @@ def test_fused_fp8_decode_attention_against_blocks_and_names_bad_input() -> None
         c.attend_fp8_decode(0, 16, q, kv, kv, 1.0)
     with pytest.raises(ValueError, match="out must be \\[1, 4, 1, 64\\]"):
         c.attend_fp8_decode(0, 0, q, kv, kv, 1.0, out=torch.empty(1, 4, 1, 32, dtype=q.dtype))
+    length, rows = torch.ones(1, dtype=torch.int64), torch.tensor(c.store.rows_address(0))
+    out = torch.empty_like(q)
+    graphed = c.store.attend_fp8_decode_graphed
+    with pytest.raises(ValueError, match="length must be one int64"):
+        graphed(0, q, kv, kv, 1.0, 0, length.int(), rows, out)
+    with pytest.raises(ValueError, match="rows must be two contiguous int64"):
+        graphed(0, q, kv, kv, 1.0, 0, length, rows[:1], out)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        graphed(0, q, kv, kv, 1.0, -1, length, rows, out)
+    # (a length read when the step runs, beyond the capacity: NaN out, rows left as they were)
+    c.reserve(0, 16)
+    before = [r.clone() for r in c.rows(0, 16)]
+    graphed(0, q, kv, kv, 1.0, 0, torch.tensor([17]), rows, out)
+    assert bool(out.isnan().all())
+    assert all(torch.equal(a, b) for a, b in zip(c.rows(0, 16), before, strict=True))
     assert not c.attends_fp8_in_place(0, q.float(), None)
     assert not c.attends_fp8_in_place(0, torch.zeros(1, 4, 2, 64, dtype=q.dtype), None)
     c.release(0)
@@ -433,6 +450,42 @@ def test_fp8_prefill_shadow_only_where_it_costs_no_residency() -> None:
     fp32 = RevivaManager(tiny_model("llama"))
     plan = make_plan(fp32.layout, RevivaConfig(vram_budget=1 << 30, **cfg), state, 1, n, 24)
     assert plan.kv_fp8 and plan.kv_fp8_shadow_bytes == 0
+
+
+def test_fp8_prefill_whole_chunked_and_by_blocks_give_the_same_tokens() -> None:
+    """Note [fp8 prefill shadow]: a bf16 model's fp8 prefill attending its shadow whole, by
+    chunks, or (no shadow) the rows by blocks reads the same values: the same greedy tokens,
+    logits within bf16's rounding of each other, twice in a row."""
+    from reviva.kv_cache import RevivaCache
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    outs = {}
+    for mode in ("whole", "chunked"):
+        cfg = RevivaConfig(kv_dtype="fp8", chunk_tokens=48, prefill_attention=mode)
+        manager = RevivaManager(model, cfg)
+        outs[mode] = [manager.generate(ids, **kw) for _ in range(2)]
+        assert manager.get_memory_stats()["kv_fp8_prefill_shadow_bytes"] > 0
+    shadow = RevivaCache.prefill_shadow
+
+    @contextlib.contextmanager
+    def none(self, layer_idx, tokens):  # noqa: ANN001, ANN202
+        yield
+
+    RevivaCache.prefill_shadow = none
+    try:
+        cfg = RevivaConfig(kv_dtype="fp8", chunk_tokens=48, prefill_attention="chunked")
+        manager = RevivaManager(model, cfg)
+        outs["blocks"] = [manager.generate(ids, **kw) for _ in range(2)]
+    finally:
+        RevivaCache.prefill_shadow = shadow
+    ref = outs["blocks"][0]
+    for mode, (first, second) in outs.items():
+        assert torch.equal(first.sequences, ref.sequences), mode
+        assert torch.equal(second.sequences, first.sequences), mode
+        for a, b in zip(first.logits, ref.logits, strict=True):
+            assert float((a.float() - b.float()).norm() / b.float().norm()) < 2**-6, mode
 
 
 def test_fp8_refusals() -> None:
