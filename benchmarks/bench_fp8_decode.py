@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import timed  # noqa: E402
 from common import print_table, write_result  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
@@ -35,15 +36,7 @@ def parse_tokens(text: str) -> int:
 
 
 def timed_ms(fn, reps: int) -> float:  # noqa: ANN001
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return timed(fn, reps)[0]
 
 
 def cache_of(tokens: int, fp8: bool, block_tokens: int = 4096):  # noqa: ANN201

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "half_convert.cuh"
 #include "launchers.h"
 
 namespace reviva::kernels {
@@ -19,19 +20,6 @@ constexpr int kMaxSplits = 1024;       // the merge kernel's shared table of spl
 constexpr unsigned kFull = 0xFFFFFFFFu;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kE4M3Max = 448.0f;
-
-__device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ inline float to_float(__half x) { return __half2float(x); }
-template <typename T>
-__device__ inline T from_float(float x);
-template <>
-__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ inline __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
 
 // Four e4m3 values (little-endian bytes of w) to fp32, exactly (each is an fp16 value).
 __device__ inline void e4m3x4_to_float(std::uint32_t w, float* f) {

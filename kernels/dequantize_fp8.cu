@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "half_convert.cuh"
 #include "launchers.h"
 
 namespace reviva::kernels {
@@ -13,17 +14,6 @@ namespace {
 
 constexpr int kThreads = 256;  // 8 warps: 8 rows at a time per block
 constexpr int kMaxBlocks = 8192;
-
-template <typename Out>
-__device__ inline Out from_float(float x);
-template <>
-__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ inline __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
 
 // e4m3 to fp32, exactly (every e4m3 value is an fp16 value).
 __device__ inline float e4m3_to_float(unsigned char b) {
