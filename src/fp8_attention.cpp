@@ -18,11 +18,35 @@
 //      for all of them), with an online softmax in fp32; its output (normalized) and its
 //      log-sum-exp go to the workspace;
 //   3. a second kernel merges the splits by their log-sum-exp into `out`.
-// The number of splits fills the device (about 4 blocks per SM), each split at least 256 keys.
-// Inside a block each warp takes 32 / heads-per-block tokens at a time: lane l holds elements
-// [4l, 4l + 4) (and [128 + 4l, ...) for head_dim > 128) of each row, the partial dot products of
-// all (token, head) pairs are summed across the warp by one reduce-scatter (31 shuffles for 32
-// sums), after which lane j * heads + g holds token j's score for head g.
+// The number of splits fills the device (the blocks an SM holds at once), each split at least
+// 256 keys. For head_dim 64 and 128 the blocks run on the tensor cores (Note [fp8 decode
+// attention on the tensor cores]); for other head_dims on the CUDA cores: each warp takes
+// 32 / heads-per-block tokens at a time, lane l holding elements [4l, 4l + 4) (and [128 + 4l,
+// ...) for head_dim > 128) of each row, the partial dot products of all (token, head) pairs
+// summed across the warp by one reduce-scatter (31 shuffles for 32 sums), after which lane
+// j * heads + g holds token j's score for head g.
+//
+// Note [fp8 decode attention on the tensor cores]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// On the CUDA cores the kernel read a 64k layer at 1.64 TB/s on the H200 (c27175f), no faster
+// than bf16's flash decode reading twice the bytes: it was bound by its instructions (per 4
+// tokens, ~75 per token of dequantization, FMAs and shuffles), not by HBM. On the tensor cores a
+// warp takes 16 tokens at a time for all the heads of its kv head (up to 8) with two products
+// of PTX's mma.m16n8k16 (fp16 in, fp32 out):
+//   S^T = Q K^T   (A: the heads' queries, rows 8-15 zero; B: 8 keys a tile, two tiles)
+//   O^T += V^T P  (A: 16 elements of 16 values; B: the weights)
+// and S^T's fragment (lane (g, t) holds head g's scores of tokens 2t, 2t + 1, 2t + 8, 2t + 9)
+// is exactly P's as B of the second product: the softmax needs no shuffle but the max across a
+// head's 4 lanes. e4m3 to fp16 is exact (one cvt per pair), and fp16 holds a bf16 query exactly
+// within its range (clamped to +-65504 beyond it). The order of elements in the dot product is
+// free as long as Q and K agree, and the order of a value's elements is undone when the output
+// is written: so every lane reads whole 4-byte words of a row (K: bytes 16 s + 4 t for k-step s;
+// V: bytes 32 k + 4 g, paired across two tokens by one byte permute per m-tile).
+// The row scales: a key's scale multiplies its score in fp32; a value's cannot sit inside the
+// product, so it goes into the weight, relative to the largest value scale r seen so far
+// (p * v_scale / r in [0, 1]: fp16 keeps its precision whatever the rows' scales), the output
+// being kept in units of r and rescaled with the softmax's max when r grows.
+//
 // The host reference computes the same in fp32 with expf; the kernel uses exp2f on scores
 // scaled by log2(e): they agree to fp32 rounding, not to the bit.
 
