@@ -106,7 +106,7 @@ class ActivationStats:
 class _Stored:
     """One offloaded storage: its block, and while it is back, a tensor viewing the block."""
 
-    __slots__ = ("block", "nbytes", "layer", "restored", "widen", "owner", "__weakref__")
+    __slots__ = ("block", "nbytes", "layer", "restored", "widen", "owner", "changed", "__weakref__")
 
     def __init__(
         self, owner: ActivationOffload, block: int, nbytes: int, layer: int, widen: bool
@@ -119,6 +119,9 @@ class _Stored:
         # A tensor on the block's device memory (a lease: the block stays there while it lives),
         # or after widening, torch's fp32 copy of it.
         self.restored: torch.Tensor | None = None
+        # Note [Saved tensors' versions]: the storage was saved again at another version after
+        # this copy: changed in place since the saves this copy serves
+        self.changed = False
 
     def __del__(self) -> None:
         # Autograd dropped the saved tensor: the block is dead. Its tensor goes first (ending
@@ -136,6 +139,25 @@ class _Packed:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    # Note [Saved tensors' versions]: the saved tensor (weakly) and its version when saved
+    source: weakref.ref
+    version: int
+
+
+# Note [Saved tensors' versions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Autograd keeps a saved tensor's version (its view family's count of in-place changes) and
+# refuses backward if it changed: the values saved are gone. With pack hooks it keeps the hook's
+# object instead and checks nothing; offload copies the values when they are saved, and shares
+# one copy among the saves of a storage (views, a tensor saved by several ops). Both need the
+# version: a storage changed in place between two saves is copied again at the second (sharing
+# the first copy gave the second save the old values: a wrong gradient, silently), and a saved
+# tensor whose version moved after its save is refused at unpack as autograd refuses it (its
+# copy holds the values of the save, but what autograd would raise on, offload raises on too).
+# The version is read at unpack where the saved tensor still lives (a weak reference), and a
+# copy is marked changed where its storage is saved again at another version; a tensor changed
+# after its save that dies before backward without a later save goes unseen: its copy holds
+# the values the graph used.
 
 
 class ActivationOffload:
@@ -209,7 +231,10 @@ class ActivationOffload:
         # A storage saved again (a view, or saved by a second node) maps to its first copy. The
         # key is (data pointer, bytes); the storage's weak reference tells a live storage from a
         # new one that the caching allocator placed at the address of a freed one.
-        self._by_storage: dict[tuple[int, int], tuple[StorageWeakRef, weakref.ReferenceType]] = {}
+        # (storage, its copy, the version copied: Note [Saved tensors' versions])
+        self._by_storage: dict[
+            tuple[int, int], tuple[StorageWeakRef, weakref.ReferenceType, int]
+        ] = {}
         # The step's blocks: each region's in saving order, and each block's storage record.
         self._groups: dict[int, list[int]] = {}
         self._stored_of: dict[int, weakref.ReferenceType[_Stored]] = {}
@@ -610,6 +635,11 @@ class ActivationOffload:
         key = (storage.data_ptr(), nbytes)
         entry = self._by_storage.get(key)
         stored = entry[1]() if entry is not None and not entry[0].expired() else None
+        if stored is not None and entry[2] != t._version:
+            # (Note [Saved tensors' versions]: changed in place since its copy: copied again,
+            # and the saves of the old copy refused at unpack)
+            stored.changed = True
+            stored = None
         if stored is None:
             narrow = _cast_from(t)
             if narrow is None:
@@ -630,14 +660,22 @@ class ActivationOffload:
             del moved
             widen = narrow is not None
             stored = _Stored(self, block, self.manager.nbytes(block), self._layer, widen)
-            self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored))
+            self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored), t._version)
             self._stored_of[block] = weakref.ref(stored)
             self._groups.setdefault(self._layer, []).append(block)
             self.stats.bytes_to_host += stored.nbytes
             if self.stats.steps == 0:
                 self._record(storage)
         self.stats.offloaded_tensors += 1
-        return _Packed(stored, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return _Packed(
+            stored,
+            t.dtype,
+            tuple(t.size()),
+            tuple(t.stride()),
+            t.storage_offset(),
+            weakref.ref(t),
+            t._version,
+        )
 
     def _record(self, storage: torch.UntypedStorage) -> None:
         # Step 1 records each layer's saved bytes (each storage once) for the budget plan.
@@ -654,6 +692,16 @@ class ActivationOffload:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
+        source = packed.source()  # (Note [Saved tensors' versions])
+        now = None if source is None else source._version
+        if packed.stored.changed or (now is not None and now != packed.version):
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{packed.dtype} {list(packed.size)}] saved at version "
+                f"{packed.version}, changed in place since"
+                + (f" (version {now})" if now is not None else "")
+                + " (reviva's activation offload checks saved tensors' versions as autograd does)"
+            )
         stored = packed.stored
         if stored.restored is None:
             if not self._in_backward:  # no layer boundary seen yet (no hook fired)

@@ -126,6 +126,52 @@ def test_views_and_tensors_saved_twice_are_copied_once() -> None:
     assert st.bytes_to_host < st.offloaded_tensors * 48 * 32 * 4
 
 
+def test_a_tensor_changed_in_place_after_its_save_is_refused_as_autograd_refuses_it() -> None:
+    """Note [Saved tensors' versions]: a saved tensor changed in place while the graph that
+    saved it is alive. Saved again after the change, it is copied again (a shared copy gave the
+    second save the old values: a wrong gradient without an error); backward through the first
+    save raises autograd's version error, as it does without offload; where only the later save
+    is used, the gradient is autograd's."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(64, 64))
+            self.layer = nn.Identity()
+
+        def forward(self, x: torch.Tensor, change: bool, first: bool) -> torch.Tensor:
+            x = self.layer(x)
+            h = x @ self.w
+            a = (h * h).sum() if first else h.sum()  # mul saves h; sum saves nothing
+            if change:
+                h.mul_(3.0)  # h changed in place after its save
+            b = (h * h * 0.5).sum()  # saves h again, changed
+            return a + b
+
+    def run(offload: ActivationOffload | None, change: bool, first: bool) -> torch.Tensor:
+        torch.manual_seed(5)
+        model = Twice()
+        x = torch.randn(32, 64)
+        ctx = contextlib.nullcontext()
+        if offload is not None:
+            off = ActivationOffload(model, min_bytes=0, layers=[model.layer])
+            off._make_post_hook = lambda i: (lambda module, args, output: None)  # noqa: E731
+            ctx = offload_activations(model, offload=off)
+        with ctx:
+            model(x, change, first).backward()
+        return model.w.grad
+
+    # the first save used: autograd refuses, and so does offload
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(None, True, True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(True, True, True)
+    # only the later save used: offload's gradient is autograd's (not the old values')
+    ref = run(None, True, False)
+    assert torch.equal(run(True, True, False), ref)
+    assert torch.equal(run(True, False, True), run(None, False, True))
+
+
 def test_budget_mode_offloads_first_layers_and_stays_identical() -> None:
     model = tiny_llama(seed=4)
     ids = torch.randint(0, 211, (2, 128), generator=torch.Generator().manual_seed(5))
@@ -348,7 +394,7 @@ def test_no_growth_over_50_steps() -> None:
         off.engine.synchronize()
     assert off.stats.steps == 50
     assert off.stats.bytes_to_device == off.stats.bytes_to_host
-    assert all(stored() is None for _, stored in off._by_storage.values())
+    assert all(stored() is None for _, stored, _ in off._by_storage.values())
     assert off.manager.blocks == [] and off.manager.device_bytes == 0
 
 
@@ -489,7 +535,7 @@ def test_gpu_no_growth_over_50_steps() -> None:
         assert len(set(allocated)) == 1, allocated
         assert len(set(reserved[5:])) == 1, reserved  # the last 45 steps
         assert len(set(pinned[5:])) == 1, pinned
-        assert all(stored() is None for _, stored in off._by_storage.values())
+        assert all(stored() is None for _, stored, _ in off._by_storage.values())
         if budget is not None:
             assert 0 < len(off.stats.offloaded_layers) < off._regions, off.stats.offloaded_layers
 
