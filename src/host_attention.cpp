@@ -32,6 +32,22 @@
 //   head's keys in a block are a row apart (4 KiB at the 8B shape, a page each), and they follow
 //   runs within a page. Blocks are kBlock tokens or fewer (a long row: a batch) so that a block
 //   and the next fit in L2 (kBlockBytes).
+// fp8 rows (the device store's: each head's key or value is head_dim e4m3 bytes and its fp32
+// scale, Note [fp8 K/V rows] in python/reviva/kv_fp8.py) are half of bf16's bytes, read as they
+// are: a key's scale multiplies its scores (q.k x k_scale x scale) and a value's its weights
+// (w x v_scale, after the weights' sum), key by key, where dequantizing a block into a copy would
+// write the rows' bytes again and read them back, the traffic fp8 is there to save. 16 e4m3 bytes
+// are widened through fp16: the sign moved to fp16's and the other 7 bits shifted by 7 are the
+// fp16 bits of the value x 2^-8 exactly (e4m3's subnormals fp16's), which the hardware converts
+// (vcvtph2ps) and a product by 256 undoes. (Made into fp32's bits directly, the value x 2^-120,
+// e4m3's subnormals would be fp32 denormals: a microcode assist per instruction that reads one,
+// on x86.) S.1111.111, e4m3's NaN, would be fp16's 1.875: it is made fp16's NaN, as the device's
+// conversion makes it. The baseline widens a byte at a time from a table. On one thread of a
+// 2-core EPYC VM without AVX-512 (the AVX2 variant), a 32k-token layer at the 8B shape took
+// 85 ms in fp8 against 76 ms in bf16 (0.8 against 1.75 GB/s of rows): the same FMAs, and a
+// widening of more instructions (of which the NaN and the product by 256 ~1% and ~2% of the
+// time).
+//
 // The 16-lane vectors are GCC/Clang vector types: a zmm register under AVX-512, two ymm under
 // AVX2, four xmm otherwise, the variant chosen by the CPU's features at the first call, with
 // tiles that fit each register file; exp is exp_nonpositive, which the compiler vectorizes. No
@@ -55,6 +71,7 @@
 #include <reviva/host_attention.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -64,8 +81,10 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
+#include <immintrin.h>
 #include <unistd.h>
 
 namespace reviva {
@@ -94,19 +113,98 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
   return f;
 }
 
+// e4m3 (CUDA's __NV_E4M3: no infinities, S.1111.111 is NaN) as fp32, exactly: subnormals are
+// mantissa x 2^-9, normals (8 + mantissa) x 2^(exponent - 10).
+constexpr float e4m3_value(unsigned b) {
+  const unsigned exponent = (b >> 3) & 15, mantissa = b & 7;
+  if (exponent == 15 && mantissa == 7) return std::numeric_limits<float>::quiet_NaN();
+  float v = static_cast<float>(exponent == 0 ? mantissa : 8 + mantissa) / 512.0f;
+  for (unsigned e = 1; e < exponent; ++e) v *= 2.0f;
+  return b & 0x80 ? -v : v;
+}
+constexpr std::array<float, 256> kE4M3 = [] {
+  std::array<float, 256> table{};
+  for (unsigned b = 0; b < 256; ++b) table[b] = e4m3_value(b);
+  return table;
+}();
+[[gnu::always_inline]] inline float to_float(std::uint8_t v) { return kE4M3[v]; }
+
+// Whether T is an fp8 row's element: its rows end in a scale.
+template <typename T>
+constexpr bool kFp8 = std::is_same_v<T, std::uint8_t>;
+
+// Elements of T per head's key or value in a token's row: fp8's has its scale after it.
+template <typename T>
+constexpr std::size_t head_row(std::size_t D) {
+  return kFp8<T> ? D + sizeof(float) : D;
+}
+
+// The scale of the fp8 row whose first element is at p (head_dim D).
+[[gnu::always_inline]] inline float row_scale(const std::uint8_t* p, std::size_t D) {
+  float scale;
+  std::memcpy(&scale, p + D, sizeof scale);
+  return scale;
+}
+
 // What differs between the ISA variants: tiles whose accumulators leave room in the register
 // file for their operands (JT keys by 4 heads of scores, DT x kLanes of head_dim by 4 heads of
-// values: 16 of 32 zmm; 8 of 16 ymm, a Vec being two), and how bf16 is widened. (The baseline's
-// SSE registers take the AVX2 tiles, spilling some: it is there to be correct.)
+// values: 16 of 32 zmm; 8 of 16 ymm, a Vec being two), and how bf16 and e4m3 are widened. (The
+// baseline's SSE registers take the AVX2 tiles, spilling some: it is there to be correct.)
+enum class Fp8Widening { Zmm, Ymm, Table };  // (16 fp16 to fp32 in one zmm, two ymm, or none)
 struct Avx512 {
   static constexpr std::size_t JT = 4, DT = 4;
   static constexpr bool word_permute = true;  // (AVX512BW's vpermw: one instruction)
+  static constexpr Fp8Widening fp8 = Fp8Widening::Zmm;
 };
 struct Avx2 {
   static constexpr std::size_t JT = 1, DT = 1;
   static constexpr bool word_permute = false;  // (a 16-bit permute is element by element here)
+  static constexpr Fp8Widening fp8 = Fp8Widening::Ymm;  // (F16C's vcvtph2ps)
 };
-using Baseline = Avx2;
+struct Baseline {
+  static constexpr std::size_t JT = 1, DT = 1;
+  static constexpr bool word_permute = false;
+  static constexpr Fp8Widening fp8 = Fp8Widening::Table;
+};
+
+// 16 e4m3 bytes as the fp16 bits of their values x 2^-8 (Note [Attention on the host]): the byte
+// sign-extended and shifted by 7 has the sign in bits 15 and 14 (bit 15 kept) and the rest in
+// bits 13-7, an fp16's exponent (bias 15 for e4m3's 7) and its mantissa's top bits; 0x7F and
+// 0xFF get fp16's all-ones exponent, NaN.
+typedef std::uint16_t Halves __attribute__((vector_size(kLanes * sizeof(std::uint16_t))));
+[[gnu::always_inline]] inline void e4m3_as_halves(Halves& out, const std::uint8_t* p) {
+  typedef std::int8_t Bytes __attribute__((vector_size(kLanes)));
+  typedef std::int16_t Signed __attribute__((vector_size(kLanes * sizeof(std::int16_t))));
+  Bytes bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  const Halves x = reinterpret_cast<Halves>(__builtin_convertvector(bytes, Signed)) << 7;
+  const Halves nan = reinterpret_cast<Halves>((x & 0x3F80) == 0x3F80);
+  out = (x & 0xBF80) | (nan & 0x7C00);
+}
+
+// The hardware's fp16 conversions need their targets: these are inlined into the ISA variants'
+// bodies (attend_range_avx512 and attend_range_avx2, whose targets include theirs) once the
+// always_inline functions between are, not into those functions themselves (GCC refuses an
+// always_inline function a target its caller lacks).
+[[gnu::target("avx512f,avx512bw")]] inline void widen_e4m3_zmm(Vec& out, const std::uint8_t* p) {
+  Halves halves;
+  e4m3_as_halves(halves, p);
+  __m256i h;
+  std::memcpy(&h, &halves, sizeof h);
+  // (maskz with every lane: _mm512_cvtph_ps's _mm512_undefined_ps is a -Wmaybe-uninitialized
+  // warning in GCC 12)
+  const __m512 f = _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xFFFF, h), _mm512_set1_ps(256.0f));
+  std::memcpy(&out, &f, sizeof out);
+}
+[[gnu::target("avx2,fma,f16c")]] inline void widen_e4m3_ymm(Vec& out, const std::uint8_t* p) {
+  Halves halves;
+  e4m3_as_halves(halves, p);
+  __m128i h[2];
+  std::memcpy(h, &halves, sizeof h);
+  __m256 f[2];
+  for (int i = 0; i < 2; ++i) f[i] = _mm256_mul_ps(_mm256_cvtph_ps(h[i]), _mm256_set1_ps(256.0f));
+  std::memcpy(&out, f, sizeof out);
+}
 
 // kLanes consecutive elements as floats (unaligned).
 template <typename Isa>
@@ -134,6 +232,16 @@ template <typename Isa>
   typedef std::uint32_t Wide __attribute__((vector_size(kLanes * sizeof(std::uint32_t))));
   const Wide wide = __builtin_convertvector(narrow, Wide) << 16;
   std::memcpy(&out, &wide, sizeof out);
+}
+template <typename Isa>
+[[gnu::always_inline]] inline void load(Vec& out, const std::uint8_t* p) {
+  if constexpr (Isa::fp8 == Fp8Widening::Zmm) {
+    widen_e4m3_zmm(out, p);
+  } else if constexpr (Isa::fp8 == Fp8Widening::Ymm) {
+    widen_e4m3_ymm(out, p);
+  } else {
+    for (std::size_t i = 0; i < kLanes; ++i) out[i] = to_float(p[i]);
+  }
 }
 [[gnu::always_inline]] inline void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof v); }
 
@@ -182,7 +290,7 @@ struct Partial {
 // Where the tiles read: the rows' geometry, and the next block's rows, which are prefetched a
 // little per key scored.
 struct Tile {
-  std::size_t row;        // elements per token
+  std::size_t row;        // elements of T per token (bytes for fp8)
   std::size_t D;          // head_dim
   const char* ahead;      // the next block's rows not yet prefetched
   const char* ahead_end;  // their end
@@ -232,7 +340,7 @@ struct Tile {
 #endif
 
 // scores[h][j] = q_h . k_j * scale for HT heads (q: HT rows of D) and JT keys from k (a row
-// apart), into s[h * kBlock + j].
+// apart), into s[h * kBlock + j]; for fp8, q_h . k_j * k_scale_j * scale.
 template <typename Isa, std::size_t HT, std::size_t JT, typename T>
 [[gnu::always_inline]] inline void score_tile(const T* k, const float* q, float scale,
                                               const Tile& tile, float* s) {
@@ -251,11 +359,22 @@ template <typename Isa, std::size_t HT, std::size_t JT, typename T>
       for (std::size_t j = 0; j < JT; ++j) acc[j][h] += query * key[j];
     }
   }
+  [[maybe_unused]] float key_scale[JT];
+  if constexpr (kFp8<T>) {
+#pragma GCC unroll 16
+    for (std::size_t j = 0; j < JT; ++j) key_scale[j] = row_scale(k + j * tile.row, D);
+  }
 #ifdef REVIVA_HAVE_SHUFFLEVECTOR
   if constexpr (HT == 4 && JT == 4) {
     if (d == D) {
       Vec sums;
       sum_lanes_16(acc, sums);
+      if constexpr (kFp8<T>) {  // (lane 4h + j is key j's)
+        typedef float Quarter __attribute__((vector_size(4 * sizeof(float))));
+        Quarter four;
+        std::memcpy(&four, key_scale, sizeof four);
+        sums *= __builtin_shufflevector(four, four, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+      }
       sums *= scale;
 #pragma GCC unroll 4
       for (std::size_t h = 0; h < 4; ++h)
@@ -271,6 +390,7 @@ template <typename Isa, std::size_t HT, std::size_t JT, typename T>
     for (std::size_t j = 0; j < JT; ++j) {
       float sum = sum_lanes(acc[j][h]);
       for (std::size_t e = d; e < D; ++e) sum += q[h * D + e] * to_float(k[j * tile.row + e]);
+      if constexpr (kFp8<T>) sum *= key_scale[j];
       s[h * kBlock + j] = sum * scale;
     }
   }
@@ -305,7 +425,7 @@ template <typename Isa, std::size_t HT, std::size_t DT, typename T>
 
 // One block of n tokens for HT query heads sharing a K/V head: k and v are the first token's key
 // and value, q the heads' queries, m/l/acc their running maximum, sum and accumulator, s the
-// block's scores.
+// block's scores, then its weights (for fp8 each times its value's scale).
 template <typename Isa, std::size_t HT, typename T>
 [[gnu::always_inline]] inline void attend_heads(const T* k, const T* v, std::size_t n,
                                                 const float* q, float scale, Tile& tile, float* m,
@@ -321,6 +441,9 @@ template <typename Isa, std::size_t HT, typename T>
     score_tile<Isa, HT, 1>(k + j * row, q, scale, tile, s + j);
     prefetch_ahead(tile, 1);
   }
+  [[maybe_unused]] float value_scale[kFp8<T> ? kBlock : 1];
+  if constexpr (kFp8<T>)
+    for (std::size_t i = 0; i < n; ++i) value_scale[i] = row_scale(v + i * row, D);
   // (maximum, exp and sum in kLanes lanes, which the compiler vectorizes; the padding to a
   // multiple of kLanes is -inf for the maximum and 0 after the exp)
   const std::size_t padded = (n + kLanes - 1) / kLanes * kLanes;
@@ -349,6 +472,9 @@ template <typename Isa, std::size_t HT, typename T>
     float sum = 0.0f;
     for (std::size_t e = 0; e < kLanes; ++e) sum += lane[e];
     l[h] += sum;
+    // (fp8: the weights of the values' elements, w x v_scale; the sum above is of w)
+    if constexpr (kFp8<T>)
+      for (std::size_t i = 0; i < n; ++i) w[i] *= value_scale[i];
   }
   std::size_t d = 0;
   for (; d + DT * kLanes <= D; d += DT * kLanes)
@@ -369,7 +495,8 @@ template <typename Isa, typename T>
                                                      float scale, Partial& part) {
   const std::size_t B = s.batch, G = s.kv_heads, H = s.heads, D = s.head_dim;
   const std::size_t per_group = H / G, head_groups = (per_group + kHeads - 1) / kHeads;
-  Tile tile{2 * B * G * D, D, nullptr, nullptr, 0};
+  const std::size_t RD = head_row<T>(D);
+  Tile tile{2 * B * G * RD, D, nullptr, nullptr, 0};
   // Tokens per block: kBlock, or fewer where rows are long (a batch), so that a block and the
   // next one, prefetched, stay within L2.
   const std::size_t row_bytes = tile.row * sizeof(T);
@@ -388,8 +515,8 @@ template <typename Isa, typename T>
         (n_next * row_bytes / 64 + B * G * head_groups * n - 1) / (B * G * head_groups * n);
     for (std::size_t b = 0; b < B; ++b) {
       for (std::size_t g = 0; g < G; ++g) {
-        const T* k = rows + t * tile.row + (b * G + g) * D;
-        const T* v = k + B * G * D;
+        const T* k = rows + t * tile.row + (b * G + g) * RD;
+        const T* v = k + B * G * RD;
         for (std::size_t h0 = 0; h0 < per_group; h0 += kHeads) {
           const std::size_t i = b * H + g * per_group + h0;
           float *m = part.m.data() + i, *l = part.l.data() + i, *acc = part.acc.data() + i * D;
@@ -406,9 +533,9 @@ template <typename Isa, typename T>
   }
 }
 
-// The body compiled three times, for AVX-512 (with BW, for vpermw), AVX2 with FMA and the
-// baseline, chosen once by the CPU's features (not by target_clones: its load-time resolver
-// crashed the ThreadSanitizer build before main).
+// The body compiled three times, for AVX-512 (with BW, for vpermw), AVX2 with FMA and F16C (for
+// vcvtph2ps) and the baseline, chosen once by the CPU's features (not by target_clones: its
+// load-time resolver crashed the ThreadSanitizer build before main).
 template <typename T>
 [[gnu::target("avx512f,avx512bw")]] void attend_range_avx512(const T* rows,
                                                              const HostAttentionShape& s,
@@ -418,9 +545,10 @@ template <typename T>
   attend_range_body<Avx512>(rows, s, t0, t1, q, scale, part);
 }
 template <typename T>
-[[gnu::target("avx2,fma")]] void attend_range_avx2(const T* rows, const HostAttentionShape& s,
-                                                   std::size_t t0, std::size_t t1, const float* q,
-                                                   float scale, Partial& part) {
+[[gnu::target("avx2,fma,f16c")]] void attend_range_avx2(const T* rows, const HostAttentionShape& s,
+                                                        std::size_t t0, std::size_t t1,
+                                                        const float* q, float scale,
+                                                        Partial& part) {
   attend_range_body<Avx2>(rows, s, t0, t1, q, scale, part);
 }
 template <typename T>
@@ -434,8 +562,10 @@ void attend_range(const T* rows, const HostAttentionShape& s, std::size_t t0, st
                   const float* q, float scale, Partial& part) {
   static const int level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                                ? 2
-                           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
-                                                                                             : 0;
+                           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                   __builtin_cpu_supports("f16c")
+                               ? 1
+                               : 0;
   if (level == 2)
     attend_range_avx512(rows, s, t0, t1, q, scale, part);
   else if (level == 1)
@@ -571,6 +701,13 @@ void host_decode_attention(const void* rows, RowType type, const HostAttentionSh
                    "host_decode_attention: heads ", shape.heads,
                    " must be a positive multiple of kv_heads ", shape.kv_heads);
   REVIVA_CHECK_ARG(threads >= 1, "host_decode_attention: threads must be >= 1, got ", threads);
+  REVIVA_CHECK_ARG(
+      type == RowType::BFloat16 || type == RowType::Float32 || type == RowType::Fp8E4M3,
+      "host_decode_attention: row type ", static_cast<int>(type), " is not a RowType");
+  // (the device store's rows: each scale 4-byte aligned after head_dim bytes)
+  REVIVA_CHECK_ARG(type != RowType::Fp8E4M3 || shape.head_dim % 4 == 0,
+                   "host_decode_attention: head_dim ", shape.head_dim,
+                   " of fp8 rows must be a multiple of 4");
   const std::size_t keys = last - first;
   const std::size_t BH = shape.batch * shape.heads, D = shape.head_dim;
   // (at least a block per thread: fewer threads for short ranges)
@@ -592,6 +729,8 @@ void host_decode_attention(const void* rows, RowType type, const HostAttentionSh
       const std::size_t t0 = first + keys * c / chunks, t1 = first + keys * (c + 1) / chunks;
       if (type == RowType::BFloat16)
         attend_range(static_cast<const std::uint16_t*>(rows), shape, t0, t1, q, scale, parts[c]);
+      else if (type == RowType::Fp8E4M3)
+        attend_range(static_cast<const std::uint8_t*>(rows), shape, t0, t1, q, scale, parts[c]);
       else
         attend_range(static_cast<const float*>(rows), shape, t0, t1, q, scale, parts[c]);
     }

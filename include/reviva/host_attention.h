@@ -11,8 +11,11 @@
 
 namespace reviva {
 
-// How the K/V rows' elements are stored.
-enum class RowType { BFloat16, Float32 };
+// How the K/V rows' elements are stored. Fp8E4M3: the device store's fp8 rows (Note [fp8 K/V
+// rows] in python/reviva/kv_fp8.py), each head's key or value head_dim e4m3 bytes (CUDA's
+// __NV_E4M3) then its fp32 scale (4 bytes, little-endian), the element being the e4m3 value x
+// the scale.
+enum class RowType { BFloat16, Float32, Fp8E4M3 };
 
 struct HostAttentionShape {
   std::size_t batch = 1;
@@ -23,13 +26,15 @@ struct HostAttentionShape {
 
 // One query per sequence and head attends to keys [first, last) of token-major rows: row t is
 // [2][batch][kv_heads][head_dim] (its keys, then its values) of `type`, rows back to back from
-// `rows`. q: [batch][heads][head_dim] fp32 (scores are q.k * scale); out: the same shape, fp32.
+// `rows`; for Fp8E4M3 [2][batch][kv_heads] of head_dim + 4 bytes (2 x batch x kv_heads x
+// (head_dim + 4) bytes a token), head_dim a multiple of 4 (the store's scales 4-byte aligned).
+// q: [batch][heads][head_dim] fp32 (scores are q.k * scale); out: the same shape, fp32.
 // `threads` >= 1 share the keys, in chunks each takes as it comes free (their partial results
 // merged by log-sum-exp, in key order): the calling thread and threads - 1 workers of a pool kept
 // between calls; calls from several threads at once are
 // safe, their parallel parts taking turns. Throws
 // InvalidArgument naming a bad value (an empty range, heads not a multiple of kv_heads, null
-// pointers, threads < 1).
+// pointers, threads < 1, an fp8 head_dim not a multiple of 4).
 REVIVA_API void host_decode_attention(const void* rows, RowType type,
                                       const HostAttentionShape& shape, std::size_t first,
                                       std::size_t last, const float* q, float scale, float* out,

@@ -237,16 +237,19 @@ class PyKVStore {
 
   // Note [Host-side appends] (offload_manager.cpp), Note [Attention on the host]: decode
   // attention of a host-attended layer on the host's cores. `key`, `value`: the n new tokens'
-  // [batch, kv_heads, n, head_dim] on the CPU in the store's dtype, written at the layer's end
-  // into its host copy; `q`: their queries, [batch, heads, n, head_dim] on the CPU (any float
-  // dtype). Query j attends keys [0, length + j + 1) (causal within the new tokens; within the
-  // last `window` of them for a sliding layer, 0: no window). Returns
-  // [batch, heads, n, head_dim] fp32. Without the GIL; bf16 or fp32 K/V.
+  // [batch, kv_heads, n, row] on the CPU in the store's dtype, written at the layer's end into
+  // its host copy (row: head_dim elements, or for fp8 rows (uint8) head_dim + 4 bytes as
+  // kv_fp8.quantize makes them); `q`: their queries, [batch, heads, n, head_dim] on the CPU (any
+  // float dtype). Query j attends keys [0, length + j + 1) (causal within the new tokens; within
+  // the last `window` of them for a sliding layer, 0: no window). Returns
+  // [batch, heads, n, head_dim] fp32. Without the GIL; bf16, fp32 or fp8 K/V.
   torch::Tensor host_attend(int layer, const torch::Tensor& q, const torch::Tensor& key,
                             const torch::Tensor& value, double scale, int threads, int64_t window) {
-    const bool bf16 = dtype_ == torch::kBFloat16;
-    REVIVA_CHECK_ARG(bf16 || dtype_ == torch::kFloat32, "KVStore::host_attend: K/V of dtype ",
-                     c10::toString(dtype_), " (attention on the host reads bf16 or fp32 rows)");
+    const bool bf16 = dtype_ == torch::kBFloat16, fp8 = dtype_ == torch::kUInt8;
+    REVIVA_CHECK_ARG(bf16 || fp8 || dtype_ == torch::kFloat32,
+                     "KVStore::host_attend: K/V of dtype ", c10::toString(dtype_),
+                     " (attention on the host reads bf16, fp32 or fp8 rows)");
+    const int64_t head_dim = fp8 ? row_[3] - 4 : row_[3];
     REVIVA_CHECK_ARG(key.dim() == 4 && key.sizes() == value.sizes() && key.size(0) == row_[1] &&
                          key.size(1) == row_[2] && key.size(3) == row_[3],
                      "KVStore::host_attend: key and value must be [", row_[1], ", ", row_[2],
@@ -257,9 +260,9 @@ class PyKVStore {
                      " on the CPU, got ", describe(key), " and ", describe(value));
     const int64_t n = key.size(2);
     REVIVA_CHECK_ARG(q.dim() == 4 && q.size(0) == row_[1] && q.size(2) == n &&
-                         q.size(3) == row_[3] && q.size(1) % row_[2] == 0 && q.device().is_cpu(),
+                         q.size(3) == head_dim && q.size(1) % row_[2] == 0 && q.device().is_cpu(),
                      "KVStore::host_attend: q must be [", row_[1], ", heads (a multiple of ",
-                     row_[2], "), ", n, ", ", row_[3], "] on the CPU, got ", describe(q));
+                     row_[2], "), ", n, ", ", head_dim, "] on the CPU, got ", describe(q));
     REVIVA_CHECK_ARG(threads >= 1, "KVStore::host_attend: threads must be >= 1, got ", threads);
     REVIVA_CHECK_ARG(window >= 0, "KVStore::host_attend: window must be >= 0 (0: none), got ",
                      window);
@@ -269,12 +272,13 @@ class PyKVStore {
         torch::stack({key.permute({2, 0, 1, 3}), value.permute({2, 0, 1, 3})}, 1).contiguous();
     // [n, batch, heads, head_dim] fp32: one query per sequence and head at a time
     torch::Tensor queries = q.permute({2, 0, 1, 3}).to(torch::kFloat32).contiguous();
-    torch::Tensor out = torch::empty({n, row_[1], heads, row_[3]}, queries.options());
+    torch::Tensor out = torch::empty({n, row_[1], heads, head_dim}, queries.options());
     HostAttentionShape shape;
     shape.batch = static_cast<std::size_t>(row_[1]);
     shape.kv_heads = static_cast<std::size_t>(row_[2]);
     shape.heads = static_cast<std::size_t>(heads);
-    shape.head_dim = static_cast<std::size_t>(row_[3]);
+    shape.head_dim = static_cast<std::size_t>(head_dim);
+    const RowType type = fp8 ? RowType::Fp8E4M3 : bf16 ? RowType::BFloat16 : RowType::Float32;
     {
       py::gil_scoped_release release;
       const std::size_t first = store_->length(layer);
@@ -286,9 +290,9 @@ class PyKVStore {
         // (a sliding layer's query at `at` reads keys (at - window, at]: Note [Sliding windows])
         const auto w = static_cast<std::size_t>(window);
         const std::size_t from = w > 0 && at + 1 > w ? at + 1 - w : 0;
-        host_decode_attention(store_->host_rows(layer), bf16 ? RowType::BFloat16 : RowType::Float32,
-                              shape, from, at + 1, queries[j].data_ptr<float>(),
-                              static_cast<float>(scale), out[j].data_ptr<float>(), threads);
+        host_decode_attention(store_->host_rows(layer), type, shape, from, at + 1,
+                              queries[j].data_ptr<float>(), static_cast<float>(scale),
+                              out[j].data_ptr<float>(), threads);
       }
     }
     return out.permute({1, 2, 0, 3});

@@ -374,6 +374,7 @@ def _plan(args: argparse.Namespace) -> int:
         Plan,
         host_attention_pays,
         host_decode_mix,
+        host_kv_layers,
         make_plan,
         rings_wanted,
     )
@@ -471,28 +472,35 @@ def _plan(args: argparse.Namespace) -> int:
         return 1
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
     # RevivaConfig(decode_attention) as RevivaManager._decode_attention_on_host decides it:
-    # "host" needs bf16/fp32 K/V, not paged; "auto" takes it where it pays
-    host_ok = (
-        not plan.kv_fp8
-        and not plan.page_tokens
-        and layout.dtype
-        in (
-            torch.bfloat16,
-            torch.float32,
-        )
+    # "host" needs bf16/fp32 or fp8 K/V, not paged; "auto" takes it where it pays (for fp8 rows,
+    # some of the fetched layers: Note [The host beside the copies] in planner.py)
+    host_ok = not plan.page_tokens and (
+        plan.kv_fp8 or layout.dtype in (torch.bfloat16, torch.float32)
     )
+    beside = host_kv_layers(plan) if args.decode_attention == "auto" and host_ok else 0
     host = args.decode_attention == "host" or (
-        args.decode_attention == "auto" and host_ok and host_attention_pays(plan)
+        args.decode_attention == "auto"
+        and host_ok
+        and not plan.kv_fp8
+        and host_attention_pays(plan)
     )
     if host and not host_ok:
         print(
-            "reviva plan: --decode-attention host needs bf16/fp32 K/V without pages",
+            "reviva plan: --decode-attention host needs bf16/fp32 or fp8 K/V without pages",
             file=sys.stderr,
         )
         return 2
     if host and plan.ring_layers:  # (the host attends whole layers: the manager re-plans so)
         plan = plan_call(False)
-    f = forecast(layout, plan, weights, args.attention_kernel, pcie_bps=pcie, host_attention=host)
+    f = forecast(
+        layout,
+        plan,
+        weights,
+        args.attention_kernel,
+        pcie_bps=pcie,
+        host_attention=host,
+        host_beside=beside,
+    )
     if args.json:
         out = {
             "model": shape,
@@ -504,7 +512,8 @@ def _plan(args: argparse.Namespace) -> int:
             "promotable_layers": plan.promotable_layers(),
             "weights_streamed": stream,
             "embedding_on_host": host_embedding,
-            "decode_attention": "host" if host else "device",
+            "decode_attention": "host" if host or beside else "device",
+            "host_beside_copies": beside,
             "forecast": f.to_dict(),
         }
         print(json.dumps(out, indent=1))
@@ -552,6 +561,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(
             f"  decode attention on the host: the {plan.streamed_layers - promoted} layers whose "
             "K/V still streams after prefill are attended in pinned host memory (nothing fetched)"
+        )
+    if beside:
+        print(
+            f"  decode attention on the host for {beside} of the {plan.streamed_layers - promoted}"
+            " layers whose fp8 K/V still streams after prefill, while the others are fetched"
         )
     print(
         f"  prefill: chunks of {plan.chunk_tokens} tokens, attention "

@@ -109,6 +109,7 @@ def forecast(
     attention_kernel: str = "auto",
     pcie_bps: float | None = None,
     host_attention: bool = False,
+    host_beside: int = 0,
 ) -> Forecast:
     """Times of a call planned as `plan` on `layout` (see the module docstring), prefill's
     chunked attention through `attention_kernel`: "cudnn", "flash", or "auto" (what
@@ -118,7 +119,9 @@ def forecast(
     decode attends the streamed K/V on the host (RevivaConfig(decode_attention); "auto" takes it
     where planner.host_attention_pays): the room after prefill is shared as
     planner.host_decode_mix shares it, no K/V is fetched, and the host's time (MemoryModel's
-    rate) bounds a step too."""
+    rate) bounds a step too. `host_beside`: of the layers fetched, this many are attended on the
+    host instead (planner.host_kv_layers, Note [The host beside the copies]): their host time
+    adds to the step's compute, beside the others' copies."""
     if attention_kernel not in ("auto", "cudnn", "flash"):
         raise ValueError(
             f"attention_kernel must be 'auto', 'cudnn' or 'flash', got {attention_kernel!r}"
@@ -202,8 +205,13 @@ def forecast(
         # (the host's time in weight-resident layers, and beyond a streamed layer's copy, adds)
         step = max(compute, transfer, mix.step_s)
     else:
+        beside = sorted(fetched)[len(fetched) - min(host_beside, len(fetched)) :]
+        if beside:  # (read on the host at its fp8 rate, not fetched)
+            host = sum(beside) * plan.kv_token_bytes / MODEL.host_fp8_attention_bps
+            host += len(beside) * MODEL.host_attention_layer_s
+            fetched = sorted(fetched)[: len(fetched) - len(beside)]
         transfer = sum(fetched) * plan.kv_token_bytes / pcie + weight_copies
-        step = max(compute, transfer)
+        step = max(compute + host, transfer)
     first_extra = sum(min(held, plan.kv_tokens(i)) for i in promoted_ids) * plan.kv_token_bytes
     first_extra /= pcie
     first_extra += weights_promoted * plan.weight_layer_bytes / pcie
@@ -232,7 +240,7 @@ def forecast(
         decode_tok_s=1 / step if step > 0 else float("inf"),
         decode_bound="compute"
         if step == compute
-        else ("transfer" if mix is None or step <= transfer * 1.001 else "transfer+host"),
+        else ("transfer" if step <= transfer * 1.001 else "transfer+host"),
         first_step_extra_s=first_extra,
         decode_call_tok_s=steps / (steps * step + first_extra) if steps and step > 0 else 0.0,
         attention_kernel=attention_kernel,
@@ -240,7 +248,7 @@ def forecast(
         calibration=CALIBRATION
         if pcie_bps is None
         else f"{CALIBRATION}; PCIe stated: {pcie_bps / 1e9:g} GB/s",
-        decode_attention="host" if host_attention else "device",
+        decode_attention="host" if host_attention or host > 0 else "device",
         decode_host_s=host,
         weights_promoted_in_decode=weights_promoted,
     )

@@ -633,6 +633,8 @@ class RevivaCache(Cache):
         depend on this step's work) and the output goes back by a pinned copy that torch's
         stream orders before its readers."""
         t0 = time.perf_counter()
+        if self.fp8:  # (the host copy holds rows as the store does: Note [fp8 K/V rows])
+            k, v = fp8rows.quantize(k), fp8rows.quantize(v)
         if q.device.type == "cuda":
             qs, ks, vs, out_pinned = self._host_staging(q, k)
             qs.copy_(q, non_blocking=True)
@@ -647,11 +649,12 @@ class RevivaCache(Cache):
             result = out_pinned.to(q.device, non_blocking=True).to(q.dtype)
         else:
             t1 = time.perf_counter()
+            rows = torch.uint8 if self.fp8 else self.dtype
             out = self.store.host_attend(
                 layer_idx,
                 q,
-                k.to(self.dtype),
-                v.to(self.dtype),
+                k.to(rows),
+                v.to(rows),
                 scale,
                 self.host_threads,
                 window or 0,
@@ -669,11 +672,11 @@ class RevivaCache(Cache):
         """Pinned buffers for a step's q, k, v and output, made once per shape. Reused layer
         after layer: each host_attend waits for compute, by which point the previous layer's
         output copy has been read."""
-        key = (tuple(q.shape), tuple(k.shape), q.dtype)
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, k.dtype)
         if self._staging is None or self._staging[0] != key:
             qs = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
-            ks = torch.empty(k.shape, dtype=self.dtype, pin_memory=True)
-            vs = torch.empty(k.shape, dtype=self.dtype, pin_memory=True)
+            ks = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+            vs = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
             out = torch.empty(q.shape, dtype=torch.float32, pin_memory=True)
             self._staging = (key, (qs, ks, vs, out))
         return self._staging[1]

@@ -101,6 +101,9 @@ class MemoryModel:
     # much shorter than with the K/V fetched (host_attention_pays): the host's time varies with
     # what else runs on its cores (2.5-4.8 ms a 32k layer between calls on the H200's host).
     host_attention_margin: float = 0.9
+    # Note [The host beside the copies]: the rate at which the host's cores attend fp8 rows
+    # (bytes of rows a second, 16 threads, e4m3 values and their scales).
+    host_fp8_attention_bps: float = 34e9
 
 
 MODEL = MemoryModel()
@@ -974,6 +977,39 @@ def host_attention_pays(plan: Plan, model: MemoryModel = MODEL) -> bool:
         return False
     host = host_decode_mix(plan, model).step_s
     return host <= model.host_attention_margin * device_decode_step_s(plan, model)
+
+
+# Note [The host beside the copies]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With fp8 K/V and every layer's weights resident (a long context on a card the weights fit),
+# a decode step is bound by the K/V fetched over PCIe: at 512k on a 24 GB card (Llama-3-8B
+# shape) 29 layers of 1.08 GB, ~0.57 s a step at 55 GB/s. The host's cores can read a layer's
+# rows where its pinned copy lies while the copy engine fetches another's: a host-attended layer
+# blocks the step for its host time, and the fetch of the next streamed layer runs meanwhile
+# into the slot the last one left. So of the S layers still streamed after prefill's promotions,
+# h are attended on the host (spread among the others, so that each host layer has a fetch to
+# run beside it), h chosen so that the longer of the copies ((S - h) layers) and the host's time
+# (h layers) is least. Not with streamed weights (host_decode_mix shares that room), not for a
+# batch, and only for fp8 rows: for bf16 the host's rate was measured with the weights' copies
+# (host_attention_bps), and the 512k bf16 plans were measured with every layer fetched.
+def host_kv_layers(plan: Plan, model: MemoryModel = MODEL) -> int:
+    """Note [The host beside the copies]: how many of the fp8 layers still streamed after
+    prefill's promotions decode attends on the host (0: none, where it does not pay by
+    host_attention_margin)."""
+    if not plan.kv_fp8 or plan.batch > 1 or plan.streamed_weight_layers > 0:
+        return 0
+    streamed = plan.streamed_layers - min(plan.promotable_layers(), plan.streamed_layers)
+    if streamed < 2:
+        return 0
+    kv = plan.capacity * plan.kv_token_bytes  # (a layer's K/V at the call's end)
+    copy = kv / model.copy_bps
+    host = kv / model.host_fp8_attention_bps + model.host_attention_layer_s
+
+    def step(h: int) -> float:
+        return max((streamed - h) * copy, h * host)
+
+    best = min(range(streamed + 1), key=lambda h: (step(h), h))
+    return best if step(best) <= model.host_attention_margin * step(0) else 0
 
 
 # Note [Window rings] (kv_cache.py): a ring holds a window and room for the most tokens written

@@ -44,7 +44,9 @@ def host_manager(model, batch: int = 1) -> RevivaManager:  # noqa: ANN001
     return manager
 
 
-def check_host_stats(manager: RevivaManager, batch: int = 1, new: int = NEW) -> None:
+def check_host_stats(
+    manager: RevivaManager, batch: int = 1, new: int = NEW, fp8: bool = False
+) -> None:
     st = manager.get_memory_stats()
     assert st.decode_attention == "host"
     assert st.host_attended_layers >= 1, st.summary()
@@ -52,7 +54,9 @@ def check_host_stats(manager: RevivaManager, batch: int = 1, new: int = NEW) -> 
     steps = new - 1  # (the first token comes from prefill)
     assert st.host_attention_calls == st.host_attended_layers * steps
     lay = manager.layout
-    row = 2 * batch * lay.num_kv_heads * lay.head_dim * lay.dtype.itemsize  # a token's K and V
+    # a token's K and V (fp8: e4m3 values and a 4-byte scale per head, Note [fp8 K/V rows])
+    per_head = lay.head_dim + 4 if fp8 else lay.head_dim * lay.dtype.itemsize
+    row = 2 * batch * lay.num_kv_heads * per_head
     assert st.bytes_written_on_host == st.host_attended_layers * steps * row
     assert st.decode_slots == 0, "no layer is fetched in decode: the slots went"
 
@@ -305,6 +309,57 @@ def test_a_returned_cache_continues_from_host_attended_layers() -> None:
     assert torch.equal(more, ref)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_sliding"])
+def test_fp8_rows_attended_on_the_host_give_the_devices_tokens(family: str) -> None:
+    """fp8 K/V (Note [fp8 K/V rows]) attended on the host: the new rows quantized as the store
+    does and written to the host copy, the host reading e4m3 values and their scales
+    (host_decode_attention's Fp8E4M3 rows). The same tokens as the same plan with decode on the
+    device (both attend the same fp8 values in fp32), on repeated calls; what the host wrote is
+    fp8 rows' bytes."""
+    model = tiny_model(family, seed=4)
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    outs = {}
+    for choice in ("device", "host"):
+        manager = RevivaManager(
+            copy.deepcopy(model), RevivaConfig(decode_attention=choice, kv_dtype="fp8")
+        )
+        _, plan = budget_where(manager, PROMPT, NEW, some_kv_streamed)
+        assert plan.streamed_layers >= 2 and plan.kv_fp8, plan
+        outs[choice] = [manager.generate(ids, max_new_tokens=NEW, do_sample=False) for _ in "ab"]
+        if choice == "host":
+            check_host_stats(manager, fp8=True)
+    assert torch.equal(outs["host"][0], outs["device"][0])
+    assert torch.equal(outs["host"][1], outs["host"][0])
+
+
+def test_fp8_some_layers_on_the_host_beside_the_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [The host beside the copies] (planner.py): with fp8 rows, "auto" on a GPU attends
+    some of the layers still streamed after prefill on the host while the others are fetched
+    (planner.host_kv_layers picks how many; forced to 2 here, on the CPU, where "auto" never
+    takes the host). The same tokens as every layer fetched, on repeated calls; 2 layers on the
+    host, the rest fetched through the slots they keep."""
+    model = tiny_model("llama", seed=6)
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    device = RevivaManager(copy.deepcopy(model), RevivaConfig(kv_dtype="fp8"))
+    budget, plan = budget_where(device, PROMPT, NEW, some_kv_streamed)
+    ref = device.generate(ids, max_new_tokens=NEW, do_sample=False)
+    fetched = device.get_memory_stats().streamed_layers
+    assert fetched >= 3, device.get_memory_stats().summary()
+
+    def two_beside(self, plan, beams, padded, share) -> bool:  # noqa: ANN001, ARG001
+        self._phase["host_beside_copies"] = 2
+        return True
+
+    monkeypatch.setattr(RevivaManager, "_decode_attention_on_host", two_beside)
+    manager = RevivaManager(copy.deepcopy(model), RevivaConfig(kv_dtype="fp8", vram_budget=budget))
+    for _ in range(2):
+        assert torch.equal(manager.generate(ids, max_new_tokens=NEW, do_sample=False), ref)
+        st = manager.get_memory_stats()
+        assert st.decode_attention == "host" and st.host_attended_layers == 2, st.summary()
+        assert st.streamed_layers == fetched and st.decode_slots >= 1, st.summary()
+        assert st.host_attention_calls == 2 * (NEW - 1)
+
+
 class Boom(BaseStreamer):
     def __init__(self, after: int) -> None:
         self.seen, self.after = 0, after
@@ -339,9 +394,6 @@ def test_what_the_host_cannot_attend_is_refused_by_name() -> None:
     mask[1, :3] = 0  # left padding
     with pytest.raises(ValueError, match="a padded batch"):
         manager.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    fp8 = RevivaManager(copy.deepcopy(model), RevivaConfig(decode_attention="host", kv_dtype="fp8"))
-    with pytest.raises(ValueError, match="kv_dtype='fp8'"):
-        fp8.generate(ids[:1], max_new_tokens=4, do_sample=False)
     with pytest.raises(ValueError, match="decode_attention must be 'auto', 'device' or 'host'"):
         RevivaConfig(decode_attention="cpu")
 

@@ -187,6 +187,25 @@ def test_auto_attends_on_the_host_where_the_weights_stream_and_it_pays(
     assert batch["weights_streamed"] and batch["decode_attention"] == "device"
 
 
+def test_fp8_at_512k_attends_some_fetched_layers_on_the_host(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Note [The host beside the copies] (planner.host_kv_layers): at 512k of the 8B shape with
+    fp8 K/V on a 24 GB card (weights resident, the K/V fetched bounds a step), "auto" attends
+    some of the fetched layers on the host, fewer than all, and forecasts a faster decode than
+    with every layer fetched; not where the weights stream (card8 32k above) nor for a batch."""
+    args = ("--context", "512k", "--kv-dtype", "fp8", "--new-tokens", "16")
+    auto = plan_json(capsys, *args)
+    device = plan_json(capsys, *args, "--decode-attention", "device")
+    left = auto["plan"]["num_layers"] - len(auto["plan"]["resident_layers"])
+    assert 0 < auto["host_beside_copies"] < left - auto["promotable_layers"], auto
+    assert auto["decode_attention"] == "host" and device["decode_attention"] == "device"
+    assert device["host_beside_copies"] == 0
+    assert auto["forecast"]["decode_call_tok_s"] > device["forecast"]["decode_call_tok_s"]
+    batch = plan_json(capsys, "--context", "64k", "--kv-dtype", "fp8", "--batch", "8")
+    assert batch["host_beside_copies"] == 0
+
+
 def test_text_output_and_bad_input(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # noqa: ANN001
     assert main(["plan", "--context", "64k"]) == 0
     text = capsys.readouterr().out
