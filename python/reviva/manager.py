@@ -49,6 +49,7 @@ from reviva.planner import (
     device_state,
     host_attention_pays,
     host_decode_mix,
+    host_kv_layers,
     host_state,
     make_plan,
     rings_wanted,
@@ -741,7 +742,10 @@ class RevivaManager:
             return
         # (layers attended on the host need no slot: their room goes to promotions too, and
         # the last slot goes once they are on the host, _attend_on_host_after_prefill)
-        host = self._phase.get("host_attention", False)
+        # (Note [The host beside the copies]: the layers fetched keep their slots)
+        host = self._phase.get("host_attention", False) and not self._phase.get(
+            "host_beside_copies"
+        )
         # (Note [Weights first when the host attends]: the weights promoted took room first, in
         # whole layers' K/V)
         taken = -(-self._phase.get("weight_promoted_bytes", 0) // plan.layer_kv_bytes)
@@ -838,11 +842,55 @@ class RevivaManager:
         cache = self._cache
         if cache is None or not self._phase.get("host_attention", False):
             return
+        beside = self._phase.get("host_beside_copies")
+        if beside:  # Note [The host beside the copies] (planner.py): some, between the fetched
+            streamed = [i for i in range(len(cache.layers)) if not cache.store.resident(i)]
+            for k in spread(min(beside, len(streamed)), len(streamed)):
+                cache.attend_on_host(streamed[k])
+            return
         for i in range(len(cache.layers)):
             if not cache.store.resident(i):
                 cache.attend_on_host(i)
         while cache.drop_slot():
             pass
+
+    @staticmethod
+    def _inferred_mask(model: nn.Module, gen: Any, ids: torch.Tensor) -> torch.Tensor | None:
+        """The attention mask HF's generate infers for token ids given without one
+        (GenerationMixin._prepare_special_tokens and _prepare_attention_mask_for_generation):
+        where the pad id occurs in them and is no eos id, 0 at the pad ids; None where it masks
+        nothing. The calls decide "padded" from it as from a mask given (a pad id in a prompt, or
+        generated in an earlier chat turn, is masked as plain HF masks it)."""
+        config = copy.deepcopy(gen)
+        model._prepare_special_tokens(config, False, ids.device, ids.shape[0])
+        mask = model._prepare_attention_mask_for_generation(ids, config, {})
+        return None if bool(mask.all()) else mask
+
+    def _new_tokens(self, gen: Any, kwargs: dict, tokens: int) -> int:
+        """The new tokens HF's generate makes of a prompt of `tokens` (GenerationMixin.
+        _prepare_generated_length and _validate_generated_length): max_new_tokens; else the
+        max_length given (in the call, its generation_config or the model's), which must exceed
+        the prompt; else 20 after the prompt, within max_position_embeddings."""
+        if gen.max_new_tokens is not None:
+            return int(gen.max_new_tokens)
+        given = kwargs.get("generation_config")
+        if (
+            kwargs.get("max_length") is not None
+            or (given is not None and given.max_length is not None)
+            or self.model.generation_config.max_length is not None
+        ):
+            length = int(gen.max_length)
+        else:
+            length = tokens + 20  # (HF's "by default let's always generate 20 new tokens")
+            positions = getattr(self.model.config, "max_position_embeddings", None)
+            if positions is not None:
+                length = min(length, int(positions))
+        if tokens >= length:
+            raise ValueError(
+                f"RevivaManager.generate: input length of input_ids is {tokens}, but max_length "
+                f"is {length} (as transformers' generate refuses it): set max_new_tokens"
+            )
+        return length - tokens
 
     def _decode_attention_on_host(self, plan: Plan, beams: int, padded: bool, share: int) -> bool:
         """Whether this call's decode attends its streamed K/V on the host (RevivaConfig.
@@ -852,10 +900,8 @@ class RevivaManager:
         if choice == "device":
             return False
         why = None
-        if self.layout.dtype not in (torch.bfloat16, torch.float32):
-            why = f"K/V in {self.layout.dtype} (the host reads bf16 or fp32 rows)"
-        elif plan.kv_fp8:
-            why = "kv_dtype='fp8'"
+        if not plan.kv_fp8 and self.layout.dtype not in (torch.bfloat16, torch.float32):
+            why = f"K/V in {self.layout.dtype} (the host reads bf16, fp32 or fp8 rows)"
         elif plan.page_tokens:
             why = f"kv_page_tokens={plan.page_tokens}"
         elif beams > 1:
@@ -874,10 +920,21 @@ class RevivaManager:
             return True
         # "auto": on a GPU, where the weights stream too and the model plans a shorter step
         # with the host attending (planner.host_attention_pays; Note [Decode rooms when the host
-        # attends] in weights.py); never on the CPU, whose cores are the device's already
-        return (
-            why is None and self.layout.device.type == "cuda" and host_attention_pays(plan, MODEL)
-        )
+        # attends] in weights.py), or, for fp8 rows, some of the layers fetched (Note [The host
+        # beside the copies] in planner.py); never on the CPU, whose cores are the device's
+        if why is not None or self.layout.device.type != "cuda":
+            return False
+        if plan.kv_fp8:
+            return self._host_beside_copies(plan) > 0
+        return host_attention_pays(plan, MODEL)
+
+    def _host_beside_copies(self, plan: Plan) -> int:
+        """Note [The host beside the copies] (planner.py): the streamed layers decode attends on
+        the host while the others are fetched (0: none), kept for the call in the phase."""
+        count = host_kv_layers(plan, MODEL)
+        if count > 0:
+            self._phase["host_beside_copies"] = count
+        return count
 
     def _refusal_state(self, by: str, free: int | None, promoted: int) -> dict:
         """What the device and the arena held when a promotion was first refused (bytes)."""
@@ -1121,10 +1178,11 @@ class RevivaManager:
         beams = gen.num_beams or 1
         rows = max(beams, gen.num_return_sequences or 1)
         batch *= rows
-        if gen.max_new_tokens is not None:
-            new_tokens = gen.max_new_tokens
-        else:
-            new_tokens = max((gen.max_length or 20) - tokens, 0)
+        new_tokens = self._new_tokens(gen, kwargs, tokens)
+        if kwargs.get("attention_mask") is None and embeds is None:
+            inferred = self._inferred_mask(model, gen, inputs)
+            if inferred is not None:  # (HF's generate takes it as it would infer it)
+                kwargs["attention_mask"] = inferred
         mask = kwargs.get("attention_mask")
         padded = mask is not None and not bool(mask.all())
         cuda = self.layout.device.type == "cuda"

@@ -1386,6 +1386,62 @@ def test_generate_inside_the_with_block_runs_through_reviva() -> None:
     assert torch.equal(model.generate(ids, **kw), ref)
 
 
+def test_hfs_defaults_for_the_length_of_a_call() -> None:
+    """The new tokens of a call without max_new_tokens are HF's (GenerationMixin.
+    _prepare_generated_length): 20 after the prompt by default, also for a prompt longer than 20
+    tokens and within max_position_embeddings; a max_length in the call, in a GenerationConfig
+    or in the model's; a max_length that does not exceed the prompt refused as HF refuses it."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("llama", seed=20)
+    ids = torch.randint(1, 211, (1, 37), generator=torch.Generator().manual_seed(21))
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 1, 37, 20, 2)))
+    for kw in ({}, {"max_length": 45}, {"generation_config": GenerationConfig(max_length=50)}):
+        ref = model.generate(ids, do_sample=False, **kw)
+        got = manager.generate(ids, do_sample=False, **kw)
+        assert got.shape == ref.shape and torch.equal(got, ref), kw
+    assert manager.generate(ids, do_sample=False).shape[1] == 37 + 20
+    with pytest.raises(ValueError, match="input length of input_ids is 37, but max_length is 30"):
+        manager.generate(ids, max_length=30, do_sample=False)
+    with pytest.raises(ValueError, match="Input length of input_ids is 37"):
+        model.generate(ids, max_length=30, do_sample=False)  # (HF refuses it too)
+    # within max_position_embeddings, as HF caps it
+    model.config.max_position_embeddings = 47
+    try:
+        assert torch.equal(
+            manager.generate(ids, do_sample=False), model.generate(ids, do_sample=False)
+        )
+        assert manager.generate(ids, do_sample=False).shape[1] == 47
+    finally:
+        model.config.max_position_embeddings = TINY["max_position_embeddings"]
+
+
+@pytest.mark.parametrize("family", ["mistral_sliding", "llama"])
+def test_the_pad_id_in_a_prompt_without_a_mask_is_masked_as_hf_masks_it(family: str) -> None:
+    """A prompt that holds the pad id, given without an attention_mask: HF's generate infers a
+    mask (0 at the pad ids, where the pad id is no eos id) and so does the manager, for a
+    sliding-window model too (it decided "not padded" from the kwargs alone: other tokens than
+    HF's); a chat turn continuing a returned cache whose ids hold the pad id likewise."""
+    model = tiny_model(family, seed=22)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 7, 2
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 2, 48, 8, 2)))
+    for seed in range(4):
+        ids = torch.randint(8, 211, (2, 48), generator=torch.Generator().manual_seed(seed))
+        ids[0, 5:9] = 7
+        ids[1, 30] = 7
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+        got = manager.generate(ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(got, ref), f"seed {seed}: {(got != ref).sum().item()} tokens differ"
+    ids = torch.randint(8, 211, (1, 40), generator=torch.Generator().manual_seed(9))
+    first = manager.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    turn = torch.cat([first.sequences, torch.tensor([[7, 7, 40, 41]])], dim=1)
+    ref = model.generate(turn, max_new_tokens=6, do_sample=False)
+    got = manager.generate(
+        turn, past_key_values=first.past_key_values, max_new_tokens=6, do_sample=False
+    )
+    assert torch.equal(got, ref)
+
+
 def test_continuing_a_fp8_cache() -> None:
     """Note [A returned cache]: an fp8 cache parks its rows as they are and a call continuing
     from it writes them unchanged (no second rounding): continuing gives the tokens a single
