@@ -309,7 +309,7 @@ def test_a_returned_cache_continues_from_host_attended_layers() -> None:
     assert torch.equal(more, ref)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_sliding"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # (fp8 takes no sliding window yet)
 def test_fp8_rows_attended_on_the_host_give_the_devices_tokens(family: str) -> None:
     """fp8 K/V (Note [fp8 K/V rows]) attended on the host: the new rows quantized as the store
     does and written to the host copy, the host reading e4m3 values and their scales
