@@ -14,6 +14,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +32,16 @@ from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan
 
 log = logging.getLogger(__name__)
+
+
+def attention_interface(attn: nn.Module) -> Callable | None:
+    """The attention function HF's layer calls for its config's attn_implementation: the
+    registered one, or for "eager" (HF's fallback, registered nowhere) the modeling module's own
+    eager_attention_forward, as the layer takes it; None where there is neither."""
+    impl = attn.config._attn_implementation
+    if impl == "eager" or impl is None:
+        return getattr(sys.modules.get(type(attn).__module__), "eager_attention_forward", None)
+    return ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
 
 
 class LlamaLayerPath:
@@ -67,7 +78,7 @@ class LlamaLayerPath:
             )
         cos, sin = kwargs["position_embeddings"]
         whole = plan.chunk_tokens >= h.shape[1]
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
+        interface = attention_interface(attn)
         # Note [Prefill masks left to Reviva] (kv_cache.py): a window shorter than the prompt is
         # applied by Reviva's own calls (a band per chunk), never by HF's over the whole prompt
         window = self.layout.windows[i]

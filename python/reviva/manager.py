@@ -158,6 +158,12 @@ class RevivaManager:
                 "memory only (pageable copies are synchronous and ~3x slower); use pin_memory=True"
             )
         self.config = config
+        compiled = getattr(model, "_orig_mod", None)
+        if isinstance(compiled, nn.Module) and type(model).__name__ == "OptimizedModule":
+            # torch.compile's wrapper has no generate: the model it wraps runs, its decoder
+            # layers through Reviva's own calls (the compiled forward is not what runs them)
+            log.info("reviva: a torch.compile'd model: the module it wraps is wrapped")
+            model = compiled
         self.model = model
         layout = inspect_model(model)
         device = torch.device(config.device) if config.device is not None else layout.device
@@ -1151,8 +1157,29 @@ class RevivaManager:
                 f"RevivaManager.generate: the prompt has shape {shape}; batch and prompt length "
                 "must both be >= 1"
             )
+        # (the dtype and device the manager planned for: its stores hold K/V of that dtype)
+        param = next(model.parameters())
+        if param.dtype != self.layout.dtype:
+            raise ValueError(
+                f"RevivaManager.generate: the model's parameters are {param.dtype} now, "
+                f"{self.layout.dtype} when the manager wrapped it; change the dtype before "
+                "wrapping (e.g. model.half() then RevivaManager(model))"
+            )
+        if kwargs.get("use_cache") is False:
+            # (HF recomputes the whole sequence at every step without a cache; the manager's
+            # cache is what bounds the call's memory: it runs with it, the same tokens)
+            kwargs.pop("use_cache")
         # Note [A returned cache] (kv_cache.py): a cache to continue from, as parked K/V
         past = kwargs.pop("past_key_values", None)
+        if isinstance(past, Cache) and not isinstance(past, RevivaCache):
+            if not getattr(past, "layers", None) or past.get_seq_length() == 0:
+                raise ValueError(
+                    f"RevivaManager.generate: an empty {type(past).__name__} passed as "
+                    "past_key_values, for the call to fill: the manager keeps a call's K/V in its "
+                    "own cache (on the device and in pinned host memory); leave past_key_values "
+                    "unset, and continue a chat from the call's own cache (return_dict_in_generate="
+                    "True, then past_key_values=out.past_key_values)"
+                )
         continued = None if past is None else self._parked_of(past, shape, embeds is not None)
         if kwargs.get("cache_implementation") is not None:
             # (transformers takes cache_implementation from a fixed list, with no registry to

@@ -1442,6 +1442,33 @@ def test_the_pad_id_in_a_prompt_without_a_mask_is_masked_as_hf_masks_it(family: 
     assert torch.equal(got, ref)
 
 
+def test_eager_compiled_use_cache_and_what_is_refused_by_name() -> None:
+    """HF's own options, honoured or refused by name: attn_implementation="eager" (HF's
+    fallback, registered nowhere) gives HF's tokens; a torch.compile'd model (no generate of its
+    own) runs the module it wraps; use_cache=False gives the same tokens (the manager's cache is
+    what bounds memory); an empty DynamicCache for the call to fill, and a model whose dtype
+    changed after wrapping, are refused naming what to do."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(1, 211, (1, 30), generator=torch.Generator().manual_seed(23))
+    kw = dict(max_new_tokens=6, do_sample=False)
+    torch.manual_seed(24)
+    eager = AutoModelForCausalLM.from_config(LlamaConfig(**TINY, attn_implementation="eager"))
+    ref = eager.generate(ids, **kw)
+    assert torch.equal(RevivaManager(copy.deepcopy(eager)).generate(ids, **kw), ref)
+    model = tiny_model("llama", seed=25)
+    ref = model.generate(ids, **kw)
+    compiled = torch.compile(copy.deepcopy(model))
+    assert torch.equal(RevivaManager(compiled).generate(ids, **kw), ref)
+    manager = RevivaManager(copy.deepcopy(model))
+    assert torch.equal(manager.generate(ids, use_cache=False, **kw), ref)
+    with pytest.raises(ValueError, match="an empty DynamicCache passed as past_key_values"):
+        manager.generate(ids, past_key_values=DynamicCache(), **kw)
+    manager.model.half()
+    with pytest.raises(ValueError, match="parameters are torch.float16 now, torch.float32 when"):
+        manager.generate(ids, **kw)
+
+
 def test_continuing_a_fp8_cache() -> None:
     """Note [A returned cache]: an fp8 cache parks its rows as they are and a call continuing
     from it writes them unchanged (no second rounding): continuing gives the tokens a single
