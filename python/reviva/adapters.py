@@ -105,10 +105,28 @@ def _need(obj: object, name: str, where: str) -> object:
     return getattr(obj, name)
 
 
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The HF model under wrappers that keep its modules as they run: PEFT's PeftModel (its
+    adapters are modules inside the base model's layers, LoRA's around their projections, and
+    run there) and torch.compile's OptimizedModule (no generate of its own)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+            model = inner
+            continue
+        get = getattr(model, "get_base_model", None)
+        if callable(get) and type(model).__module__.split(".")[0] == "peft":
+            model = get()
+            continue
+        return model
+
+
 def inspect_model(model: nn.Module) -> DecoderLayout:
-    """Finds the decoder pieces of `model`, or raises ValueError naming the first missing one."""
+    """Finds the decoder pieces of `model` (under PEFT's or torch.compile's wrapper:
+    base_model_of), or raises ValueError naming the first missing one."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"RevivaManager wraps a torch.nn.Module, got {type(model).__name__}")
+    model = base_model_of(model)
     cfg = _need(model, "config", "model")
     inner = _need(model, "model", "model")
     layers = _need(inner, "layers", "model.model")

@@ -59,6 +59,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from reviva.adapters import base_model_of
 from reviva.sizes import format_bytes
 from reviva.training import ActivationOffload, _decoder_layers
 
@@ -80,12 +81,12 @@ class OffloadSettings:
     memory: str = "torch"
 
     def make(self, model: nn.Module) -> ActivationOffload:
-        if not _decoder_layers(model):
+        if not _decoder_layers(base_model_of(model)):
             raise ValueError(
                 f"RevivaOffloadCallback: the trainer's {type(model).__name__} has no decoder "
                 "layers (model.model.layers) to find the offload's regions by; pass "
                 "offload=ActivationOffload(module, layers=[...]) made for it or for one of its "
-                "modules (a PEFT model's get_base_model())"
+                "modules"
             )
         return ActivationOffload(
             model,

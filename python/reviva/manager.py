@@ -36,7 +36,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from reviva._C import RevivaOutOfMemoryError
-from reviva.adapters import DecoderLayout, inspect_model
+from reviva.adapters import DecoderLayout, base_model_of, inspect_model
 from reviva.block_attention import call_kernel, resolve_kernel
 from reviva.config import RevivaConfig
 from reviva.kv_cache import RevivaCache
@@ -158,12 +158,12 @@ class RevivaManager:
                 "memory only (pageable copies are synchronous and ~3x slower); use pin_memory=True"
             )
         self.config = config
-        compiled = getattr(model, "_orig_mod", None)
-        if isinstance(compiled, nn.Module) and type(model).__name__ == "OptimizedModule":
+        if type(model).__name__ == "OptimizedModule":
             # torch.compile's wrapper has no generate: the model it wraps runs, its decoder
             # layers through Reviva's own calls (the compiled forward is not what runs them)
             log.info("reviva: a torch.compile'd model: the module it wraps is wrapped")
-            model = compiled
+            model = base_model_of(model)
+        # (a PEFT model stays the one the with-block patches; its base model runs: the layout's)
         self.model = model
         layout = inspect_model(model)
         device = torch.device(config.device) if config.device is not None else layout.device
@@ -883,12 +883,12 @@ class RevivaManager:
         if (
             kwargs.get("max_length") is not None
             or (given is not None and given.max_length is not None)
-            or self.model.generation_config.max_length is not None
+            or self.layout.model.generation_config.max_length is not None
         ):
             length = int(gen.max_length)
         else:
             length = tokens + 20  # (HF's "by default let's always generate 20 new tokens")
-            positions = getattr(self.model.config, "max_position_embeddings", None)
+            positions = getattr(self.layout.model.config, "max_position_embeddings", None)
             if positions is not None:
                 length = min(length, int(positions))
         if tokens >= length:

@@ -72,6 +72,7 @@ from reviva._C import (
     TransferEngine,
     overlap_ratio,
 )
+from reviva.adapters import base_model_of
 from reviva.resources import device_resources
 from reviva.sizes import format_bytes, parse_bytes
 from reviva.trace import chrome_trace, span, store_spans, write_trace
@@ -196,7 +197,8 @@ class ActivationOffload:
         self.model = model
         self.prefetch_layers = prefetch_layers
         self.min_bytes = min_bytes
-        self.layers = list(layers) if layers is not None else _decoder_layers(model)
+        base = base_model_of(model)  # (PEFT's or torch.compile's wrapper: the model under it)
+        self.layers = list(layers) if layers is not None else _decoder_layers(base)
         if not self.layers:
             raise ValueError(
                 "offload_activations: no layer boundaries: the model has no decoder layers "
@@ -205,7 +207,7 @@ class ActivationOffload:
         # Found with the decoder layers: the output head (get_output_embeddings()). What is saved
         # between the last layer and the head's output (final norm, the head's input) is one
         # more region, offloaded like a layer; what the loss saves after it stays.
-        self.head = _output_head(model) if layers is None else None
+        self.head = _output_head(base) if layers is None else None
         self._regions = len(self.layers) + (1 if self.head is not None else 0)
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
