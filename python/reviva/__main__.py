@@ -224,28 +224,96 @@ def _parse_card(text: str) -> str:
     return text
 
 
+# What a config's sizes may be for `plan` to build the model's shape on the meta device: a
+# config beyond them is refused by name (10^9 layers took forever to build).
+_CONFIG_LIMITS = {
+    "num_hidden_layers": 4096,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_attention_heads": 4096,
+    "num_key_value_heads": 4096,
+    "vocab_size": 1 << 24,
+    "head_dim": 4096,
+}
+
+
+def _config_error(cfg: object) -> str | None:
+    """Why a model config cannot be planned (a size missing, not a positive integer, beyond
+    _CONFIG_LIMITS, or heads that do not divide), or None."""
+    for name, most in _CONFIG_LIMITS.items():
+        value = getattr(cfg, name, None)
+        if value is None and name in ("num_key_value_heads", "head_dim", "intermediate_size"):
+            continue  # (optional: HF derives them)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most:
+            return f"{name} must be an integer in [1, {most}], got {value!r}"
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or 0
+    if kv and heads % kv:
+        return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
+    if getattr(cfg, "head_dim", None) is None and cfg.hidden_size % heads:
+        return f"hidden_size {cfg.hidden_size} is not a multiple of num_attention_heads {heads}"
+    return None
+
+
 def _config(args: argparse.Namespace) -> object | None:
     """The model's config: a preset, a config.json or a folder holding one, or a model id whose
-    config is in the Hugging Face cache (nothing is downloaded); None (said on stderr) if none."""
+    config is in the Hugging Face cache (nothing is downloaded); None (said on stderr) if none,
+    or if it cannot be read or planned (_config_error)."""
     import os
 
     from transformers import AutoConfig
 
-    if args.model in PRESETS:
-        fields = dict(PRESETS[args.model])
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    if os.path.exists(args.model):
-        return AutoConfig.from_pretrained(args.model)
-    try:  # a model id whose config is in the HF cache (nothing is downloaded)
-        return AutoConfig.from_pretrained(args.model, local_files_only=True)
-    except (OSError, ValueError):
+    try:
+        if args.model in PRESETS:
+            fields = dict(PRESETS[args.model])
+            cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        elif os.path.exists(args.model):
+            cfg = AutoConfig.from_pretrained(args.model)
+        else:  # a model id whose config is in the HF cache (nothing is downloaded)
+            try:
+                cfg = AutoConfig.from_pretrained(args.model, local_files_only=True)
+            except (OSError, ValueError):
+                print(
+                    f"reviva plan: --model {args.model!r} is neither a preset "
+                    f"({', '.join(PRESETS)}), nor a config.json or a folder holding one, nor a "
+                    "model id whose config is in the Hugging Face cache",
+                    file=sys.stderr,
+                )
+                return None
+    except Exception as e:  # noqa: BLE001 (any config transformers cannot read: said, not raised)
         print(
-            f"reviva plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}), "
-            "nor a config.json or a folder holding one, nor a model id whose config is in "
-            "the Hugging Face cache",
-            file=sys.stderr,
+            f"reviva plan: --model {args.model!r}: its config cannot be read: {e}", file=sys.stderr
         )
         return None
+    why = _config_error(cfg)
+    if why is not None:
+        print(f"reviva plan: --model {args.model!r}: {why}", file=sys.stderr)
+        return None
+    return cfg
+
+
+def _dtype_of(cfg: object) -> torch.dtype:
+    """The model's dtype as its config gives it (bf16 where it gives none, or not a float)."""
+    given = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(given, str):
+        given = getattr(torch, given, None)
+    return given if given in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+
+def _meta_model(args: argparse.Namespace, cfg: object) -> torch.nn.Module | None:
+    """The model of `cfg` on the meta device in its own dtype; None (said on stderr) where
+    transformers cannot build it or Reviva does not take its layout."""
+    from transformers import AutoModelForCausalLM
+
+    from reviva.adapters import inspect_model
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=_dtype_of(cfg))
+        inspect_model(model)
+    except Exception as e:  # noqa: BLE001 (a config transformers or Reviva refuses: said)
+        print(f"reviva plan: --model {args.model!r}: {e}", file=sys.stderr)
+        return None
+    return model
 
 
 def _plan_training(args: argparse.Namespace) -> int:
@@ -253,8 +321,6 @@ def _plan_training(args: argparse.Namespace) -> int:
     card (reviva.train_plan: the frozen weights streamed as the room allows, the checkpoints in
     pinned host memory), the longest sequence the card holds, and the step's time."""
     import json
-
-    from transformers import AutoModelForCausalLM
 
     import reviva
     from reviva.adapters import inspect_model
@@ -266,8 +332,9 @@ def _plan_training(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     cfg.max_position_embeddings = max(getattr(cfg, "max_position_embeddings", 0) or 0, args.context)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = _meta_model(args, cfg)
+    if model is None:
+        return 2
     layout = inspect_model(model)
     if layout.num_experts:
         print("reviva plan --train: mixture-of-experts models are not supported", file=sys.stderr)
@@ -363,8 +430,6 @@ def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from transformers import AutoModelForCausalLM
-
     import reviva
     from reviva.adapters import inspect_model
     from reviva.forecast import CUDA_CONTEXT_BYTES, forecast
@@ -386,8 +451,9 @@ def _plan(args: argparse.Namespace) -> int:
     cfg.max_position_embeddings = max(
         getattr(cfg, "max_position_embeddings", 0) or 0, args.context + args.new_tokens
     )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = _meta_model(args, cfg)
+    if model is None:
+        return 2
     layout = dataclasses.replace(inspect_model(model), device=torch.device("cuda", 0))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     card = reviva.parse_bytes(args.card)
@@ -429,9 +495,11 @@ def _plan(args: argparse.Namespace) -> int:
     if args.host_memory:  # the host's memory for pinning: what the planner may count on
         total = reviva.parse_bytes(args.host_memory)
         host_memory = HostState(total, total, 0, 0)
+    dtype = str(layout.dtype).removeprefix("torch.")
     shape = (
         f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, "
-        f"{layout.num_heads}/{layout.num_kv_heads} heads, bf16 ({weights / 1e9:.2f} GB of weights)"
+        f"{layout.num_heads}/{layout.num_kv_heads} heads, {dtype} ({weights / 1e9:.2f} GB of "
+        "weights)"
     )
     call = f"{args.context}-token prompt + {args.new_tokens} new, batch {args.batch}"
 
@@ -469,6 +537,25 @@ def _plan(args: argparse.Namespace) -> int:
             )
         else:
             print(f"reviva plan: {shape}\n  {call} on a {args.card} card: does not fit\n  {e}")
+        return 1
+    # Note [Streamed weights]: streamed weights live in pinned host memory, every layer's (and
+    # the input embedding moved there), beside the K/V and hidden states the plan pins
+    weight_host = sum(layer_weight_bytes(layer) for layer in layout.layers) if stream else 0
+    if host_embedding:
+        embed = model.get_input_embeddings().weight
+        weight_host += embed.numel() * embed.element_size()
+    host_total = plan.pinned_host_bytes + weight_host
+    if host_memory is not None and host_total > host_memory.available:
+        why = (
+            f"the streamed weights ({weight_host / 1e9:.2f} GB) and the plan's K/V and hidden "
+            f"states ({plan.pinned_host_bytes / 1e9:.2f} GB) need {host_total / 1e9:.2f} GB of "
+            f"pinned host memory, over --host-memory {args.host_memory}"
+        )
+        if args.json:
+            out = {"model": shape, "call": call, "card": args.card, "fits": False, "error": why}
+            print(json.dumps(out, indent=1))
+        else:
+            print(f"reviva plan: {shape}\n  {call} on a {args.card} card: does not fit\n  {why}")
         return 1
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
     # RevivaConfig(decode_attention) as RevivaManager._decode_attention_on_host decides it:
@@ -508,7 +595,8 @@ def _plan(args: argparse.Namespace) -> int:
             "card": args.card,
             "fits": True,
             "plan": dataclasses.asdict(plan),
-            "host_bytes": plan.pinned_host_bytes,
+            "host_bytes": host_total,
+            "host_weight_bytes": weight_host,
             "promotable_layers": plan.promotable_layers(),
             "weights_streamed": stream,
             "embedding_on_host": host_embedding,
@@ -584,6 +672,7 @@ def _plan(args: argparse.Namespace) -> int:
             if plan.residual_on_host
             else ""
         )
+        + (f" + {weight_host / gb:.2f} GB streamed weights" if weight_host else "")
     )
     print(
         f"  estimate ({f.calibration}): prefill {f.prefill_s:.1f} s (linear "

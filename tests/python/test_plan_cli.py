@@ -206,6 +206,93 @@ def test_fp8_at_512k_attends_some_fetched_layers_on_the_host(
     assert batch["host_beside_copies"] == 0
 
 
+HOSTILE = {
+    "layers_1e9": {"num_hidden_layers": 1e9},
+    "layers_10e9": {"num_hidden_layers": 10**9},
+    "layers_negative": {"num_hidden_layers": -1},
+    "layers_text": {"num_hidden_layers": "many"},
+    "layers_bool": {"num_hidden_layers": True},
+    "hidden_zero": {"hidden_size": 0},
+    "heads_not_dividing": {"num_attention_heads": 3},
+    "kv_not_dividing": {"num_key_value_heads": 3},
+    "heads_float": {"num_attention_heads": 4.0},
+    "intermediate_negative": {"intermediate_size": -5},
+    "head_dim_huge": {"head_dim": 10**7},
+    "unknown_type": {"model_type": "nosuchmodel"},
+    "no_type": {"model_type": None},
+    "encoder": {"model_type": "bert", "architectures": ["BertModel"]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_bad_config_is_refused_by_name(case: str, tmp_path, capsys) -> None:  # noqa: ANN001
+    """A config.json `plan` cannot plan (sizes missing, not integers, beyond what a model has,
+    heads that do not divide, an unknown or non-decoder type, not JSON) exits 2 naming the model
+    and why: no traceback, no hang (10^9 layers used to take forever)."""
+    import json
+
+    import transformers
+
+    fields = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    fields.update(HOSTILE[case])
+    # (transformers' own warnings log to a stream an earlier test's capture closed: not ours)
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        (tmp_path / "config.json").write_text(
+            json.dumps({k: v for k, v in fields.items() if v is not None})
+        )
+        assert main(["plan", "--model", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--model {str(tmp_path)!r}" in err and "Traceback" not in err, err
+        (tmp_path / "config.json").write_text("{not json")
+        assert main(["plan", "--model", str(tmp_path)]) == 2
+        assert "its config cannot be read" in capsys.readouterr().err
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+def test_host_memory_counts_the_streamed_weights_and_the_dtype_is_the_models(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path,  # noqa: ANN001
+) -> None:
+    """Streamed weights live in pinned host memory: 70B on a 24 GB card does not fit 2 GB of
+    host (it "fit" before, the weights left out), and fits 256 GB, the weights counted in
+    host_bytes; a config in fp32 is planned and labelled fp32 (every model was "bf16")."""
+    import json
+
+    args = ("--model", "llama3-70b", "--card", "24GB", "--context", "8k")
+    small = plan_json(capsys, *args, "--host-memory", "2GB")
+    assert not small["fits"] and "streamed weights" in small["error"], small
+    big = plan_json(capsys, *args, "--host-memory", "256GB")
+    assert big["fits"] and big["host_weight_bytes"] > 130e9
+    assert big["host_bytes"] > big["host_weight_bytes"] > 0
+    fields = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        dtype="float32",
+    )
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    fp32 = plan_json(capsys, "--model", str(tmp_path), "--context", "4k")
+    bf16 = plan_json(capsys, "--model", "llama3-8b", "--context", "4k")
+    assert "float32" in fp32["model"] and "bfloat16" in bf16["model"]
+
+
 def test_text_output_and_bad_input(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # noqa: ANN001
     assert main(["plan", "--context", "64k"]) == 0
     text = capsys.readouterr().out
