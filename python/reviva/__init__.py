@@ -28,6 +28,7 @@ from reviva._C import (  # noqa: F401  (re-exported API)
 from reviva._C import version as _core_version
 from reviva.config import RevivaConfig
 from reviva.finetune import Finetune, FinetuneOutOfMemoryError, finetune
+from reviva.loader import from_pretrained
 from reviva.resources import (
     device_resources,
     pinned_memory_stats,
@@ -115,6 +116,7 @@ __all__ = [
     "cuda_device_count",
     "enable_activation_offload",
     "finetune",
+    "from_pretrained",
     "Finetune",
     "FinetuneOutOfMemoryError",
     "parse_bytes",

@@ -58,6 +58,43 @@ def test_pass_key_retrieved_with_plain_hf_tokens(smollm2) -> None:  # noqa: ANN0
         assert st["prefill_residual"] == residual and st["streamed_layers"] >= 20, st
 
 
+def test_a_folder_with_its_tokenizer_loads_layer_by_layer_and_finds_the_key(
+    smollm2,
+    tmp_path,  # noqa: ANN001
+) -> None:
+    """reviva.from_pretrained (Note [Loading layer by layer]) as a user calls it: the model and
+    its tokenizer saved to a folder (safetensors), loaded from there, the layers filled into
+    pinned host memory tensor by tensor; the pass key in plain HF's tokens, twice."""
+    import json
+
+    from safetensors.torch import save_model
+    from transformers import AutoTokenizer
+
+    import reviva
+
+    tok, model = smollm2
+    # (a model loaded from GGUF does not save_pretrained: its config and weights as a
+    # safetensors checkpoint would be)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_model(model, str(tmp_path / "model.safetensors"))
+    tok.save_pretrained(tmp_path)
+    ids = pass_key_prompt(tok)
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    loaded = reviva.from_pretrained(
+        str(tmp_path), budget="580MB", dtype=torch.float32, device="cpu"
+    )
+    user_tok = AutoTokenizer.from_pretrained(tmp_path)
+    for _ in range(2):
+        out = loaded.generate(
+            **user_tok(pass_key_text(KEY), return_tensors="pt"), max_new_tokens=6, do_sample=False
+        )
+        assert torch.equal(out, ref), user_tok.decode(out[0, ids.shape[1] :])
+    assert str(KEY) in user_tok.decode(out[0, ids.shape[1] :])
+    assert loaded.reviva.get_memory_stats()["weights_streamed"]
+
+
 def test_pass_key_at_the_full_8k_context_with_layers_and_weights_streamed(smollm2) -> None:  # noqa: ANN001
     """Issue 15: the pass key at SmolLM2's full context (8192 positions: ~7.8k prompt tokens and
     6 new), retrieved by plain HF; Reviva gives its exact tokens with most layers' K/V and most
