@@ -52,7 +52,7 @@ class RevivaConfig:
                     Note [Paged layers] in src/kv_store.cpp), so the staging room is a few pages
                     instead of whole layers and more layers stay resident. Opt-in: on an H200
                     at 64k it was slower than whole layers (prefill 5.2 s against 3.85, decode
-                    14.6 tok/s against 21.7; README), before prefill's page reads were
+                    14.6 tok/s against 21.7; docs/design-notes.md), before prefill's page reads were
                     prefetched.
     attention_kernel: prefill's chunked attention on CUDA: "flash" (aten's flash attention),
                     "cudnn" (cuDNN's, 1.8x faster at 256k on an H200), or "auto" (cuDNN on
@@ -79,11 +79,12 @@ class RevivaConfig:
                     host] in src/host_attention.cpp), or "auto" (the host for one sequence on
                     a GPU where the weights stream too and the planner's step with the host
                     attending is 10% shorter than with the K/V fetched,
-                    planner.host_attention_pays; else the device).
+                    planner.host_attention_pays; with fp8 K/V and resident weights, some of
+                    the fetched layers, planner.host_kv_layers; else the device).
                     REVIVA_HOST_ATTENTION_THREADS sets the host's threads (default: every core
                     the process may use).
-                    "host" needs bf16 or fp32 K/V without pages, beams, a shared prompt or a
-                    padding mask, and is refused otherwise ("auto" then takes the device).
+                    "host" needs bf16, fp32 or fp8 K/V without pages, beams, a shared prompt
+                    or a padding mask, and is refused otherwise ("auto" then takes the device).
     progress:       a progress line on stderr through prefill (layer i of N, tokens a second):
                     "auto" (when stderr is a terminal and the prompt has 16k tokens or more,
                     unless REVIVA_PROGRESS=0), True or False.
