@@ -22,6 +22,8 @@
 #include <reviva/error.h>
 #include <reviva/pinned_host_pool.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -64,6 +66,13 @@ using detail::PoolBlock;
 using detail::PoolSlab;
 
 namespace {
+
+// The host's physical memory in bytes (0 where the system does not say).
+std::size_t host_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
+                               : 0;
+}
 
 constexpr std::size_t kSlabGranularity = std::size_t{2} << 20;
 
@@ -311,6 +320,13 @@ void PinnedHostPool::reserve(std::size_t count, std::size_t block_bytes) {
   REVIVA_CHECK_ARG(block_bytes <= std::numeric_limits<std::size_t>::max() / 2,
                    "PinnedHostPool::reserve: ", block_bytes, " bytes is not a plausible size");
   const std::size_t size = round_up(block_bytes, options_.alignment);
+  // (checked before anything is pinned: pinned memory cannot be paged out, so a request beyond
+  // the host's memory would pin slab after slab until the machine swapped or killed us)
+  const std::size_t host = host_memory_bytes();
+  REVIVA_CHECK_ARG(count <= std::numeric_limits<std::size_t>::max() / size &&
+                       (host == 0 || count * size <= host),
+                   "PinnedHostPool::reserve: ", count, " blocks of ", block_bytes,
+                   " bytes exceed the host's ", host, " bytes of memory");
   const std::size_t slab_bytes = std::max(options_.slab_bytes, round_up(size, kSlabGranularity));
   process_pending();
   // Blocks of `size` the free list can give, slabs other threads are pinning, and allocations

@@ -3,8 +3,11 @@
 #include "test_util.h"
 
 #include <algorithm>
+#include <limits>
 #include <set>
+#include <string>
 #include <thread>
+#include <utility>
 
 namespace reviva::test {
 namespace {
@@ -74,6 +77,24 @@ TEST_P(PoolTest, ReservedBlocksAreLaterCacheHitsWithoutNewSlabs) {
   auto capped = PinnedHostPool::create(backend_, small_slabs(kMiB, 4 * kMiB));
   EXPECT_THROW(capped->reserve(3, 2 * kMiB), OutOfMemory);
   EXPECT_THROW(capped->reserve(1, 0), InvalidArgument);
+}
+
+TEST_P(PoolTest, AReservationBeyondTheHostsMemoryIsRefusedBeforePinning) {
+  // Without a capacity, a reservation past the host's memory pinned slab after slab (the
+  // machine swapped); now it is refused naming the request, with nothing pinned.
+  auto pool = PinnedHostPool::create(backend_, small_slabs());
+  for (const auto& [count, bytes] : {std::pair<std::size_t, std::size_t>{std::size_t{1} << 62, 1},
+                                     {std::size_t{1} << 40, kMiB},
+                                     {2, std::numeric_limits<std::size_t>::max() / 4}}) {
+    try {
+      pool->reserve(count, bytes);
+      ADD_FAILURE() << count << " blocks of " << bytes << " bytes were reserved";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("bytes exceed the host's"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(pool->stats().bytes_reserved, 0u);
 }
 
 TEST_P(PoolTest, ReservePinsOnlyWhatIsMissing) {
