@@ -546,7 +546,10 @@ PYBIND11_MODULE(_C, m) {
       .def("offload", &PyTransferEngine::offload, py::arg("tensor"), py::kw_only(),
            py::arg("record_stream") = true,
            "Copies a device tensor into a pinned block (D2H stream, after the current stream's "
-           "work). record_stream=False: the caller keeps the tensor alive until the result is "
+           "work). The copy is asynchronous: it reads the tensor when the D2H stream gets to "
+           "it, so the tensor must not be written (in place, by any stream or the host) until "
+           "the result is ready(); a write before that may or may not be in the copy. "
+           "record_stream=False: the caller keeps the tensor alive until the result is "
            "ready(); its memory then returns to torch's allocator without events.")
       .def("offload_batch", &PyTransferEngine::offload_batch, py::arg("tensors"), py::kw_only(),
            py::arg("record_stream") = true)

@@ -11,6 +11,8 @@
 
 #include <reviva/host_attention.h>
 
+#include <atomic>
+#include <mutex>
 #include <vector>
 
 namespace py = pybind11;
@@ -96,12 +98,21 @@ class PyKVStore {
       REVIVA_CHECK_ARG(c > 0, "KVStore: layer_capacity_tokens must be > 0, got ", c);
       o.layer_capacity_tokens.push_back(static_cast<std::size_t>(c));
     }
-    store_ = std::make_unique<KVStore>(engine_of(engine), std::move(arena), o);
+    store_ = std::make_shared<KVStore>(engine_of(engine), std::move(arena), o);
   }
 
   ~PyKVStore() {
     py::gil_scoped_release release;
-    store_.reset();  // waits for copies touching the buffers before they go back
+    // waits for copies touching the buffers before they go back (or, while host_kv's views
+    // live, when the last of them goes: they hold the store)
+    store_.reset();
+  }
+
+  // clear() and close() give the host copies back: not while host_kv's views of them live.
+  void check_no_host_views(const char* what) const {
+    const int views = host_views_->load();
+    REVIVA_CHECK_ARG(views == 0, "KVStore::", what, ": ", views,
+                     " result(s) of host_kv() still view the host copies; drop them first");
   }
 
   void acquire(int layer) {
@@ -281,6 +292,9 @@ class PyKVStore {
     const RowType type = fp8 ? RowType::Fp8E4M3 : bf16 ? RowType::BFloat16 : RowType::Float32;
     {
       py::gil_scoped_release release;
+      // (calls from several threads on one store take turns: each appends at the layer's end,
+      // which another's append would move under it)
+      std::lock_guard<std::mutex> turn(host_attend_mutex_);
       const std::size_t first = store_->length(layer);
       const auto* new_rows = static_cast<const char*>(rows.data_ptr());
       const std::size_t row_bytes = store_->options().token_bytes;
@@ -312,8 +326,16 @@ class PyKVStore {
     }
     std::vector<int64_t> shape{tokens};
     shape.insert(shape.end(), row_.begin(), row_.end());
-    torch::Tensor rows =
-        torch::from_blob(const_cast<void*>(data), shape, torch::TensorOptions().dtype(dtype_));
+    // (the views own a reference to the store and count themselves: clear() and close() refuse
+    // while they live, and the store's memory outlives the Python object if they do)
+    host_views_->fetch_add(1);
+    torch::Tensor rows = torch::from_blob(
+        const_cast<void*>(data), shape,
+        [views = host_views_, keep = store_](void*) mutable {
+          views->fetch_sub(1);
+          keep.reset();
+        },
+        torch::TensorOptions().dtype(dtype_));
     return {rows.select(1, 0).permute({1, 2, 0, 3}), rows.select(1, 1).permute({1, 2, 0, 3})};
   }
 
@@ -520,7 +542,9 @@ class PyKVStore {
   std::shared_ptr<Runtime> rt_;
   torch::ScalarType dtype_;
   std::vector<int64_t> row_;  // [2, batch, kv_heads, head_dim]
-  std::unique_ptr<KVStore> store_;
+  std::shared_ptr<KVStore> store_;
+  std::mutex host_attend_mutex_;  // host_attend's turns (its appends)
+  std::shared_ptr<std::atomic<int>> host_views_ = std::make_shared<std::atomic<int>>(0);
 };
 
 }  // namespace
@@ -648,11 +672,13 @@ void bind_kv_store(py::module_& m) {
            })
       .def("clear",
            [](PyKVStore& s) {
+             s.check_no_host_views("clear");
              py::gil_scoped_release release;
              s.store().clear();
            })
       .def("close",
            [](PyKVStore& s) {
+             s.check_no_host_views("close");
              py::gil_scoped_release release;
              s.store().close();
            })

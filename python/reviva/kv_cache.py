@@ -403,6 +403,7 @@ class RevivaCache(Cache):
                     host.copy_(x, non_blocking=x.is_cuda)
                     pair.append(host)
                 parked.append((pair[0], pair[1]))
+                del k, v, x  # (views of the store: the store closes after, KVStore.host_kv)
             finally:
                 self.release(i)
         if self.device.type == "cuda":
