@@ -450,49 +450,6 @@ def test_gpu_bf16_host_attention_as_close_to_fp32_as_the_devices() -> None:
         assert err_host <= 1.5 * err_dev + 4e-3, (t, err_host, err_dev)
 
 
-def test_host_attend_from_two_threads_keeps_every_append() -> None:
-    """KVStore.host_attend appends the new rows at the layer's end then attends them: calls from
-    two threads on one store take turns (each read the same end and wrote over the other's
-    rows); every key either thread appended is in the host copy, once."""
-    import threading
-
-    from reviva import KVStore
-    from reviva.resources import device_resources
-
-    res = device_resources(torch.device("cpu"))
-    store = KVStore(res.engine, res.arena, 2, 1, 2, 16, torch.float32, 512)
-    store.add_slot()
-    store.acquire(0)
-    first = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(1))
-    store.write(0, 0, first, first.clone())
-    store.release(0)
-    store.attend_on_host(0)
-    steps = 60
-    keys: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-
-    def worker(seed: int) -> None:
-        g = torch.Generator().manual_seed(100 + seed)
-        for _ in range(steps):
-            q = torch.randn(1, 4, 1, 16, generator=g)
-            k = torch.randn(1, 2, 1, 16, generator=g)
-            keys[seed].append(k)
-            store.host_attend(0, q, k, k.clone(), 0.25, 1, 0)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert store.length(0) == 8 + 2 * steps
-    held, held_v = store.host_kv(0, 8 + 2 * steps)
-    rows = held[0, :, 8:].permute(1, 0, 2).reshape(2 * steps, -1).clone()
-    want = torch.cat([k[0, :, 0].reshape(1, -1) for ks in keys.values() for k in ks])
-    found = sorted(int((rows == w).all(1).nonzero()[0]) for w in want if (rows == w).all(1).any())
-    assert found == list(range(2 * steps)), f"{2 * steps - len(found)} appends lost"
-    del held, held_v
-    store.close()
-
-
 def test_host_kv_views_hold_the_store_and_clear_and_close_wait_for_them() -> None:
     """KVStore.host_kv's views of a host-attended layer's host copy: read after close() they
     read memory given back (then crashed); now close() and clear() refuse while a view lives,
