@@ -1,4 +1,5 @@
-"""Randomized test of reviva._C's OffloadManager and PrefetchScheduler on the host backend.
+"""Randomized tests of reviva._C on the host backend: OffloadManager and PrefetchScheduler, and
+(at the end) PinnedHostPool, TransferEngine and KVStore (sizes, lifetimes, threads).
 
 Thousands of random operations (register, adopt, acquire in each access mode, acquire_group,
 release, release_group with and without discard, offload, prefetch, discard, discard_when_free,
@@ -433,3 +434,135 @@ def test_random_operations_keep_every_byte(seed: int) -> None:
         write_bytes(t, bytes(nbytes(t)))
     survivors.clear()
     gc.collect()
+
+
+# --- the other objects of the binding: random sizes, lifetimes and threads ----------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pool_and_engine_round_trip_random_tensors_across_threads(seed: int) -> None:
+    """PinnedHostPool and TransferEngine under random use: tensors of random dtypes, shapes and
+    strides offloaded (alone and in batches) and restored (into new tensors and given ones) by
+    three threads at once, results kept and dropped in random order, pool tensors made and
+    dropped beside them, a small capacity reached (refusals, then room again): every restored
+    byte is the offloaded one, the pool's invariants hold, and what was reserved comes back."""
+    import threading
+
+    rt = reviva.Runtime("cpu")
+    pool = reviva.PinnedHostPool(rt, capacity_bytes=2 << 20, slab_bytes=1 << 20)
+    engine = reviva.TransferEngine(rt, pool, chunk_bytes=4096, coalesce_below=512)
+    errors: list[BaseException] = []
+    refused = [0]
+
+    def worker(k: int) -> None:
+        rng = random.Random(seed * 10 + k)
+        kept: list[tuple[object, torch.Tensor]] = []
+        try:
+            for _ in range(OPS // 20):
+                dtype = rng.choice(DTYPES)
+                shape = [rng.randint(1, 40) for _ in range(rng.randint(1, 3))]
+                if rng.random() < 0.15:  # (now and then near the capacity: refusals)
+                    shape = [rng.randint(100_000, 300_000)]
+                x = (torch.randn(shape) * 100).to(dtype)
+                if rng.random() < 0.1 and x.dim() > 1 and x.shape[0] > 1 and x.shape[-1] > 1:
+                    with pytest.raises(ValueError, match="must be contiguous"):
+                        engine.offload(x.transpose(0, -1))  # (refused by name)
+                try:
+                    if rng.random() < 0.3:
+                        part = x[..., :1].contiguous()
+                        done = engine.offload_batch([x, part])
+                        kept.extend(zip(done, [x.clone(), part.clone()], strict=True))
+                    else:
+                        kept.append((engine.offload(x), x.clone()))
+                except reviva.RevivaOutOfMemoryError:
+                    refused[0] += 1
+                if rng.random() < 0.2:
+                    held = pool.tensor([rng.randint(1, 4096)], torch.uint8)
+                    held.fill_(7)
+                    assert bool((held == 7).all())
+                while kept and (len(kept) > 6 or rng.random() < 0.4):
+                    off, want = kept.pop(rng.randrange(len(kept)))
+                    if rng.random() < 0.5:
+                        got = engine.restore(off)
+                    else:
+                        got = torch.empty(want.shape, dtype=want.dtype)
+                        engine.restore(off, out=got)
+                    assert got.dtype == want.dtype and torch.equal(got.view(-1), want.reshape(-1))
+        except BaseException as e:  # noqa: BLE001 (re-raised by the test's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    pool.synchronize_pending()
+    pool.check_invariants()
+    assert pool.stats()["bytes_in_use"] == 0
+    assert refused[0] > 0  # (the capacity was reached, and room came back after)
+    assert pool.release_cached() >= 0 and pool.stats()["bytes_reserved"] <= 2 << 20
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_kv_store_random_writes_reads_and_host_attention_match_a_shadow(seed: int) -> None:
+    """KVStore under random use on the host backend: layers written in random runs of tokens
+    (acquired through its slots, resident ones made so, truncated), read back whole, some moved
+    to the host's attention and appended there, host_kv views kept across other calls: every
+    token read is the shadow's, and a store dropped while a view lives leaves the view valid."""
+    rng = random.Random(seed)
+    res = reviva.device_resources(torch.device("cpu"))
+    layers, kv_heads, dim, cap = 4, 2, 8, 96
+    store = reviva.KVStore(res.engine, res.arena, layers, 1, kv_heads, dim, torch.float32, cap)
+    store.add_slot()
+    store.add_slot()
+    shadow = [torch.empty(1, kv_heads, 0, dim) for _ in range(layers)]
+    host = set()
+    views: list[tuple[torch.Tensor, torch.Tensor]] = []
+    appended = 0
+    for _ in range(OPS // 25):
+        i = rng.randrange(layers)
+        op = rng.random()
+        length = shadow[i].shape[2]
+        if i in host:
+            if length < cap and op < 0.6:
+                k = torch.randn(1, kv_heads, 1, dim)
+                q = torch.randn(1, 2 * kv_heads, 1, dim)
+                store.host_attend(i, q, k, k.clone(), 0.3, rng.randint(1, 3), 0)
+                shadow[i] = torch.cat([shadow[i], k], dim=2)
+                appended += 1
+            elif length and op < 0.8:
+                hk, _ = store.host_kv(i, length)
+                assert torch.equal(hk, shadow[i])
+                views.append((hk.clone(), hk))
+        elif op < 0.5 and length < cap:
+            n = rng.randint(1, min(12, cap - length))
+            k = torch.randn(1, kv_heads, n, dim)
+            store.acquire(i)
+            store.write(i, length, k, k.clone())
+            store.release(i)
+            shadow[i] = torch.cat([shadow[i], k], dim=2)
+        elif op < 0.7 and length:
+            store.acquire(i)
+            k, v = store.kv(i, length)
+            assert torch.equal(k, shadow[i]) and torch.equal(v, shadow[i])
+            del k, v
+            store.release(i)
+        elif op < 0.8 and length:
+            keep = rng.randint(0, length)
+            store.truncate(i, keep)
+            shadow[i] = shadow[i][:, :, :keep]
+        elif op < 0.85 and not store.resident(i) and length:
+            store.attend_on_host(i)
+            host.add(i)
+        if len(views) > 3:
+            views.pop(0)
+    assert host and appended > 0, (host, appended)  # (the host's attention was exercised)
+    for copy, view in views:
+        assert torch.equal(copy, view)
+    last = views[-1][1] if views else None
+    views.clear()
+    del store
+    gc.collect()
+    if last is not None:  # (the store's memory lives with its views: Note in kv_store.cpp)
+        assert last.sum().isfinite()
