@@ -1,9 +1,9 @@
 """Where a decode step's time goes (a diagnostic, GPU only): the 8B shape on the whole card, a
 prompt of --tokens, RevivaManager with bf16 and with fp8 K/V (default settings otherwise). A
-warm call, then a call of --new tokens under torch.profiler: per step the wall time, the
-device's busy time (the sum of its kernels' durations, which do not overlap on one stream) and
-the largest kernels by total time. A step whose busy time is near its wall time is bound by the
-device; far below, by the host.
+warm call, then calls of 1 and of --new + 1 tokens under torch.profiler, their difference per
+decode step: the wall time, the device's busy time (the sum of its kernels' durations, which do
+not overlap on one stream) and the largest kernels. A step whose busy time is near its wall
+time is bound by the device; far below, by the host.
 
     python benchmarks/diag_decode_profile.py [--tokens 65536] [--new 16] [--out DIR]
 """
@@ -24,37 +24,49 @@ from bench_generate import build_model  # noqa: E402
 from common import environment  # noqa: E402
 
 
-def profile(manager: Any, ids: torch.Tensor, new: int) -> dict[str, Any]:
+def _kernels(manager: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, dict[str, Any]]:
+    """One profiled call: its wall time and each CUDA kernel's durations by name."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    manager.generate(ids, max_new_tokens=4, do_sample=False)  # warm (graphs captured)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    manager.generate(ids, max_new_tokens=1, do_sample=False)
-    torch.cuda.synchronize()
-    prefill = time.perf_counter() - t
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        manager.generate(ids, max_new_tokens=new + 1, do_sample=False)
+        manager.generate(ids, max_new_tokens=new_tokens, do_sample=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    step_s = (wall - prefill) / new
     kernels: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels.setdefault(e.name, []).append(e.device_time_total / 1e6)
-    busy = sum(sum(v) for v in kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return wall, kernels
+
+
+def profile(manager: Any, ids: torch.Tensor, new: int) -> dict[str, Any]:
+    manager.generate(ids, max_new_tokens=4, do_sample=False)  # warm (graphs captured)
+    torch.cuda.synchronize()
+    # The decode steps' kernels: a call of new + 1 tokens less a call of 1 token (the prefill and
+    # the first token), kernel by kernel.
+    wall_1, first = _kernels(manager, ids, 1)
+    wall, kernels = _kernels(manager, ids, new + 1)
+    step_s = (wall - wall_1) / new
+    per_step: dict[str, tuple[int, float]] = {}
+    for name, times in kernels.items():
+        before = first.get(name, [])
+        calls, total = len(times) - len(before), sum(times) - sum(before)
+        if calls > 0:
+            per_step[name] = (calls, total)
+    busy = sum(t for _, t in per_step.values()) / new
+    top = sorted(per_step.items(), key=lambda kv: -kv[1][1])[:16]
     st = manager.get_memory_stats()
     graphs = manager._graphs
     return {
-        "prefill_s": prefill,
+        "prefill_s": wall_1,
         "decode_step_s_wall": step_s,
-        "device_busy_s_whole_call": busy,
-        "top_kernels": [
-            {"name": k[:90], "calls": len(v), "total_s": sum(v), "mean_us": 1e6 * sum(v) / len(v)}
-            for k, v in top
+        "decode_step_s_device_busy": busy,
+        "kernel_launches_per_step": sum(c for c, _ in per_step.values()) / new,
+        "top_kernels_per_step": [
+            {"name": k[:90], "calls": c / new, "us": 1e6 * t / new, "mean_us": 1e6 * t / c}
+            for k, (c, t) in top
         ],
         "decode_tok_s": st.get("decode_tok_s"),
         "fused_graph_layers": len(graphs.fused) if graphs is not None else 0,
@@ -77,10 +89,10 @@ def main() -> int:
         manager = reviva.RevivaManager(model, reviva.RevivaConfig(kv_dtype=kv))
         out["runs"][kv] = r = profile(manager, ids, args.new)
         # the device's time in the decode steps: the call's busy time less the prefill's
-        print(kv, json.dumps({k: v for k, v in r.items() if k != "top_kernels"}))
-        for k in r["top_kernels"]:
-            ms, n, us = k["total_s"] * 1e3, k["calls"], k["mean_us"]
-            print(f"   {ms:9.1f} ms {n:6d} x {us:8.1f} us  {k['name']}")
+        print(kv, json.dumps({k: v for k, v in r.items() if k != "top_kernels_per_step"}))
+        for k in r["top_kernels_per_step"]:
+            us, n, mean = k["us"], k["calls"], k["mean_us"]
+            print(f"   {us:9.1f} us/step {n:6.1f} x {mean:8.1f} us  {k['name']}")
         del manager
         torch.cuda.empty_cache()
     path = Path(args.out) / "decode-profile.json"
