@@ -4,9 +4,11 @@
 // token's K then V): an append block of the store's OffloadManager, in the core's DeviceArena
 // outside torch's allocator. view() returns a tensor over the first tokens of an acquired
 // layer's buffer; the tensor keeps that memory mapped while it lives (its deleter holds the arena
-// buffer), so no view can outlive the memory it reads.
+// buffer), so no view can outlive the memory it reads, and release(layer) revokes it (Note
+// [Revoked views] in leases.h): the memory may hold another layer's K/V from then on.
 // Compute is torch's current stream on CUDA; on the host runtime acquire() waits for the fill
 // before returning, since torch computes on the CPU synchronously.
+#include "leases.h"
 #include "runtime.h"
 
 #include <reviva/host_attention.h>
@@ -124,8 +126,25 @@ class PyKVStore {
     }
   }
 
-  // [tokens, 2, batch, kv_heads, head_dim] over the acquired layer's first `tokens` tokens.
+  // [tokens, 2, batch, kv_heads, head_dim] over the acquired layer's first `tokens` tokens, until
+  // release(layer).
   torch::Tensor view(int layer, int64_t tokens) {
+    torch::Tensor t = rows(layer, tokens);
+    leases_.grant(layer, t);
+    return t;
+  }
+
+  void acquire_page(int layer, std::size_t page) {
+    auto compute = rt_->compute_stream();
+    store_->acquire_page(layer, page, *compute);
+    if (!rt_->is_cuda()) {
+      py::gil_scoped_release release;
+      compute->synchronize();  // the fill has landed before torch reads on the CPU
+    }
+  }
+
+  // view() for this object's own use (not revoked: dropped before it returns).
+  torch::Tensor rows(int layer, int64_t tokens) {
     REVIVA_CHECK_ARG(tokens >= 0, "KVStore::view: tokens must be >= 0, got ", tokens);
     const std::size_t mapped = store_->reserved_tokens(layer);
     REVIVA_CHECK_ARG(static_cast<std::size_t>(tokens) <= mapped, "KVStore::view: ", tokens,
@@ -139,17 +158,8 @@ class PyKVStore {
         torch::TensorOptions().dtype(dtype_).device(rt_->device()));
   }
 
-  void acquire_page(int layer, std::size_t page) {
-    auto compute = rt_->compute_stream();
-    store_->acquire_page(layer, page, *compute);
-    if (!rt_->is_cuda()) {
-      py::gil_scoped_release release;
-      compute->synchronize();  // the fill has landed before torch reads on the CPU
-    }
-  }
-
-  // [tokens, 2, batch, kv_heads, head_dim] over the first `tokens` tokens of an acquired page.
-  torch::Tensor page_view(int layer, std::size_t page, int64_t tokens) {
+  // page_view() for this object's own use (not revoked: dropped before it returns).
+  torch::Tensor page_rows(int layer, std::size_t page, int64_t tokens) {
     REVIVA_CHECK_ARG(tokens >= 0, "KVStore::page_view: tokens must be >= 0, got ", tokens);
     const std::size_t mapped = store_->reserved_page_tokens(layer, page);
     REVIVA_CHECK_ARG(static_cast<std::size_t>(tokens) <= mapped, "KVStore::page_view: ", tokens,
@@ -161,6 +171,22 @@ class PyKVStore {
     return torch::from_blob(
         buffer->data(), shape, [buffer](void*) mutable { buffer.reset(); },
         torch::TensorOptions().dtype(dtype_).device(rt_->device()));
+  }
+
+  // [tokens, 2, batch, kv_heads, head_dim] over the first `tokens` tokens of an acquired page,
+  // until release_page(layer, page).
+  torch::Tensor page_view(int layer, std::size_t page, int64_t tokens) {
+    torch::Tensor t = page_rows(layer, page, tokens);
+    page_leases_.grant(page_key(layer, page), t);
+    return t;
+  }
+
+  void release_page(int layer, std::size_t page) {
+    store_->release_page(layer, page, *rt_->compute_stream());
+    page_leases_.revoke(
+        page_key(layer, page),
+        revoked("page_view(" + std::to_string(layer) + ", " + std::to_string(page) + ", ...)",
+                "release_page(" + std::to_string(layer) + ", " + std::to_string(page) + ")"));
   }
 
   std::pair<torch::Tensor, torch::Tensor> page_kv(int layer, std::size_t page, int64_t tokens) {
@@ -201,7 +227,7 @@ class PyKVStore {
       py::gil_scoped_release release;
       store_->reserve(layer, static_cast<std::size_t>(first + n));
     }
-    torch::Tensor rows = view(layer, first + n).narrow(0, first, n);
+    torch::Tensor rows = this->rows(layer, first + n).narrow(0, first, n);
     rows.select(1, 0).copy_(key.permute({2, 0, 1, 3}));
     rows.select(1, 1).copy_(value.permute({2, 0, 1, 3}));
     store_->wrote(layer, static_cast<std::size_t>(first), static_cast<std::size_t>(n),
@@ -225,7 +251,7 @@ class PyKVStore {
           py::gil_scoped_release release;
           store_->reserve_page(layer, j, static_cast<std::size_t>(at + count));
         }
-        torch::Tensor rows = page_view(layer, j, at + count).narrow(0, at, count);
+        torch::Tensor rows = page_rows(layer, j, at + count).narrow(0, at, count);
         rows.select(1, 0).copy_(key.narrow(2, done, count).permute({2, 0, 1, 3}));
         rows.select(1, 1).copy_(value.narrow(2, done, count).permute({2, 0, 1, 3}));
         store_->wrote_page(layer, j, static_cast<std::size_t>(at), static_cast<std::size_t>(count),
@@ -360,7 +386,7 @@ class PyKVStore {
       py::gil_scoped_release release;
       store_->reserve(layer, static_cast<std::size_t>(first + 1));
     }
-    torch::Tensor rows = view(layer, first + 1);  // [tokens, 2, batch, kv_heads, dim + 4]
+    torch::Tensor rows = this->rows(layer, first + 1);  // [tokens, 2, batch, kv_heads, dim + 4]
     a.k_rows = rows.select(1, 0).data_ptr();
     a.v_rows = rows.select(1, 1).data_ptr();
     a.first_key = static_cast<std::size_t>(first_key);
@@ -418,7 +444,18 @@ class PyKVStore {
     store_->wrote(layer, first, count, *rt_->compute_stream());
   }
 
-  void release(int layer) { store_->release(layer, *rt_->compute_stream()); }
+  void release(int layer) {
+    store_->release(layer, *rt_->compute_stream());
+    const std::string l = std::to_string(layer);
+    leases_.revoke(layer,
+                   revoked("view(" + l + ", ...) or kv(" + l + ", ...)", "release(" + l + ")"));
+  }
+
+  // clear() and close(): every view and page view still alive is revoked.
+  void revoke_all(const char* what) {
+    leases_.revoke_all(revoked("view() or kv()", what));
+    page_leases_.revoke_all(revoked("page_view() or page_kv()", what));
+  }
 
   py::dict stats() {
     const KVStoreStats st = store_->stats();
@@ -539,12 +576,24 @@ class PyKVStore {
   }
 
  private:
+  static long page_key(int layer, std::size_t page) {
+    return (static_cast<long>(layer) << 32) | static_cast<long>(page);
+  }
+
+  // What a revoked tensor raises (Note [Revoked views] in leases.h).
+  static std::string revoked(const std::string& from, const std::string& call) {
+    return "a tensor from KVStore." + from + " used after KVStore." + call +
+           ": that memory may hold other K/V now (clone() what is to be kept before)";
+  }
+
   std::shared_ptr<Runtime> rt_;
   torch::ScalarType dtype_;
   std::vector<int64_t> row_;  // [2, batch, kv_heads, head_dim]
   std::shared_ptr<KVStore> store_;
   std::mutex host_attend_mutex_;  // host_attend's turns (its appends)
   std::shared_ptr<std::atomic<int>> host_views_ = std::make_shared<std::atomic<int>>(0);
+  Leases leases_;       // view() and kv() by layer
+  Leases page_leases_;  // page_view() and page_kv() by page_key
 };
 
 }  // namespace
@@ -599,12 +648,12 @@ void bind_kv_store(py::module_& m) {
           },
           py::arg("layer"), py::arg("first"), py::arg("end"), py::arg("chunk"))
       .def("end_prefill_order", [](PyKVStore& s) { s.store().end_prefill_order(); })
-      .def("page_kv", &PyKVStore::page_kv, py::arg("layer"), py::arg("page"), py::arg("tokens"))
+      .def("page_kv", &PyKVStore::page_kv, py::arg("layer"), py::arg("page"), py::arg("tokens"),
+           "K and V of an acquired page, until release_page(layer, page): used after it, they "
+           "raise")
       .def(
           "release_page",
-          [](PyKVStore& s, int layer, std::size_t page) {
-            s.store().release_page(layer, page, *s.compute());
-          },
+          [](PyKVStore& s, int layer, std::size_t page) { s.release_page(layer, page); },
           py::arg("layer"), py::arg("page"))
       .def(
           "reserve",
@@ -626,10 +675,14 @@ void bind_kv_store(py::module_& m) {
       .def("host_attend", &PyKVStore::host_attend, py::arg("layer"), py::arg("q"), py::arg("key"),
            py::arg("value"), py::arg("scale"), py::arg("threads"), py::arg("window") = 0)
       .def("host_kv", &PyKVStore::host_kv, py::arg("layer"), py::arg("tokens"))
-      .def("view", &PyKVStore::view, py::arg("layer"), py::arg("tokens"))
+      .def("view", &PyKVStore::view, py::arg("layer"), py::arg("tokens"),
+           "[tokens, 2, batch, kv_heads, head_dim] over the acquired layer's rows, until "
+           "release(layer): used after it, the tensor and its views raise (clone() to keep them)")
       .def("write", &PyKVStore::write, py::arg("layer"), py::arg("first"), py::arg("key"),
            py::arg("value"))
-      .def("kv", &PyKVStore::kv, py::arg("layer"), py::arg("tokens"))
+      .def("kv", &PyKVStore::kv, py::arg("layer"), py::arg("tokens"),
+           "K and V, [batch, kv_heads, tokens, head_dim] views of the acquired layer's rows, until "
+           "release(layer): used after it, they raise (clone() to keep them)")
       .def("wrote", &PyKVStore::wrote, py::arg("layer"), py::arg("first"), py::arg("count"))
       .def("attend_fp8_decode", &PyKVStore::attend_fp8_decode, py::arg("layer"), py::arg("first"),
            py::arg("q"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("first_key"),
@@ -673,12 +726,14 @@ void bind_kv_store(py::module_& m) {
       .def("clear",
            [](PyKVStore& s) {
              s.check_no_host_views("clear");
+             s.revoke_all("clear()");
              py::gil_scoped_release release;
              s.store().clear();
            })
       .def("close",
            [](PyKVStore& s) {
              s.check_no_host_views("close");
+             s.revoke_all("close()");
              py::gil_scoped_release release;
              s.store().close();
            })

@@ -4,11 +4,15 @@
 // device tensor over its device copy; the caller lays its parameters out in them. Each tensor
 // keeps what it reads alive: a host tensor holds the store (its pinned copies go back only when
 // the store and every such tensor are gone), a device tensor holds the arena buffer (its memory
-// stays mapped while the tensor lives). Compute is torch's current stream on CUDA; on the host
+// stays mapped while the tensor lives) and is revoked (Note [Revoked views] in leases.h) at
+// release(layer), or for a resident_view when set_residency drops the layer: a streamed slot holds
+// the next layer from then on. Compute is torch's current stream on CUDA; on the host
 // runtime acquire() waits for the fill before returning, since torch computes on the CPU
 // synchronously.
+#include "leases.h"
 #include "runtime.h"
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -59,7 +63,9 @@ class PyWeightStore {
       data = store_->acquire(layer, *compute);
       if (!rt_->is_cuda()) compute->synchronize();  // the fill landed before torch reads
     }
-    return device_tensor(layer, data);
+    torch::Tensor t = device_tensor(layer, data);
+    acquired_.grant(layer, t);
+    return t;
   }
 
   // A resident layer's device copy, its fill perhaps in flight on CUDA: for laying views out,
@@ -70,15 +76,32 @@ class PyWeightStore {
       py::gil_scoped_release release;
       store_->synchronize();
     }
-    return device_tensor(layer, data);
+    torch::Tensor t = device_tensor(layer, data);
+    resident_.grant(layer, t);
+    return t;
   }
 
-  void release(int layer) { store_->release(layer, *rt_->compute_stream()); }
+  void release(int layer) {
+    store_->release(layer, *rt_->compute_stream());
+    const std::string l = std::to_string(layer);
+    acquired_.revoke(layer, "a tensor from WeightStore.acquire(" + l +
+                                ") used after WeightStore.release(" + l +
+                                "): that memory may hold another layer's weights now");
+  }
 
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers) {
     auto compute = rt_->compute_stream();
-    py::gil_scoped_release release;
-    store_->set_residency(resident, slots, prefetch_layers, *compute);
+    {
+      py::gil_scoped_release release;
+      store_->set_residency(resident, slots, prefetch_layers, *compute);
+    }
+    for (const long layer : resident_.keys()) {
+      if (std::find(resident.begin(), resident.end(), layer) != resident.end()) continue;
+      const std::string l = std::to_string(layer);
+      resident_.revoke(layer, "a tensor from WeightStore.resident_view(" + l +
+                                  ") used after set_residency left layer " + l +
+                                  " out: that memory may hold another layer's weights now");
+    }
   }
 
   py::dict stats() {
@@ -117,6 +140,8 @@ class PyWeightStore {
 
   std::shared_ptr<Runtime> rt_;
   std::shared_ptr<WeightStore> store_;
+  Leases acquired_;  // acquire() by layer, until release
+  Leases resident_;  // resident_view() by layer, until set_residency leaves it out
 };
 
 }  // namespace
@@ -140,10 +165,11 @@ void bind_weight_store(py::module_& m) {
            "The layer's pinned host copy as a uint8 tensor, to fill before its first use")
       .def("acquire", &PyWeightStore::acquire, py::arg("layer"),
            "The layer's weights on the device (uint8) for compute on torch's current stream, "
-           "until release(layer)")
+           "until release(layer): used after it, the tensor and its views raise")
       .def("resident_view", &PyWeightStore::resident_view, py::arg("layer"),
            "A resident layer's device copy (uint8), its fill perhaps still in flight: to lay "
-           "parameters out over it; compute reads it only after acquire(layer)")
+           "parameters out over it; compute reads it only after acquire(layer). Used after "
+           "set_residency leaves the layer out, it and its views raise")
       .def("release", &PyWeightStore::release, py::arg("layer"))
       .def("set_residency", &PyWeightStore::set_residency, py::arg("resident"), py::arg("slots"),
            py::arg("prefetch_layers"))

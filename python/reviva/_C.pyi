@@ -338,12 +338,18 @@ class KVStore:
     def end_prefill_order(self) -> None: ...
     def kv(
         self, layer: typing.SupportsInt, tokens: typing.SupportsInt
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """
+        K and V, [batch, kv_heads, tokens, head_dim] views of the acquired layer's rows, until release(layer): used after it, they raise (clone() to keep them)
+        """
     def length(self, arg0: typing.SupportsInt) -> int: ...
     def make_resident(self, arg0: typing.SupportsInt) -> None: ...
     def page_kv(
         self, layer: typing.SupportsInt, page: typing.SupportsInt, tokens: typing.SupportsInt
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """
+        K and V of an acquired page, until release_page(layer, page): used after it, they raise
+        """
     def paged(self, layer: typing.SupportsInt) -> bool: ...
     def pages(self, layer: typing.SupportsInt) -> int: ...
     def promote(self, layer: typing.SupportsInt) -> bool: ...
@@ -361,7 +367,10 @@ class KVStore:
         Copies and compute's waits for them (ms since the store was built), when built with timeline_capacity > 0
         """
     def truncate(self, layer: typing.SupportsInt, tokens: typing.SupportsInt) -> None: ...
-    def view(self, layer: typing.SupportsInt, tokens: typing.SupportsInt) -> torch.Tensor: ...
+    def view(self, layer: typing.SupportsInt, tokens: typing.SupportsInt) -> torch.Tensor:
+        """
+        [tokens, 2, batch, kv_heads, head_dim] over the acquired layer's rows, until release(layer): used after it, the tensor and its views raise (clone() to keep them)
+        """
     def write(
         self,
         layer: typing.SupportsInt,
@@ -399,7 +408,7 @@ class WeightStore:
         """
     def acquire(self, layer: typing.SupportsInt) -> torch.Tensor:
         """
-        The layer's weights on the device (uint8) for compute on torch's current stream, until release(layer)
+        The layer's weights on the device (uint8) for compute on torch's current stream, until release(layer): used after it, the tensor and its views raise
         """
     def acquired(self, arg0: typing.SupportsInt) -> bool: ...
     def host(self, layer: typing.SupportsInt) -> torch.Tensor:
@@ -412,7 +421,7 @@ class WeightStore:
     def resident(self, arg0: typing.SupportsInt) -> bool: ...
     def resident_view(self, layer: typing.SupportsInt) -> torch.Tensor:
         """
-        A resident layer's device copy (uint8), its fill perhaps still in flight: to lay parameters out over it; compute reads it only after acquire(layer)
+        A resident layer's device copy (uint8), its fill perhaps still in flight: to lay parameters out over it; compute reads it only after acquire(layer). Used after set_residency leaves the layer out, it and its views raise
         """
     def set_on_demand(self, layers: collections.abc.Sequence[typing.SupportsInt]) -> None:
         """
