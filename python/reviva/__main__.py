@@ -17,7 +17,8 @@ about half the layers' K/V from pinned host memory), and prints both answers, wh
 are identical, peak VRAM, prefill time, decode rate, VRAM saved and overlap (see reviva/demo.py).
 `transfers` offloads a set of
 random tensors to pinned host memory and brings them back through the TransferEngine, checks
-every byte, and prints what moved and how fast. Both run on the GPU when there is one, else on
+every byte, and prints what moved and how fast (on a GPU, the host-to-device rate as `plan
+--pcie-gbps` takes it). Both run on the GPU when there is one, else on
 the host backend, and say which. `plan` prints how a generate call of a shape would use a card
 (the planner's own plan, on a model built on the meta device) and its estimated prefill time and
 decode rate (reviva/forecast.py: calibrated on the H200), without a GPU; with --train, a LoRA
@@ -91,6 +92,13 @@ def _transfers(args: argparse.Namespace) -> int:
         f"cap {pool.capacity_bytes / 2**20:.0f} MiB"
     )
     print(f"  round trip bit-exact: {exact}")
+    if device.startswith("cuda"):
+        # (the copy stream's host-to-device rate over the batch: what `plan` assumes for streamed
+        # weights and K/V, the H200's 55 GB/s unless given)
+        print(
+            f"  this card's host-to-device rate for plan: "
+            f"python -m reviva plan --pcie-gbps {h2d['bandwidth_gbps']:.1f}"
+        )
     return 0 if exact else 1
 
 

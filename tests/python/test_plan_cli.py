@@ -583,3 +583,26 @@ def test_train_plan_text_and_bad_input(capsys: pytest.CaptureFixture[str]) -> No
     small = plan_json(capsys, "--train", "--card", "20GB")
     big = plan_json(capsys, "--train", "--card", "40GB")
     assert len(small["plan"]["resident_layers"]) < len(big["plan"]["resident_layers"]) == 32
+
+
+def test_transfers_measures_the_cards_rate_that_plan_takes(
+    device: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`transfers` on a GPU prints this card's host-to-device rate as `plan --pcie-gbps` takes
+    it, and plan's forecast then uses that rate; on the host backend (no card) it prints none."""
+    import re
+
+    assert main(["transfers", "--device", device, "--mib", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "round trip bit-exact: True" in out
+    hint = re.search(r"python -m reviva plan --pcie-gbps (\d+(?:\.\d+)?)", out)
+    if device == "cpu":
+        assert hint is None, out
+        return
+    assert hint is not None, out
+    rate = float(hint.group(1))
+    assert 1.0 < rate < 200.0, out  # (a PCIe or NVLink-C2C card's, in GB/s)
+    measured = plan_json(
+        capsys, "--context", "128k", "--card", "24GB", "--pcie-gbps", hint.group(1)
+    )
+    assert f"PCIe stated: {rate:g} GB/s" in measured["forecast"]["calibration"]
