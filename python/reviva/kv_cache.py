@@ -21,7 +21,6 @@ layers reach it through a weak reference, so that nothing keeps a cache alive in
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from reviva import kv_fp8 as fp8rows
+from reviva import switches
 from reviva._C import DeviceArena, KVStore, Runtime, TransferEngine
 from reviva.block_attention import attention_with_lse, merge
 
@@ -318,13 +318,7 @@ class RevivaCache(Cache):
         # Note [Attention on the host] (src/host_attention.cpp): layers whose decode reads their
         # K/V on the host, the host threads that do it, and what it took (seconds)
         self._host_layers: set[int] = set()
-        self.host_threads = int(
-            os.environ.get("REVIVA_HOST_ATTENTION_THREADS") or len(os.sched_getaffinity(0))
-        )
-        if self.host_threads < 1:
-            raise ValueError(
-                f"REVIVA_HOST_ATTENTION_THREADS={self.host_threads} must be >= 1 (host threads)"
-            )
+        self.host_threads = switches.host_attention_threads()
         self.host_wait_s = 0.0  # waiting for compute before the queries could cross
         self.host_attention_s = 0.0  # the host's attention calls (writes of the new rows in)
         self.host_attention_calls = 0

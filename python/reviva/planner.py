@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from reviva import kv_fp8
+from reviva import kv_fp8, switches
 from reviva._C import RevivaOutOfMemoryError
 from reviva.adapters import DecoderLayout
 from reviva.config import RevivaConfig
@@ -1020,7 +1019,7 @@ RING_SLACK_TOKENS = 256
 def rings_wanted() -> bool:
     """Note [Window rings] (kv_cache.py): whether calls keep sliding layers as rings
     (REVIVA_WINDOW_RINGS=0 keeps every token, to compare)."""
-    return os.environ.get("REVIVA_WINDOW_RINGS", "1") != "0"
+    return switches.window_rings()
 
 
 def window_ring_tokens(layout: DecoderLayout, capacity: int, chunk: int) -> int:

@@ -39,6 +39,8 @@ from typing import Any, TextIO
 
 import torch
 
+from reviva import switches
+
 _TRACKS = (  # in this order; a track without spans is left out
     "compute",
     "K/V to device",
@@ -102,10 +104,10 @@ class PrefillProgress:
     @staticmethod
     def wanted(setting: str | bool, tokens: int, out: TextIO | None = None) -> bool:
         """RevivaConfig.progress: True, False, or "auto": a terminal on stderr, a prompt of
-        16k tokens or more, and REVIVA_PROGRESS not "0"."""
+        16k tokens or more, and REVIVA_PROGRESS not off."""
         if setting is True or setting is False:
             return setting
-        if os.environ.get("REVIVA_PROGRESS", "") == "0":
+        if not switches.progress():
             return False
         stream = out if out is not None else sys.stderr
         return tokens >= 16384 and bool(getattr(stream, "isatty", lambda: False)())

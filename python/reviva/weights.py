@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from reviva import switches
 from reviva._C import DeviceArena, RevivaOutOfMemoryError, TransferEngine, WeightStore
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def routed_experts(layer: nn.Module) -> nn.Module | None:
     gated), in a layer whose other parts all run before the MLP (Mixtral, Qwen3-MoE). None
     otherwise, and with REVIVA_ROUTED_EXPERTS=0 (a baseline for benchmarks): the MLP is then one
     block (and every expert moves)."""
-    if os.environ.get("REVIVA_ROUTED_EXPERTS", "1") == "0":
+    if not switches.routed_experts():
         return None
     mlp = getattr(layer, "mlp", None)
     experts = getattr(mlp, "experts", None)

