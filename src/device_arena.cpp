@@ -1,5 +1,5 @@
 // DeviceArena (see device_arena.h). How the lifetime protocol applies (Note [Lifetime protocol]
-// in offload_manager.cpp):
+// in offload_manager_impl.h):
 //   rule 2: memory given back is unmapped only once the events recorded by record_use() on
 //           every stream that used it have completed; until then it is counted as retiring;
 //   rule 5: accounting is decided under `mutex`, backend calls (map, unmap, event queries) are

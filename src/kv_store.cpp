@@ -1,5 +1,5 @@
 // KVStore (see kv_store.h): the K/V view over an OffloadManager of append blocks and its
-// PrefetchScheduler. The lifetime protocol (Note [Lifetime protocol] in offload_manager.cpp) is
+// PrefetchScheduler. The lifetime protocol (Note [Lifetime protocol] in offload_manager_impl.h) is
 // the manager's: an append's D2H waits for compute's write (rule 1), memory is freed and reused
 // after the streams that used it (rule 2, the arena allocator's stream-ordered reuse), compute
 // waits for a fetch at acquire (rule 3), a fetch waits for the layer's last append to its host

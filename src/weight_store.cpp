@@ -18,7 +18,7 @@
 // plus `slots` times the largest streamed layer (or the caller's slot_bytes): the one compute
 // holds and those in flight.
 // The window may be as wide as the slots: the arena's allocator reuses freed memory in stream
-// order (Note [Stream-ordered frees] in offload_manager.cpp), so a prefetch that found no room
+// order (Note [Stream-ordered frees] in offload_manager_impl.h), so a prefetch that found no room
 // at an acquire is retried when the layer is released, into the memory just freed, its copy
 // ordered on the device after compute's use. With one slot and a window of one, the next
 // layer's copy is queued as soon as the host releases a layer and starts the moment compute is

@@ -28,7 +28,7 @@ class REVIVA_API DeviceAllocator {
   // after that stream waits, on the device, for the free (never while the free is pending): the
   // OffloadManager then counts a freed block's bytes as free at once instead of holding them
   // against its budget until the host sees the free complete (Note [Stream-ordered frees] in
-  // offload_manager.cpp). False unless the allocator guarantees it.
+  // offload_manager_impl.h). False unless the allocator guarantees it.
   virtual bool reuses_in_stream_order() const noexcept { return false; }
 
   // Growable allocations (the OffloadManager's append blocks: a K/V layer growing a token at a

@@ -2,7 +2,7 @@
 // block of attention on the host (issue 14's lever for an 8B model on an 8 GB card: a streamed
 // layer's K/V stays on the host and only a query and its output cross PCIe; Note [Attention on
 // the host] in host_attention.cpp). Used by the binding's KVStore.host_attend (decode with
-// RevivaConfig(decode_attention="host"), Note [Host-side appends] in offload_manager.cpp).
+// RevivaConfig(decode_attention="host"), Note [Host-side appends] in append_blocks.cpp).
 #pragma once
 
 #include <reviva/export.h>

@@ -3,7 +3,7 @@
 //
 // A layer's K/V is one token-major buffer of up to `capacity_tokens` rows of `token_bytes` (a
 // row holds a token's K and V of every head: an append is one contiguous copy): an append block
-// of the store's OffloadManager (Note [Append blocks] in offload_manager.cpp), whose device
+// of the store's OffloadManager (Note [Append blocks] in append_blocks.cpp), whose device
 // memory comes from the DeviceArena through an ArenaDeviceAllocator. A layer is either resident
 // (a kept block: its memory grows with its tokens and never leaves) or streamed: its contents
 // live in its write-through pinned host copy, and it is brought to the device for each use.
@@ -24,7 +24,7 @@
 // and at each release it lets go of (frees: the host copy is already whole) a streamed layer
 // needed later than the window, so that the copies run while compute works on the layers before
 // them. The store shares the TransferEngine, the pinned pool and the arena; the lifetime
-// protocol is the manager's (Note [Lifetime protocol] in offload_manager.cpp). Single-threaded.
+// protocol is the manager's (Note [Lifetime protocol] in offload_manager_impl.h). Single-threaded.
 //
 // Paged layers (options.page_tokens > 0; Note [Paged layers] in kv_store.cpp): a layer that is
 // not resident from the start keeps its K/V in pages of page_tokens tokens, each an append block
@@ -162,13 +162,13 @@ class REVIVA_API KVStore {
   void truncate(int layer, std::size_t tokens);
   // A streamed layer whose reads need only its last `tokens` tokens (a sliding window; 0: all):
   // its fetches copy those alone (OffloadManager::set_fetch_tail, Note [Fetch tails] in
-  // offload_manager.cpp); the tokens before them are stale on the device and must not be read.
+  // append_blocks.cpp); the tokens before them are stale on the device and must not be read.
   // Not for paged layers; not while the layer is acquired.
   void set_fetch_window(int layer, std::size_t tokens);
   std::size_t length(int layer) const;
   bool resident(int layer) const;
 
-  // Note [Host-side appends] (offload_manager.cpp): a streamed whole layer whose reads and writes
+  // Note [Host-side appends] (append_blocks.cpp): a streamed whole layer whose reads and writes
   // happen on the host from now on (decode attention on the host's cores, Note [Attention on the
   // host] in host_attention.cpp): it leaves the device (clean: its host copy is whole), the cycle
   // no longer brings it in, and acquire refuses it. Not while acquired; not for a resident or a

@@ -8,7 +8,7 @@
 //   Host      only the pinned host copy holds the contents
 //   ToDevice  an H2D copy is in flight into fresh device memory
 // Every transition is a copy on a copy stream bracketed by events, following the lifetime
-// protocol to the letter (see Note [Lifetime protocol] in offload_manager.cpp).
+// protocol to the letter (see Note [Lifetime protocol] in offload_manager_impl.h).
 //
 // Compute uses a block between acquire() and release(): acquire makes it resident (fetching it if
 // needed), makes the compute stream wait for any copy still bringing it in, and pins it (a pinned
@@ -76,7 +76,7 @@ class REVIVA_API OffloadManager {
   // Frees the block's memory (stream-ordered) and forgets it. It must not be acquired.
   void unregister(BlockId id);
 
-  // Append blocks (a K/V layer: Note [Append blocks] in offload_manager.cpp). A block of up to
+  // Append blocks (a K/V layer: Note [Append blocks] in append_blocks.cpp). A block of up to
   // `capacity` bytes whose contents are its first valid_bytes(), which grow by wrote() alone
   // (acquire's access mode does not change its copies). Its device memory backs what grow()
   // asked for (or, with an allocator that cannot grow in place, the capacity), so it grows with
@@ -99,7 +99,7 @@ class REVIVA_API OffloadManager {
   void truncate(BlockId id, std::size_t bytes);
   // An append block's fetches copy only the last `bytes` of its valid prefix (0: all of it):
   // compute reads no byte before them (a sliding-window layer's keys older than its window: Note
-  // [Fetch tails] in offload_manager.cpp); the device memory before them holds stale bytes. A
+  // [Fetch tails] in append_blocks.cpp); the device memory before them holds stale bytes. A
   // device copy fetched with a tail leaves the device when the tail is lifted or lengthened, so
   // that the next acquire fetches what is now asked for. keep_resident fetches the whole prefix.
   // Not while acquired.
@@ -115,7 +115,7 @@ class REVIVA_API OffloadManager {
   std::size_t capacity(BlockId id) const;  // an append block's; a fixed block's bytes
   // The bytes the block's host copy holds now (0: none).
   std::size_t host_bytes(BlockId id) const;
-  // Note [Host-side appends] (offload_manager.cpp): an append block whose reader works on the
+  // Note [Host-side appends] (append_blocks.cpp): an append block whose reader works on the
   // host. host_rows: its host copy, once every write-through to it has landed (waits for them);
   // valid until the block is unregistered or kept. host_wrote: copies `bytes` from `src` into the
   // host copy at `offset` (<= valid_bytes(): no gap) and extends the valid prefix. The block must

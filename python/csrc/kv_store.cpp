@@ -272,7 +272,7 @@ class PyKVStore {
     return {rows.select(1, 0).permute({1, 2, 0, 3}), rows.select(1, 1).permute({1, 2, 0, 3})};
   }
 
-  // Note [Host-side appends] (offload_manager.cpp), Note [Attention on the host]: decode
+  // Note [Host-side appends] (append_blocks.cpp), Note [Attention on the host]: decode
   // attention of a host-attended layer on the host's cores. `key`, `value`: the n new tokens'
   // [batch, kv_heads, n, row] on the CPU in the store's dtype, written at the layer's end into
   // its host copy (row: head_dim elements, or for fp8 rows (uint8) head_dim + 4 bytes as

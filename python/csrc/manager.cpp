@@ -95,7 +95,7 @@ class TorchDeviceAllocator final : public DeviceAllocator {
 //     no event: the next compute-stream allocation reuses it in compute's order, and a copy into
 //     it waits for compute again (the first rule).
 // So freed memory is reused only in stream order (reuses_in_stream_order(): the manager counts
-// it free at once, Note [Stream-ordered frees] in src/offload_manager.cpp) and the host never
+// it free at once, Note [Stream-ordered frees] in src/offload_manager_impl.h) and the host never
 // waits to see a free.
 class TorchComputeOrderedAllocator final : public DeviceAllocator {
  public:

@@ -36,7 +36,7 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
 
 - sliding-window layers (Mistral, Gemma, ...; not calibrated): a query reads its window's keys
   alone, in prefill (T*W - W^2/2 of the T^2/2 causal pairs) and in decode, and a streamed one's
-  decode fetch copies its window alone (Note [Fetch tails] in src/offload_manager.cpp; bf16 K/V,
+  decode fetch copies its window alone (Note [Fetch tails] in src/append_blocks.cpp; bf16 K/V,
   not paged); full layers are promoted after prefill before sliding ones.
 
 Other GPUs differ; the figures say what they were calibrated on. An estimate, not a
@@ -141,7 +141,7 @@ def forecast(
     linear = 2 * max(params - vocab_params, 0) * tokens / LINEAR_FLOPS
     # Sliding layers (Note [Sliding windows]): a query reads its window's keys alone, in prefill
     # and in decode, and a streamed one's decode fetch copies its window alone (Note [Fetch
-    # tails] in src/offload_manager.cpp; bf16 K/V, not paged).
+    # tails] in src/append_blocks.cpp; bf16 K/V, not paged).
     short = layout.windows_shorter_than(plan.capacity)
     windows = [short.get(i) for i in range(layout.num_layers)]
     t = plan.prompt_tokens

@@ -268,7 +268,7 @@ class RevivaCache(Cache):
         self.parked_length = 0
         self.parked_bytes = 0
         self.num_kv_heads, self.head_dim = kv_heads, head_dim
-        # Note [Fetch tails] (src/offload_manager.cpp): sliding layers whose streamed K/V is
+        # Note [Fetch tails] (src/append_blocks.cpp): sliding layers whose streamed K/V is
         # fetched as its last `window` tokens alone (set_fetch_windows)
         self.fetch_windows: dict[int, int] = {}
         # Prefill's attention calls on CUDA: "flash" or "cudnn" (Note [Prefill attention kernel]
@@ -346,7 +346,7 @@ class RevivaCache(Cache):
         return self.store.closed
 
     def set_fetch_windows(self, windows: dict[int, int]) -> None:
-        """Note [Fetch tails] (src/offload_manager.cpp): each layer in `windows` (index: its
+        """Note [Fetch tails] (src/append_blocks.cpp): each layer in `windows` (index: its
         window in tokens) is read only within its window from here on (Reviva's own attention
         calls slice it, Note [Sliding windows]), so a fetch of it copies its last `window`
         tokens alone; the tokens before are stale on the device. Only for layers that no

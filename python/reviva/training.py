@@ -261,7 +261,7 @@ class ActivationOffload:
         # Reviva's device memory outside torch's allocator. Both reuse freed memory in stream
         # order: the manager counts a used block's bytes as free as soon as it is dropped, and
         # the next copy into that memory waits on the device (Note [Stream-ordered frees] in
-        # src/offload_manager.cpp), so the H2D stream stays fed while the host runs ahead of the
+        # src/offload_manager_impl.h), so the H2D stream stays fed while the host runs ahead of the
         # device in backward. torch's pool is the default: memory torch frees after the loss's
         # backward (the step's peak) is reused for the activations coming back, where the
         # arena's is memory of its own beside torch's cache (H200, 35c0d1e: the card peaked

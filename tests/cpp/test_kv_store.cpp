@@ -209,7 +209,7 @@ TEST_P(KVStoreTest, PromotedLayersKeepTheirContentsAndStopMoving) {
 }
 
 TEST_P(KVStoreTest, AFetchWindowMovesTheLastTokensAloneAndLiftingItBringsAllBack) {
-  // Note [Fetch tails] (offload_manager.cpp): a sliding-window layer's streamed K/V comes in as
+  // Note [Fetch tails] (append_blocks.cpp): a sliding-window layer's streamed K/V comes in as
   // its last `window` tokens alone, at their own offsets (the tokens before are stale on the
   // device, and not read); the host copy stays whole, so lifting the window brings every token
   // back, and a promotion keeps every token.

@@ -437,7 +437,7 @@ def test_sequences_per_prompt_share_the_prompts_kv_across_calls_and_a_failure() 
 def test_sliding_layers_move_only_their_window(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Note [Fetch tails] (src/offload_manager.cpp): with Reviva's own attention calls (they
+    """Note [Fetch tails] (src/append_blocks.cpp): with Reviva's own attention calls (they
     read a sliding layer within its window alone), a streamed sliding layer's decode fetches
     copy its last 16 tokens, not all 150-189: counted against the same calls with whole fetches
     (REVIVA_FETCH_WINDOWS=0), plain HF's tokens both ways. Gemma 2 alternates sliding and global

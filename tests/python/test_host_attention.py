@@ -1,5 +1,5 @@
 """Decode attention on the host (Note [Attention on the host] in src/host_attention.cpp, Note
-[Host-side appends] in src/offload_manager.cpp): with RevivaConfig(decode_attention="host"), the
+[Host-side appends] in src/append_blocks.cpp): with RevivaConfig(decode_attention="host"), the
 layers whose K/V streams after prefill stay in their pinned host copies, decode writes their new
 rows there and attends them on the host's cores. Tiny models give plain HF's greedy and seeded
 sampling tokens with it, for every family (sliding windows included) and with weights streamed
