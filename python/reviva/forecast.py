@@ -93,7 +93,7 @@ class Forecast:
     calibration: str = CALIBRATION
     # Note [Attention on the host]: decode's streamed K/V attended on the host ("host"), the
     # host's time a step, and the weight layers made resident for decode (Note [Weights first
-    # when the host attends] in manager.py)
+    # when the host attends] in decode_placement.py)
     decode_attention: str = "device"
     decode_host_s: float = 0.0
     weights_promoted_in_decode: int = 0

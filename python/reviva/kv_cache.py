@@ -42,7 +42,7 @@ FP8_DECODE_MAX_HEAD_DIM = 256
 # is n identical copies: at 64k with 4 beams of the 8B shape, 32 GB where 8 GB hold it, and on
 # a 24 GB card 28 of 32 layers streamed a step 11.8x greedy's (the H200 at f6651f0). So, when
 # the rows need nothing per row in the prompt (no padding, full K/V, not fp8 or paged: the
-# manager decides, RevivaManager._share_rows), the cache holds each prompt's K/V once (the
+# manager decides, call_inputs.share_rows), the cache holds each prompt's K/V once (the
 # store's batch is the prompts) and each row's generated tokens in device buffers of their own
 # (`generated rows`, a few tokens per row); the manager runs prefill over one row per prompt
 # (its layer wrappers keep every n-th row) and hands HF's head the last token's row repeated.

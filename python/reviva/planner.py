@@ -88,11 +88,11 @@ class MemoryModel:
     # weights queue behind each other). Measured on the H200, 32B shape on a 24 GB card: one
     # weight slot, decode at 0.975 of the transfer roofline (bench_weights, ec413ed).
     weight_slots: int = 2
-    # Note [Weights first when the host attends] (manager.py): a decode step's copy rate, and the
-    # rate at which the host's cores attend streamed K/V (bytes of rows a second, 16 threads, bf16,
-    # while the weights' copies run: 134 MB of a 32k layer in 3.9 ms on the H200's host at
-    # ace9acc) with a fixed cost per layer (the wait for compute, the query and output copies):
-    # what decides how much room goes to weights rather than K/V.
+    # Note [Weights first when the host attends] (decode_placement.py): a decode step's copy
+    # rate, and the rate at which the host's cores attend streamed K/V (bytes of rows a second,
+    # 16 threads, bf16, while the weights' copies run: 134 MB of a 32k layer in 3.9 ms on the
+    # H200's host at ace9acc) with a fixed cost per layer (the wait for compute, the query and
+    # output copies): what decides how much room goes to weights rather than K/V.
     copy_bps: float = 55e9
     host_attention_bps: float = 34e9
     host_attention_layer_s: float = 3e-4
@@ -914,7 +914,7 @@ def _residency(
 
 @dataclass(frozen=True)
 class HostDecodeMix:
-    """Note [Weights first when the host attends] (manager.py): decode's room shared with
+    """Note [Weights first when the host attends] (decode_placement.py): decode's room shared with
     decode's streamed K/V attended on the host."""
 
     weights_promoted: int  # weight layers made resident for decode
@@ -925,13 +925,13 @@ class HostDecodeMix:
 
 
 def host_decode_mix(plan: Plan, model: MemoryModel = MODEL) -> HostDecodeMix:
-    """Note [Weights first when the host attends] (manager.py): how the room prefill leaves is
-    shared in decode when the streamed K/V is attended on the host. A layer whose weights stream
-    takes max(its copy, its host attention) (the next blocks' copies run while the host works,
-    in decode's room of HOST_DECODE_ROOMS blocks: Note [Decode rooms when the host attends]);
-    a layer whose weights stay and whose K/V is on the host adds its host time in full. So the
-    K/V kept goes to weight-resident layers first, and the weights promoted are the count that
-    makes a step shortest (ties: fewer)."""
+    """Note [Weights first when the host attends] (decode_placement.py): how the room prefill
+    leaves is shared in decode when the streamed K/V is attended on the host. A layer whose
+    weights stream takes max(its copy, its host attention) (the next blocks' copies run while
+    the host works, in decode's room of HOST_DECODE_ROOMS blocks: Note [Decode rooms when the
+    host attends]); a layer whose weights stay and whose K/V is on the host adds its host time
+    in full. So the K/V kept goes to weight-resident layers first, and the weights promoted are
+    the count that makes a step shortest (ties: fewer)."""
     streamed = plan.streamed_weight_layers
     resident_w = len(plan.weight_resident_layers)
     kv_streamed = plan.streamed_layers

@@ -1353,7 +1353,7 @@ def test_a_padded_batch_continues_from_its_returned_cache(family: str) -> None:
 
 
 def test_generate_inside_the_with_block_runs_through_reviva() -> None:
-    """Note [generate inside the with-block] (manager.py): `with manager: model.generate(...)`
+    """Note [generate inside the with-block] (hf_surface.py): `with manager: model.generate(...)`
     is manager.generate: the same tokens and stats (layers streamed), with positional or keyword
     inputs and a positional GenerationConfig, nested blocks; what the manager refuses is refused
     there too; after the block the model's own generate is back (plain HF's tokens)."""

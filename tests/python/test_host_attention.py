@@ -105,12 +105,12 @@ def test_weights_promoted_first_when_the_host_attends(monkeypatch: pytest.Monkey
     """Note [Weights first when the host attends]: with host attention free (the model's rates
     set so), the room prefill leaves goes to streamed weights first: layers promoted (counted),
     their bytes no longer copied per step, and still HF's tokens, again and again."""
-    import reviva.manager
+    import reviva.decode_placement
 
     free = dataclasses.replace(
-        reviva.manager.MODEL, host_attention_bps=1e18, host_attention_layer_s=0.0
+        reviva.decode_placement.MODEL, host_attention_bps=1e18, host_attention_layer_s=0.0
     )
-    monkeypatch.setattr(reviva.manager, "MODEL", free)
+    monkeypatch.setattr(reviva.decode_placement, "MODEL", free)
     model = tiny_model("llama", seed=12)
     ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(13))
     ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
