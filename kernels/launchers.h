@@ -94,4 +94,51 @@ cudaError_t launch_attend_fp8_decode(const Fp8DecodeArgs& args, cudaStream_t str
 // may be inside a CUDA graph's capture (Note [fp8 attention in the decode graphs]).
 cudaError_t preload_attend_fp8();
 
+// A decode step's row operations (layouts shared with reviva::RmsNorm, Rotary and SiluMul,
+// whose comments say what each field holds; Note [Decode row ops] in src/row_ops.cpp). Element
+// strides; q/k, x/residual/out and gate/up/out are bf16 (`bfloat16`) or fp16, as are the weight
+// and cos/sin. cudaErrorInvalidValue on a null operand or an odd head_dim (checked first, and
+// named, by the backend).
+struct RmsNormArgs {
+  bool bfloat16;
+  std::size_t rows, width;
+  const void* x;
+  std::int64_t x_stride;
+  void* residual;
+  std::int64_t residual_stride;
+  const void* weight;
+  float eps;
+  void* out;
+  std::int64_t out_stride;
+};
+struct RotaryArgs {
+  bool bfloat16;
+  std::size_t batch, q_heads, k_heads, head_dim;
+  void* q;
+  std::int64_t q_stride[2];
+  void* k;
+  std::int64_t k_stride[2];
+  const void* cos;
+  const void* sin;
+  std::int64_t cos_stride, sin_stride;
+};
+struct SiluMulArgs {
+  bool bfloat16;
+  std::size_t rows, width;
+  const void* gate;
+  std::int64_t gate_stride;
+  const void* up;
+  std::int64_t up_stride;
+  void* out;
+  std::int64_t out_stride;
+};
+
+// One block per row (RmsNorm), one thread per pair of rotated values (Rotary), per value
+// (SiluMul).
+cudaError_t launch_rms_norm(const RmsNormArgs& args, cudaStream_t stream);
+cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream);
+cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream);
+// Loads the row operations' kernels now (their first launch may be inside a graph's capture).
+cudaError_t preload_row_ops();
+
 }  // namespace reviva::kernels

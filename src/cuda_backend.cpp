@@ -165,6 +165,7 @@ class CudaBackend final : public Backend {
     // holds the compute stream) and pass on the H200 with this preload; not rerun without it.
     REVIVA_CUDA_CHECK(kernels::preload_copy_segments());
     REVIVA_CUDA_CHECK(kernels::preload_attend_fp8());
+    REVIVA_CUDA_CHECK(kernels::preload_row_ops());
     REVIVA_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest_priority_, &highest_priority_));
     sm_count_ = prop.multiProcessorCount;
     int host_pointer = 0;
@@ -470,6 +471,57 @@ class CudaBackend final : public Backend {
     const kernels::RowGatherArgs args{gather.table, gather.rows,  gather.row_bytes,
                                       gather.ids,   gather.count, gather.out};
     REVIVA_CUDA_CHECK(kernels::launch_gather_rows(args, as_stream(stream)));
+  }
+
+  void rms_norm_async(const RmsNorm& n, StreamHandle stream) override {
+    check_rms_norm(n);
+    DeviceGuard guard(device_);
+    const kernels::RmsNormArgs args{n.type == HalfType::BFloat16,
+                                    n.rows,
+                                    n.width,
+                                    n.x,
+                                    n.x_stride,
+                                    n.residual,
+                                    n.residual_stride,
+                                    n.weight,
+                                    n.eps,
+                                    n.out,
+                                    n.out_stride};
+    REVIVA_CUDA_CHECK(kernels::launch_rms_norm(args, as_stream(stream)));
+  }
+
+  void rotary_async(const Rotary& r, StreamHandle stream) override {
+    check_rotary(r);
+    DeviceGuard guard(device_);
+    const kernels::RotaryArgs args{r.type == HalfType::BFloat16,
+                                   r.batch,
+                                   r.q_heads,
+                                   r.k_heads,
+                                   r.head_dim,
+                                   r.q,
+                                   {r.q_stride[0], r.q_stride[1]},
+                                   r.k,
+                                   {r.k_stride[0], r.k_stride[1]},
+                                   r.cos,
+                                   r.sin,
+                                   r.cos_stride,
+                                   r.sin_stride};
+    REVIVA_CUDA_CHECK(kernels::launch_rotary(args, as_stream(stream)));
+  }
+
+  void silu_mul_async(const SiluMul& op, StreamHandle stream) override {
+    check_silu_mul(op);
+    DeviceGuard guard(device_);
+    const kernels::SiluMulArgs args{op.type == HalfType::BFloat16,
+                                    op.rows,
+                                    op.width,
+                                    op.gate,
+                                    op.gate_stride,
+                                    op.up,
+                                    op.up_stride,
+                                    op.out,
+                                    op.out_stride};
+    REVIVA_CUDA_CHECK(kernels::launch_silu_mul(args, as_stream(stream)));
   }
 
   void memset_async(void* dst, int value, std::size_t bytes, StreamHandle stream) override {

@@ -386,6 +386,21 @@ class HostBackend final : public Backend {
 
   std::size_t fp8_decode_workspace_bytes(const Fp8DecodeAttention&) const override { return 0; }
 
+  void rms_norm_async(const RmsNorm& norm, StreamHandle stream) override {
+    check_rms_norm(norm);
+    as_stream(stream)->submit([norm] { rms_norm(norm); });
+  }
+
+  void rotary_async(const Rotary& r, StreamHandle stream) override {
+    check_rotary(r);
+    as_stream(stream)->submit([r] { rotary(r); });
+  }
+
+  void silu_mul_async(const SiluMul& op, StreamHandle stream) override {
+    check_silu_mul(op);
+    as_stream(stream)->submit([op] { silu_mul(op); });
+  }
+
  private:
   HostBackendOptions options_;
   std::mutex mutex_;

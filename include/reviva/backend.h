@@ -101,6 +101,61 @@ struct Fp8DecodeAttention {
 };
 constexpr std::size_t kFp8DecodeMaxHeadDim = 256;
 
+// A decode step's row-wise operations (Note [Decode row ops] in src/row_ops.cpp): each is one
+// kernel on CUDA where torch runs several, computing as HF's modules do. Strides count elements;
+// the last dimension of every operand is dense.
+
+// RMS normalization of `rows` rows of `width` values as HF's LlamaRMSNorm computes it: in fp32,
+// x * rsqrt(mean(x^2) + eps), rounded to `type`, times `weight` (rounded again). With
+// `residual`, x is residual + x rounded to `type`, which is also written back into `residual`
+// (a decoder layer's residual add and the next norm in one).
+struct RmsNorm {
+  HalfType type = HalfType::BFloat16;
+  std::size_t rows = 0;
+  std::size_t width = 0;
+  const void* x = nullptr;  // [rows][width]
+  std::int64_t x_stride = 0;
+  void* residual = nullptr;  // [rows][width], or null
+  std::int64_t residual_stride = 0;
+  const void* weight = nullptr;  // [width]
+  float eps = 0.0f;
+  void* out = nullptr;  // [rows][width]; may be x itself, not residual
+  std::int64_t out_stride = 0;
+};
+
+// Rotary position embedding applied in place to queries and keys as HF's apply_rotary_pos_emb
+// computes it with rotate_half: x * cos + rotate_half(x) * sin, each product and the sum rounded
+// to `type` (cos and sin of `type`, [batch][head_dim], one position per sequence).
+struct Rotary {
+  HalfType type = HalfType::BFloat16;
+  std::size_t batch = 0;
+  std::size_t q_heads = 0;
+  std::size_t k_heads = 0;
+  std::size_t head_dim = 0;  // even
+  void* q = nullptr;         // [batch][q_heads][head_dim]
+  std::int64_t q_stride[2] = {0, 0};
+  void* k = nullptr;  // [batch][k_heads][head_dim]
+  std::int64_t k_stride[2] = {0, 0};
+  const void* cos = nullptr;  // [batch][head_dim]
+  const void* sin = nullptr;
+  std::int64_t cos_stride = 0;
+  std::int64_t sin_stride = 0;
+};
+
+// silu(gate) * up as HF's gated MLP computes it: silu in fp32 rounded to `type`, then the product
+// rounded. `out` may be gate or up itself.
+struct SiluMul {
+  HalfType type = HalfType::BFloat16;
+  std::size_t rows = 0;
+  std::size_t width = 0;
+  const void* gate = nullptr;  // [rows][width]
+  std::int64_t gate_stride = 0;
+  const void* up = nullptr;
+  std::int64_t up_stride = 0;
+  void* out = nullptr;
+  std::int64_t out_stride = 0;
+};
+
 struct DeviceMemoryInfo {
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
@@ -190,6 +245,11 @@ class REVIVA_API Backend {
   // Bytes of device workspace attend_fp8_decode_async needs for `attention` (its splits'
   // partial outputs); 0 on the host and when one split covers the keys.
   virtual std::size_t fp8_decode_workspace_bytes(const Fp8DecodeAttention& attention) const = 0;
+  // The decode row operations (RmsNorm, Rotary, SiluMul), ordered on `stream`: one kernel each
+  // on CUDA; on the host the references below.
+  virtual void rms_norm_async(const RmsNorm& norm, StreamHandle stream) = 0;
+  virtual void rotary_async(const Rotary& rotary, StreamHandle stream) = 0;
+  virtual void silu_mul_async(const SiluMul& op, StreamHandle stream) = 0;
 };
 
 struct HostBackendOptions {
@@ -223,6 +283,18 @@ REVIVA_API void attend_fp8_decode(const Fp8DecodeAttention& attention);
 REVIVA_API void check_row_gather(const RowGather& gather);
 // Gathers on the calling thread (the host backend's way, and the CUDA kernel's reference).
 REVIVA_API void gather_rows(const RowGather& gather);
+
+// Check the arguments of the decode row operations; throw InvalidArgument naming the bad value
+// (null pointers with rows to compute, a width or head_dim of 0, an odd head_dim, strides shorter
+// than a row, `out` aliasing `residual`).
+REVIVA_API void check_rms_norm(const RmsNorm& norm);
+REVIVA_API void check_rotary(const Rotary& rotary);
+REVIVA_API void check_silu_mul(const SiluMul& op);
+// The row operations on the calling thread (the host backend's way, and the references the CUDA
+// kernels are tested against: Rotary and SiluMul's rounding alike, RmsNorm's sum in another order).
+REVIVA_API void rms_norm(const RmsNorm& norm);
+REVIVA_API void rotary(const Rotary& rotary);
+REVIVA_API void silu_mul(const SiluMul& op);
 
 // True when the library was built with CUDA and at least one device is usable.
 REVIVA_API bool cuda_available() noexcept;

@@ -16,9 +16,10 @@ namespace py = pybind11;
 
 namespace reviva::python {
 
-void bind_manager(py::module_& m);       // manager.cpp
-void bind_kv_store(py::module_& m);      // kv_store.cpp
-void bind_weight_store(py::module_& m);  // weight_store.cpp
+void bind_manager(py::module_& m);                                          // manager.cpp
+void bind_kv_store(py::module_& m);                                         // kv_store.cpp
+void bind_weight_store(py::module_& m);                                     // weight_store.cpp
+void bind_row_ops(py::class_<Runtime, std::shared_ptr<Runtime>>& runtime);  // row_ops.cpp
 
 namespace {
 
@@ -449,7 +450,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_available", &cuda_available);
   m.def("cuda_device_count", &cuda_device_count);
 
-  py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
+  py::class_<Runtime, std::shared_ptr<Runtime>> runtime(m, "Runtime");
+  runtime
       .def(py::init([](const std::optional<std::string>& device) {
              auto rt = std::make_shared<Runtime>(device);
              // Torch initializes CUDA (its caching allocator among the rest) lazily, at its first
@@ -480,6 +482,7 @@ PYBIND11_MODULE(_C, m) {
            "outside the table; in torch's current stream's order: one kernel on CUDA, no "
            "host work and no synchronization.")
       .def("__repr__", &Runtime::repr);
+  bind_row_ops(runtime);
 
   py::class_<PinnedHostPool, std::shared_ptr<PinnedHostPool>>(m, "PinnedHostPool")
       .def(py::init([](const std::shared_ptr<Runtime>& rt, std::size_t capacity_bytes,

@@ -51,6 +51,27 @@ class Runtime:
         """
         Rows of `table` (contiguous [rows, width], on the runtime's device or in pinned host memory, which the device reads in place) by index: out[i] = table[ids[i]] (ids int64 [n] and out [n, width] on the runtime's device), zeros for an index outside the table; in torch's current stream's order: one kernel on CUDA, no host work and no synchronization.
         """
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+        residual: torch.Tensor | None = None,
+    ) -> None:
+        """
+        out = HF's RMSNorm of x's rows (bf16 or fp16 [..., width], rows of one stride): in fp32 x * rsqrt(mean(x^2) + eps), rounded, times weight ([width]). With `residual` (x's shape), the rows normalized are residual + x (rounded), also written into `residual`. `out` may be x, not the residual. In torch's current stream's order: one kernel on CUDA (Note [Decode row ops]).
+        """
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """
+        Rotary position embedding in place, as HF's apply_rotary_pos_emb with rotate_half: q [batch, heads, head_dim] and k [batch, kv_heads, head_dim] (any strides, the last dimension dense) become x * cos + rotate_half(x) * sin, each product and the sum rounded to their dtype; cos and sin [batch, head_dim] (one position per sequence). One kernel on CUDA, in torch's current stream's order.
+        """
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+        """
+        out = silu(gate) * up as HF's gated MLP computes it (silu rounded, then the product), for tensors of one shape and dtype (bf16 or fp16, rows of one stride); `out` may be gate or up. One kernel on CUDA, in torch's current stream's order.
+        """
     @property
     def backend(self) -> str: ...
     @property

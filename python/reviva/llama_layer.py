@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from reviva import kv_fp8
+from reviva import kv_fp8, switches
 from reviva.adapters import DecoderLayout
 from reviva.block_attention import block_attention, split_blocks, use_cudnn
+from reviva.decode_ops import RowOpsStep, unsupported
 from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan
 
@@ -626,6 +627,10 @@ def chunk_attention(
 # against 87.4-90.5 with the attention eager between two replays as bf16's is (33e5ea4): the step
 # is bound by the device (busy ~10.8 ms of ~11.3, diag_decode_profile.py), not by the host, so
 # the graph saves host time but not step time; the attention kernel's rate is what is left.
+# The "busy" figure above summed the kernels' durations; the device's idle time between kernels
+# inside the graph (a launch latency each, ~1500 kernels a step) is not in it. The compute around
+# attention runs on Reviva's row operations where the layer computes what they compute (Note
+# [Decode row ops] in src/row_ops.cpp; decode_ops.py), ~20 kernels a layer instead of ~47.
 CAPTURE_MS_MAX = 200.0
 # With this many decode steps to come, capture_pending captures every waiting layer at once: a
 # capture costs the host ~3-6 ms, an eager layer step ~0.33 ms over a replay (H200, 64k on a
@@ -728,6 +733,11 @@ class DecodeGraphs:
         self._rows_dev: dict[int, torch.Tensor] = {}
         self._rows_at: dict[int, tuple[int, int]] = {}
         self._length_at: int | None = None
+        # Note [Decode row ops]: the fused layers whose graph runs them, why layers of each
+        # parameter shape may not (None: they may), and the step that runs them.
+        self.row_ops: set[int] = set()
+        self._row_ops_why: dict[tuple[tuple[Any, ...], ...], str | None] = {}
+        self._row_step: RowOpsStep | None = None
 
     def begin_call(self, layers: list[nn.Module]) -> None:
         """Drops the graphs of layers whose parameters moved since their capture."""
@@ -743,6 +753,7 @@ class DecodeGraphs:
             if self.layers[i][3] != _param_ptrs(layers[i]) or uncapturable(layers[i]) is not None:
                 del self.layers[i]
                 self.fused.discard(i)
+                self.row_ops.discard(i)
 
     def ready(self, i: int, h: torch.Tensor) -> bool:
         """Layer i has graphs for decode steps of h's batch and dtype ([batch, 1, hidden])."""
@@ -756,6 +767,7 @@ class DecodeGraphs:
         if i in self.fused and (self.cache is None or not self.cache.fp8_graphable(i)):
             del self.layers[i]  # (this call's cache attends it otherwise: captured again)
             self.fused.discard(i)
+            self.row_ops.discard(i)
             return False
         return True
 
@@ -926,15 +938,20 @@ class DecodeGraphs:
                     path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
                     path._finish(layer, st["h"].clone(), 0, 1, st["att"])
                     self._warm.add(shapes)
+                ops = None
                 if self.cache is not None and self.cache.fp8_graphable(i):
-                    graphs = self._capture_fused(i, layer)
+                    ops = self._row_ops_for(i, layer, shapes, cos, sin)
+                    graphs = self._capture_fused(i, layer, ops)
                 else:
                     graphs = self._capture_two(layer)
             compute.wait_stream(stream)
             self.layers[i] = (*graphs, _param_ptrs(layer))
             self.fused.discard(i)
+            self.row_ops.discard(i)
             if graphs[1] is None:
                 self.fused.add(i)
+            if ops is not None:
+                self.row_ops.add(i)
             self.captured += 1
         except torch.OutOfMemoryError as e:  # this layer stays eager in this call
             self.uncaptured[i] = f"out of memory while capturing: {e}"[:200]
@@ -968,9 +985,43 @@ class DecodeGraphs:
                 back.capture_end()
         return front, back, qkv
 
-    def _capture_fused(self, i: int, layer: nn.Module) -> tuple[Any, None, tuple[Any, ...]]:
+    def _row_ops_for(
+        self,
+        i: int,
+        layer: nn.Module,
+        shapes: tuple[tuple[Any, ...], ...],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> RowOpsStep | None:
+        """Note [Decode row ops]: the step on the row operations for layer i's one graph, where
+        the layer computes what they compute (decided once per parameter shapes: the modules'
+        kinds, then both ways on random input against HF's modules), else None."""
+        if not switches.decode_row_ops():
+            return None
+        st = self._static
+        if shapes not in self._row_ops_why:
+            why = unsupported(layer, self.path.layout, st["h"].dtype, cos)
+            if why is None:
+                if self._row_step is None:
+                    self._row_step = RowOpsStep(self.path.layout, st["h"].device)
+                # (a generator of its own: the user's random stream is left as it was)
+                gen = torch.Generator(device=st["h"].device).manual_seed(0)
+                h, att = (
+                    torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype)
+                    for t in (st["h"], st["att"])
+                )
+                why = self._row_step.agrees(self.path, layer, h, cos, sin, att)
+            self._row_ops_why[shapes] = why
+            if why is not None:
+                log.info("reviva: decode layer %d keeps HF's modules (%s)", i, why)
+        return self._row_step if self._row_ops_why[shapes] is None else None
+
+    def _capture_fused(
+        self, i: int, layer: nn.Module, ops: RowOpsStep | None = None
+    ) -> tuple[Any, None, tuple[Any, ...]]:
         """Note [fp8 attention in the decode graphs]: layer i's step as one graph with its fp8
-        attention inside (None in place of the second graph)."""
+        attention inside (None in place of the second graph); with `ops`, the compute around
+        attention on the row operations (Note [Decode row ops])."""
         st, path, cache = self._static, self.path, self.cache
         assert cache is not None
         rows = self._rows_dev.get(i)
@@ -983,12 +1034,18 @@ class DecodeGraphs:
         with _collection_paused():
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                q, k, v = path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
+                if ops is not None:
+                    q, k, v = ops.qkv(layer, st["h"], st["cos"], st["sin"])
+                else:
+                    q, k, v = path._qkv(layer, st["h"], 0, 1, st["cos"], st["sin"])
                 out = st["att"].transpose(1, 2)
                 cache.store.attend_fp8_decode_graphed(
                     i, q, k, v, attn.scaling, window, st["length"], rows, out
                 )
-                path._finish(layer, st["h"], 0, 1, st["att"])
+                if ops is not None:
+                    ops.finish(layer, st["h"], st["att"])
+                else:
+                    path._finish(layer, st["h"], 0, 1, st["att"])
             finally:
                 graph.capture_end()
         return graph, None, (q, k, v)

@@ -19,6 +19,8 @@ Comparisons (one mechanism off, to measure against it):
   prompt K/V]).
 - REVIVA_ROUTED_EXPERTS (on): off streams an MoE layer's MLP as one block (Note [Routed
   experts]).
+- REVIVA_DECODE_ROW_OPS (on): off runs HF's norms, RoPE and MLP activation in a decode step whose
+  attention reads fp8 K/V in place, instead of Reviva's row operations (Note [Decode row ops]).
 - REVIVA_WINDOW_RINGS (on): off keeps every token of sliding layers instead of a ring (Note
   [Window rings]).
 
@@ -71,6 +73,10 @@ def routed_experts() -> bool:
 
 def window_rings() -> bool:
     return flag("REVIVA_WINDOW_RINGS")
+
+
+def decode_row_ops() -> bool:
+    return flag("REVIVA_DECODE_ROW_OPS")
 
 
 def pin_mode() -> str:

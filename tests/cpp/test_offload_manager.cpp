@@ -1584,6 +1584,18 @@ class ProbingBackend final : public Backend {
   std::size_t fp8_decode_workspace_bytes(const Fp8DecodeAttention& attention) const override {
     return inner_->fp8_decode_workspace_bytes(attention);
   }
+  void rms_norm_async(const RmsNorm& norm, StreamHandle s) override {
+    probe("rms_norm_async");
+    inner_->rms_norm_async(norm, s);
+  }
+  void rotary_async(const Rotary& rotary, StreamHandle s) override {
+    probe("rotary_async");
+    inner_->rotary_async(rotary, s);
+  }
+  void silu_mul_async(const SiluMul& op, StreamHandle s) override {
+    probe("silu_mul_async");
+    inner_->silu_mul_async(op, s);
+  }
 
  private:
   void probe(const char* call) noexcept {
