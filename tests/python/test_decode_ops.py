@@ -236,7 +236,7 @@ def test_gpu_fp8_decode_graphs_on_row_ops_against_hfs_modules(monkeypatch, caplo
     for layer in model.model.layers:
         old = layer.post_attention_layernorm
         layer.post_attention_layernorm = OnePlusWeight(old.weight.shape[0], old.variance_epsilon)
-        layer.post_attention_layernorm.to("cuda", torch.bfloat16)
+        layer.post_attention_layernorm.to("cuda", torch.bfloat16).eval()
     monkeypatch.setenv("REVIVA_DECODE_ROW_OPS", "on")
     ref = model.generate(ids, **kw)
     m = RevivaManager(model, RevivaConfig(kv_dtype="fp8"))
