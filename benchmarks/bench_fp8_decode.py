@@ -52,7 +52,7 @@ def cache_of(tokens: int, fp8: bool, block_tokens: int = 4096):  # noqa: ANN201
 
 def measure(tokens: int, reps: int) -> dict:
     from reviva import kv_fp8
-    from reviva.llama_layer import attend_cache
+    from reviva.layer_attention import attend_cache
 
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = DIM**-0.5

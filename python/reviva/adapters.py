@@ -87,7 +87,7 @@ class DecoderLayout:
 
 
 def sliding_window(attn: nn.Module) -> int | None:
-    """The layer's sliding window (Note [Sliding windows] in llama_layer.py), None for full
+    """The layer's sliding window (Note [Sliding windows] in layer_attention.py), None for full
     attention: the attention module's own (Qwen2, Qwen3: per layer type), else its config's
     (Mistral, Phi-3, Mixtral)."""
     if "sliding_window" in vars(attn):

@@ -23,7 +23,7 @@ it (its L_b is -inf).
 
 Per block, one fused call where there is one: on CUDA in half precision with head_dim <= 256,
 aten's flash attention, which returns L_b, aligns causal masks at the bottom right and reads
-grouped K/V heads in place (as `chunk_attention` in llama_layer.py); or cuDNN's attention
+grouped K/V heads in place (as `chunk_attention` in layer_attention.py); or cuDNN's attention
 (Note [Prefill attention kernel]). Elsewhere (the CPU, fp32) a reference path: scores in fp32
 for the rows of a query slice at a time, grouped heads read in place by folding the query heads
 of a group into rows.

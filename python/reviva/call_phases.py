@@ -8,7 +8,7 @@ CallPhases is a mixin of RevivaManager, called from the wrappers (hf_surface.py)
 reads: the manager's layout, arena, weights, _graphs, _cache, _plan, _own_decode, _copy_hidden.
 State it writes: the call's _phase record (events, the decode step count, rotary shapes for the
 decode graphs, the pinning helper's go), _ranges and _progress; the decode graphs' captures
-ahead of decode (Note [Decode graphs] in llama_layer.py); torch's and the arena's peak memory
+ahead of decode (Note [Decode graphs] in decode_graphs.py); torch's and the arena's peak memory
 counters, reset per phase (_phase_peak).
 """
 

@@ -2,7 +2,7 @@
 src/row_ops.cpp): the layer's RMSNorms (the residual add folded into the second), its RoPE and its
 gated MLP's activation as one kernel each where HF's modules run ~35 small kernels, around the same
 projections. Used in the one-graph decode step of a layer whose attention reads fp8 K/V in place
-(Note [fp8 attention in the decode graphs] in llama_layer.py), where the small kernels' launches
+(Note [fp8 attention in the decode graphs] in decode_graphs.py), where the small kernels' launches
 and tails took a quarter of a 64k step; elsewhere HF's modules run, for HF's exact numbers.
 
 A layer takes these operations only where it computes what they compute: Llama-style RMSNorms

@@ -98,7 +98,7 @@ FP8_DECODE_MAX_HEAD_DIM = 256
 #
 # Note [Window rings]
 # A sliding-window layer's query at position p reads the keys of (p - W, p] alone (Note [Sliding
-# windows] in llama_layer.py), so once a call's tokens pass its window, every older token is
+# windows] in layer_attention.py), so once a call's tokens pass its window, every older token is
 # dead weight: held on the device when the layer is resident, pinned on the host and copied each
 # step when it streams. Such a layer is kept as a ring of R = W - 1 + S tokens instead (S: the
 # most tokens written at once after the window, a prefill chunk or RING_SLACK_TOKENS at least,
@@ -567,7 +567,7 @@ class RevivaCache(Cache):
 
     def fp8_graphable(self, layer_idx: int) -> bool:
         """Whether the layer's decode steps can hold its fp8 attention in their graph (Note
-        [fp8 attention in the decode graphs] in llama_layer.py): what attends_fp8_in_place asks
+        [fp8 attention in the decode graphs] in decode_graphs.py): what attends_fp8_in_place asks
         of a layer, in 16 bits on CUDA."""
         return (
             self.fp8

@@ -33,12 +33,14 @@ from reviva.adapters import DecoderLayout, base_model_of, inspect_model
 from reviva.block_attention import resolve_kernel
 from reviva.call_phases import CallPhases
 from reviva.config import RevivaConfig
+from reviva.decode_graphs import DecodeGraphs
 from reviva.decode_placement import DecodePlacement
 from reviva.generate_call import CallOutOfMemoryError, GenerateCall
+from reviva.graph_capture import take_matmul_workspaces
 from reviva.hf_surface import _MISSING, HFSurface
 from reviva.host_copies import _reserve_host_copies
 from reviva.kv_cache import RevivaCache
-from reviva.llama_layer import DecodeGraphs, LlamaLayerPath, take_matmul_workspaces
+from reviva.llama_layer import LlamaLayerPath
 from reviva.planner import (
     Plan,
     budget_for,
@@ -180,7 +182,7 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
             torch.float16,
             torch.bfloat16,
         )
-        # Note [Decode graphs] (llama_layer.py): the own decode path's compute as CUDA graphs.
+        # Note [Decode graphs] (decode_graphs.py): the own decode path's compute as CUDA graphs.
         use_graphs = self._own_decode and config.cuda_graphs
         self._graphs = DecodeGraphs(self.layers) if use_graphs else None
         if self._graphs is not None:

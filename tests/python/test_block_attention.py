@@ -140,7 +140,7 @@ def test_gpu_cudnn_chunk_attention_against_fp32(batch: int) -> None:
     shorter than CUDNN_MIN_QUERIES (flash then), and blocks of fp8's kind (a last block longer
     than the queries): cuDNN's error within 2x flash's and within bf16 rounding."""
     from reviva.block_attention import CUDNN_MIN_QUERIES, resolve_kernel
-    from reviva.llama_layer import chunk_attention
+    from reviva.layer_attention import chunk_attention
 
     dev = torch.device("cuda")
     if resolve_kernel("auto", dev) != "cudnn":

@@ -638,7 +638,7 @@ def test_chunk_attention_within_a_sliding_window_is_the_band_masked_attention(
     over every key, for one query, a few (assisted decoding's candidates) and a chunk, also a
     first chunk longer than the window (its first queries see every key before them, its last
     ones not: a plain causal call there let them see every key)."""
-    from reviva.llama_layer import chunk_attention
+    from reviva.layer_attention import chunk_attention
 
     g = torch.Generator().manual_seed(3)
     window = 16
@@ -1090,7 +1090,7 @@ def test_decode_graphs_capture_only_plain_parts() -> None:
     """Note [Decode graphs]: a graph replays kernels only, so a layer is captured only when every
     part the decode path calls is a plain module with no hooks; hooks elsewhere (on self_attn,
     which the path never calls, as transformers' output capturing installs them) do not count."""
-    from reviva.llama_layer import uncapturable
+    from reviva.graph_capture import uncapturable
 
     model = tiny_model("llama")
     layer = model.model.layers[0]
@@ -1128,7 +1128,7 @@ def test_capture_ahead_while_busy_stops_when_the_device_catches_up() -> None:
     """Note [Decode graphs]: while prefill's later layers are issued, layers are captured, lowest
     first and skipping those with graphs, only while the device has not reached the event
     recorded before (its query turns true); at the end of prefill (no event) all the rest."""
-    from reviva.llama_layer import DecodeGraphs
+    from reviva.decode_graphs import DecodeGraphs
 
     model = tiny_model("llama")
     layers = list(model.model.layers)
@@ -1581,7 +1581,7 @@ def test_gpu_chat_turns_and_beams_on_cuda() -> None:
 
 @pytest.mark.gpu
 def test_gpu_new_managers_hold_nothing_more_after_their_calls() -> None:
-    """Note [One capture stream] (llama_layer.py): managers made one after another in a process
+    """Note [One capture stream] (graph_capture.py): managers made one after another in a process
     (each capturing decode graphs) leave nothing more allocated on the device after their
     calls: one side stream serves them all, so cuBLAS's per-stream workspace is taken once, and
     when the first manager is made (take_matmul_workspaces), not in its first call."""

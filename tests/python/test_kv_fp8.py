@@ -139,7 +139,7 @@ def check_fused_decode(device: str) -> None:
     attend_cache's block merge): the new token's rows to the bit (kv_fp8.quantize's, on the
     device's own torch ops), the output within bf16/fp16 rounding of fp32 attention, with and
     without a sliding window, GQA groups of 1, 3 and 4, head_dim 64 and 128, many keys."""
-    from reviva.llama_layer import attend_cache
+    from reviva.layer_attention import attend_cache
 
     g = torch.Generator().manual_seed(3)
     for batch, heads, kv_heads, dim, prompt, window, dtype in [

@@ -39,6 +39,19 @@ def test_public_names_importable_from_manager() -> None:
     assert issubclass(CallOutOfMemoryError, Exception)
 
 
+# llama_layer.py (1050 lines) split: the layer path, its attention calls, the decode graphs and
+# their capture.
+LAYER_MODULES = ("llama_layer.py", "layer_attention.py", "decode_graphs.py", "graph_capture.py")
+
+
+@pytest.mark.parametrize("name", LAYER_MODULES)
+def test_layer_modules_stay_under_500_lines(name: str) -> None:
+    path = PACKAGE / name
+    assert path.is_file(), f"{path} is missing"
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines, more than {MAX_LINES}: split it"
+
+
 # The OffloadManager's files, split along its Notes (its lifetime, room, append blocks, metrics).
 CORE = Path(__file__).resolve().parents[2] / "src"
 OFFLOAD_MANAGER_FILES = (
