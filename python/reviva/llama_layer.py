@@ -65,7 +65,7 @@ class LlamaLayerPath:
     ) -> torch.Tensor:
         """One decoder layer over the whole prompt, by token chunks, in place on `h`. `past` >
         0: the prompt's tokens after the `past` the cache holds already (Note [A returned
-        cache] in kv_cache.py): bottom-right causal attention, and HF's mask of these tokens'
+        cache] in returned_cache.py): bottom-right causal attention, and HF's mask of these tokens'
         rows when the batch is `padded` (else HF's mask is left out: causal alone)."""
         if torch.is_grad_enabled():
             raise RuntimeError("RevivaManager prefill runs under torch.no_grad() (generate does)")
@@ -79,7 +79,7 @@ class LlamaLayerPath:
         cos, sin = kwargs["position_embeddings"]
         whole = plan.chunk_tokens >= h.shape[1]
         interface = attention_interface(attn)
-        # Note [Prefill masks left to Reviva] (kv_cache.py): a window shorter than the prompt is
+        # Note [Prefill masks left to Reviva] (cache_layer.py): a window shorter than the prompt is
         # applied by Reviva's own calls (a band per chunk), never by HF's over the whole prompt
         window = self.layout.windows[i]
         windowed = window is not None and window < past + h.shape[1]
@@ -428,7 +428,7 @@ def attend_cache(
     attention]). A paged layer (Note [Paged layers] in src/kv_store.cpp): its pages up to
     `first`, then the queries' own keys and values k and v ([B, kv_heads, n, D], written to the
     cache after this call; fp8: before quantization), merged the same way."""
-    if cache.share > 1 and q.shape[0] == cache.batch:  # Note [Shared prompt K/V] (kv_cache.py)
+    if cache.share > 1 and q.shape[0] == cache.batch:  # Note [Shared prompt K/V] (sequence_rows.py)
         if mask is not None:
             raise ValueError("RevivaManager: a shared prompt with a padding mask is not supported")
         return cache.attend_shared(i, q, first, last, scale)
@@ -456,7 +456,7 @@ def attend_cache(
         blocks = itertools.chain(earlier, [(k, v, first)])
         return block_attention(q, blocks, first, scale, cache.attention_kernel)
     ring = cache.ring(i)
-    if ring is not None:  # Note [Window rings] (kv_cache.py): from the first query's window on
+    if ring is not None:  # Note [Window rings] (window_rings.py): from the first query's window on
         lo = max(first - ring[0] + 1, 0)
         # (a wrapped window is copied whole, W rows: at 64k of the Mistral-7B shape on the
         # H200 at ea39408, two calls merged by log-sum-exp instead made a decode step 12.5 ms
