@@ -8,7 +8,7 @@ The Mistral-7B-v0.1 shape (hidden 4096, 32 layers, 32 heads, 8 K/V heads, MLP 14
 mode: a ballast outside torch's allocator, its allocator at the defaults), one
 RevivaManager(model, RevivaConfig(vram_budget="24GB")) per fresh worker process making --calls
 calls of a --prompt-token prompt in a row: one worker with rings (the default, Note [Window rings]
-in python/reviva/kv_cache.py), one with REVIVA_WINDOW_RINGS=0 (every token kept: the planner
+in python/reviva/window_rings.py), one with REVIVA_WINDOW_RINGS=0 (every token kept: the planner
 sizes each layer by the call, and streamed sliding layers fetch their window's tail). Per call:
 prefill s (to the first new token), decode tok/s (the steps after the first), the card's peak
 (mem_get_info polled), the plan's layers and the store's bytes.

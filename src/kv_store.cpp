@@ -28,7 +28,7 @@
 //
 // Note [Layers of their own size]
 // A sliding-window layer reads only its last W tokens, so the K/V cache keeps it as a ring of a
-// few more than W (reviva/kv_cache.py, Note [Window rings]): its block holds that many tokens
+// few more than W (reviva/window_rings.py, Note [Window rings]): its block holds that many tokens
 // however long the call, where a global layer's holds every token. So each layer has its own
 // capacity (options.layer_capacity_tokens): its append block, its pinned host copy and its
 // resident bytes are its own size. The budget counts each whole resident layer by its own bytes

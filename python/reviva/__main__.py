@@ -568,7 +568,7 @@ def _plan(args: argparse.Namespace) -> int:
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
     # RevivaConfig(decode_attention) as RevivaManager._decode_attention_on_host decides it:
     # "host" needs bf16/fp32 or fp8 K/V, not paged; "auto" takes it where it pays (for fp8 rows,
-    # some of the fetched layers: Note [The host beside the copies] in planner.py)
+    # some of the fetched layers: Note [The host beside the copies] in host_decode_policy.py)
     host_ok = not plan.page_tokens and (
         plan.kv_fp8 or layout.dtype in (torch.bfloat16, torch.float32)
     )

@@ -75,7 +75,8 @@ class DecoderLayout:
     windows: tuple[int | None, ...] = ()
     # Mixture-of-experts layers (Mixtral, Qwen3-MoE): the experts a token is routed to, the
     # experts' MLP width and their number, the widest over the layers; 0 without experts. What
-    # the planner sizes HF's experts forward by (Note [The experts' working set] in planner.py).
+    # the planner sizes HF's experts forward by (Note [The experts' working set] in
+    # memory_model.py).
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     num_experts: int = 0

@@ -89,7 +89,7 @@ def read_call(layout: DecoderLayout, inputs: Any, kwargs: dict[str, Any]) -> Cal
         # (HF recomputes the whole sequence at every step without a cache; the manager's
         # cache is what bounds the call's memory: it runs with it, the same tokens)
         kwargs.pop("use_cache")
-    # Note [A returned cache] (kv_cache.py): a cache to continue from, as parked K/V
+    # Note [A returned cache] (returned_cache.py): a cache to continue from, as parked K/V
     past = kwargs.pop("past_key_values", None)
     if isinstance(past, Cache) and not isinstance(past, RevivaCache):
         if not getattr(past, "layers", None) or past.get_seq_length() == 0:
@@ -121,7 +121,7 @@ def read_call(layout: DecoderLayout, inputs: Any, kwargs: dict[str, Any]) -> Cal
     batch, tokens = shape
     # Several sequences per prompt (sampling) or beams: generate repeats each prompt's row
     # that many times before prefill, so the cache holds that many rows (Note [Beams] in
-    # kv_cache.py).
+    # sequence_rows.py).
     beams = gen.num_beams or 1
     rows = max(beams, gen.num_return_sequences or 1)
     batch *= rows
@@ -226,7 +226,7 @@ def inferred_mask(model: nn.Module, gen: Any, ids: torch.Tensor) -> torch.Tensor
 def share_rows(
     layout: DecoderLayout, rows: int, capacity: int, padded: bool, gen: Any, kwargs: dict[str, Any]
 ) -> int:
-    """Note [Shared prompt K/V] (kv_cache.py): how many rows share each prompt's K/V in this
+    """Note [Shared prompt K/V] (sequence_rows.py): how many rows share each prompt's K/V in this
     call: `rows` (beams, or sequences per prompt) when nothing in the prompt differs between
     them and HF's head reads the last position only; else 1. REVIVA_SHARE_PROMPT=0 keeps a
     copy per row (to compare)."""
@@ -267,7 +267,7 @@ def check_host_residual(
 
 
 def parked_of(layout: DecoderLayout, past: Any, shape: tuple[int, ...], embeds: bool) -> Parked:
-    """Note [A returned cache] (kv_cache.py): the K/V of a cache to continue from, per layer
+    """Note [A returned cache] (returned_cache.py): the K/V of a cache to continue from, per layer
     [batch, kv_heads, tokens, D] (fp8 rows for an fp8 RevivaCache), whether fp8, and its
     tokens; raises naming what does not fit the model or the call."""
     lay = layout

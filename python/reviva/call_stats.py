@@ -58,7 +58,7 @@ def collect(manager: RevivaManager, cache: RevivaCache, plan: Plan) -> GenerateS
     decode_s = elapsed_s(prefill_end, ph["end"])
     steps = ph.get("decode_steps", 0)
     layer_kv = plan.layer_kv_bytes
-    # (rings hold their rows alone: Note [Window rings] in kv_cache.py)
+    # (rings hold their rows alone: Note [Window rings] in window_rings.py)
     kv_total = sum(plan.kv_tokens(i) for i in range(plan.num_layers)) * plan.kv_token_bytes
     # Compute's waits for K/V fetches: the store's manager's meter (the one stall meter of
     # the residency engine; the store is the call's own).

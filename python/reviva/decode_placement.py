@@ -64,7 +64,8 @@ class DecodePlacement:
         # "auto": on a GPU, where the weights stream too and the model plans a shorter step
         # with the host attending (planner.host_attention_pays; Note [Decode rooms when the host
         # attends] in weights.py), or, for fp8 rows, some of the layers fetched (Note [The host
-        # beside the copies] in planner.py); never on the CPU, whose cores are the device's
+        # beside the copies] in host_decode_policy.py); never on the CPU, whose cores are the
+        # device's
         if why is not None or self.layout.device.type != "cuda":
             return False
         if plan.kv_fp8:
@@ -72,8 +73,9 @@ class DecodePlacement:
         return host_attention_pays(plan, MODEL)
 
     def _host_beside_copies(self, plan: Plan) -> int:
-        """Note [The host beside the copies] (planner.py): the streamed layers decode attends on
-        the host while the others are fetched (0: none), kept for the call in the phase."""
+        """Note [The host beside the copies] (host_decode_policy.py): the streamed layers
+        decode attends on the host while the others are fetched (0: none), kept for the call in
+        the phase."""
         count = host_kv_layers(plan, MODEL)
         if count > 0:
             self._phase["host_beside_copies"] = count
@@ -146,7 +148,7 @@ class DecodePlacement:
         streamed = list(plan.streamed_layer_ids)
         # Note [Fetch tails]: a sliding layer streamed moves its window a step, a full one all
         # its tokens: full layers are promoted first. Rings (Note [Window rings] in
-        # kv_cache.py) take the room left, by their own bytes.
+        # window_rings.py) take the room left, by their own bytes.
         rings = [i for i in streamed if i in plan.ring_layers]
         full = [i for i in streamed if i not in cache.fetch_windows and i not in rings]
         windowed = [i for i in streamed if i in cache.fetch_windows]
@@ -208,7 +210,8 @@ class DecodePlacement:
         if cache is None or not self._phase.get("host_attention", False):
             return
         beside = self._phase.get("host_beside_copies")
-        if beside:  # Note [The host beside the copies] (planner.py): some, between the fetched
+        # Note [The host beside the copies] (host_decode_policy.py): some, between the fetched
+        if beside:
             streamed = [i for i in range(len(cache.layers)) if not cache.store.resident(i)]
             for k in spread(min(beside, len(streamed)), len(streamed)):
                 cache.attend_on_host(streamed[k])

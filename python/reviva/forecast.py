@@ -18,10 +18,11 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
   this (bench_weights, 2fc8869: 32B shape on 24 GB, 8B on 8 GB, 32k).
 - prefill with streamed weights: every streamed layer's weights cross PCIe once. With two or
   more weight slots the copies run under the layers' compute (the prefill takes the longer of
-  the two); with one (the planner's usual pick: planner._residency) a layer's copy starts when
-  the layer before it is done with the slot, so it runs under that layer's compute only when
-  that layer's weights are resident: the copy of a streamed layer after a streamed one (or of
-  layer 0) is exposed. Measured 32k, one slot: 8B on 8 GB 1.60 s, 32B on 24 GB 5.29 s (call 2).
+  the two); with one (the planner's usual pick: plan_arithmetic._residency) a layer's copy
+  starts when the layer before it is done with the slot, so it runs under that layer's compute
+  only when that layer's weights are resident: the copy of a streamed layer after a streamed one
+  (or of layer 0) is exposed. Measured 32k, one slot: 8B on 8 GB 1.60 s, 32B on 24 GB 5.29 s
+  (call 2).
 - prefill: linear layers (2 x parameters x tokens FLOPs) at 546 TFLOP/s, causal attention
   (2 x layers x tokens^2 x heads x head_dim) at 530 TFLOP/s in one call over the prompt; by
   query chunks at 325 TFLOP/s through flash attention (fitted to 64k 3.80 s, 128k 11.84 s no
@@ -182,7 +183,7 @@ def forecast(
     mix = host_decode_mix(plan, MODEL) if host_attention else None
     if mix is not None:
         weights_promoted, full_count, ring_count = mix.weights_promoted, mix.kv_promoted, 0
-    # (Note [Window rings] in kv_cache.py: a ring is fetched whole, its rows; full layers are
+    # (Note [Window rings] in window_rings.py: a ring is fetched whole, its rows; full layers are
     # promoted first, then rings)
     rings = [i for i in streamed_ids if i in plan.ring_layers]
     full = [i for i in streamed_ids if windows[i] is None]

@@ -100,7 +100,7 @@ class GenerateCall:
 
     def _plan_call(self, request: CallRequest) -> tuple[Plan, int, int]:
         """The call's plan, the rows sharing each prompt's K/V (Note [Shared prompt K/V] in
-        kv_cache.py) and the tokens of the cache it continues from; raises naming what the plan
+        sequence_rows.py) and the tokens of the cache it continues from; raises naming what the plan
         cannot give (call_inputs.refuse_for_plan)."""
         continued, rows, padded = request.continued, request.rows, request.padded
         batch, tokens, new_tokens = request.batch, request.tokens, request.new_tokens
@@ -118,7 +118,7 @@ class GenerateCall:
             )
         # (a continued call's prefill runs the tokens after the returned cache's alone)
         past_tokens = 0 if continued is None else continued[2]
-        # Note [Window rings] (kv_cache.py): not for a padded batch continuing a returned cache
+        # Note [Window rings] (window_rings.py): not for a padded batch continuing a returned cache
         # (HF's mask of its new tokens would start at the ring's first token)
         rings = rings_wanted() and not (continued is not None and padded)
         plan = self.plan(
@@ -162,7 +162,7 @@ class GenerateCall:
         )
         if self._phase["host_attention"] and plan.ring_layers:
             # (the host attends whole layers: its K/V is in host memory, where a ring saves
-            # little; Note [Window rings] in kv_cache.py)
+            # little; Note [Window rings] in window_rings.py)
             plan = self.plan(
                 request.batch // share,
                 request.tokens - past_tokens,
@@ -248,7 +248,7 @@ class GenerateCall:
         it continues from, fetch windows) and made the call's, where the wrappers find it."""
         padded, continued = request.padded, request.continued
         cache.fp8_shadow = plan.kv_fp8_shadow_bytes > 0  # Note [fp8 prefill shadow]
-        # Note [Prefill masks left to Reviva] (kv_cache.py)
+        # Note [Prefill masks left to Reviva] (cache_layer.py)
         cache.skip_prefill_masks = (
             not padded
             and continued is None
@@ -337,7 +337,7 @@ class GenerateCall:
         """Waits for the call's work, collects its statistics, and closes the cache: its device
         memory goes back to the arena (and from there to the device). With `park` (a call that
         returns its cache) the cache's K/V is first parked in pinned host memory (Note [A
-        returned cache] in kv_cache.py)."""
+        returned cache] in returned_cache.py)."""
         try:
             if self.layout.device.type == "cuda":
                 torch.cuda.synchronize(self.layout.device)

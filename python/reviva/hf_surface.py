@@ -161,7 +161,7 @@ class HFSurface:
                 if self._share > 1:  # Note [Shared prompt K/V]: one row per prompt
                     hidden_states, kwargs = self._prompt_rows(hidden_states, kwargs)
                 self._prefill_layer_starts(i, kwargs, hidden_states)
-                # (after a returned cache's tokens: Note [A returned cache] in kv_cache.py)
+                # (after a returned cache's tokens: Note [A returned cache] in returned_cache.py)
                 return self.layers.prefill(
                     cache,
                     self._plan,

@@ -21,7 +21,7 @@ _PIN_AFTER_LAYER = 2
 
 def _reserve_host_copies(pool: Any, plan: Plan, layers: Iterable[int]) -> None:
     """Pins the host copies of these streamed layers now, each of its own size (a ring's or the
-    call's: Note [Window rings] in kv_cache.py)."""
+    call's: Note [Window rings] in window_rings.py)."""
     for size, count in Counter(plan.kv_tokens(i) * plan.kv_token_bytes for i in layers).items():
         pool.reserve(count, size)
 

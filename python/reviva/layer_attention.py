@@ -78,7 +78,7 @@ def attend_cache(
     attention]). A paged layer (Note [Paged layers] in src/kv_store.cpp): its pages up to
     `first`, then the queries' own keys and values k and v ([B, kv_heads, n, D], written to the
     cache after this call; fp8: before quantization), merged the same way."""
-    if cache.share > 1 and q.shape[0] == cache.batch:  # Note [Shared prompt K/V] (kv_cache.py)
+    if cache.share > 1 and q.shape[0] == cache.batch:  # Note [Shared prompt K/V] (sequence_rows.py)
         if mask is not None:
             raise ValueError("RevivaManager: a shared prompt with a padding mask is not supported")
         return cache.attend_shared(i, q, first, last, scale)
@@ -106,7 +106,7 @@ def attend_cache(
         blocks = itertools.chain(earlier, [(k, v, first)])
         return block_attention(q, blocks, first, scale, cache.attention_kernel)
     ring = cache.ring(i)
-    if ring is not None:  # Note [Window rings] (kv_cache.py): from the first query's window on
+    if ring is not None:  # Note [Window rings] (window_rings.py): from the first query's window on
         lo = max(first - ring[0] + 1, 0)
         # (a wrapped window is copied whole, W rows: at 64k of the Mistral-7B shape on the
         # H200 at ea39408, two calls merged by log-sum-exp instead made a decode step 12.5 ms

@@ -61,7 +61,7 @@ class LlamaLayerPath:
     ) -> torch.Tensor:
         """One decoder layer over the whole prompt, by token chunks, in place on `h`. `past` >
         0: the prompt's tokens after the `past` the cache holds already (Note [A returned
-        cache] in kv_cache.py): bottom-right causal attention, and HF's mask of these tokens'
+        cache] in returned_cache.py): bottom-right causal attention, and HF's mask of these tokens'
         rows when the batch is `padded` (else HF's mask is left out: causal alone)."""
         if torch.is_grad_enabled():
             raise RuntimeError("RevivaManager prefill runs under torch.no_grad() (generate does)")
@@ -75,7 +75,7 @@ class LlamaLayerPath:
         cos, sin = kwargs["position_embeddings"]
         whole = plan.chunk_tokens >= h.shape[1]
         interface = attention_interface(attn)
-        # Note [Prefill masks left to Reviva] (kv_cache.py): a window shorter than the prompt is
+        # Note [Prefill masks left to Reviva] (cache_layer.py): a window shorter than the prompt is
         # applied by Reviva's own calls (a band per chunk), never by HF's over the whole prompt
         window = self.layout.windows[i]
         windowed = window is not None and window < past + h.shape[1]

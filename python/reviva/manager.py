@@ -170,11 +170,12 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
         # Layers return new tensors instead of updating the hidden states in place, when HF
         # records each layer's output (output_hidden_states): else every entry aliases one.
         self._copy_hidden = False
-        # Note [Shared prompt K/V] (kv_cache.py): this call's rows per prompt whose prompt K/V
+        # Note [Shared prompt K/V] (sequence_rows.py): this call's rows per prompt whose prompt K/V
         # is held once (1: every row its own).
         self._share = 1
-        # Note [A returned cache] (kv_cache.py): the tokens this call's cache took from the cache
-        # it continues from (its prefill starts after them); 0 for a call from an empty cache.
+        # Note [A returned cache] (returned_cache.py): the tokens this call's cache took from the
+        # cache it continues from (its prefill starts after them); 0 for a call from an empty
+        # cache.
         self._prefix = 0
         # Decode with Reviva's own attention call where a fused kernel reads the cache's layout
         # in place (CUDA, half precision); elsewhere HF's layers run unchanged (exact numbers).
@@ -314,7 +315,7 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
         RevivaOutOfMemoryError naming the numbers when even one layer's K/V cannot fit.
         past_tokens: the tokens of a returned cache the call continues from, before its
         prompt_tokens. rings: sliding layers kept as rings of their window (Note [Window rings]
-        in kv_cache.py); None: as generate decides (yes, unless REVIVA_WINDOW_RINGS=0)."""
+        in window_rings.py); None: as generate decides (yes, unless REVIVA_WINDOW_RINGS=0)."""
         if rings is None:
             rings = rings_wanted()
         state = device_state(self.layout, self.arena, self._streamed_param_bytes())

@@ -83,10 +83,10 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
 
 @pytest.fixture(autouse=True)
 def _small_ring_slack(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [Window rings] (reviva/kv_cache.py): a ring holds its window and at least
+    """Note [Window rings] (reviva/window_rings.py): a ring holds its window and at least
     RING_SLACK_TOKENS (256) more, longer than the tiny models' calls; 8 here, so that every test
     of a sliding family (windows of 16, calls of ~200 tokens) runs its sliding layers as rings
     that wrap. (test_plan_cli checks the planner's own value.)"""
-    import reviva.planner
+    import reviva.window_rings
 
-    monkeypatch.setattr(reviva.planner, "RING_SLACK_TOKENS", 8)
+    monkeypatch.setattr(reviva.window_rings, "RING_SLACK_TOKENS", 8)

@@ -334,14 +334,14 @@ def test_a_first_chunk_longer_than_the_window_matches_hf(family: str) -> None:
     [(f, 1) for f in FAMILIES + ["mistral_sliding"]] + [("llama", 99), ("llama", 3)],
 )
 def test_beam_search_identical(family: str, layers: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [Beams] and Note [Shared prompt K/V] (kv_cache.py): 4 beams and 2 returned sequences
-    for each of 2 prompts, every family with every layer streamed through one slot (Llama also
-    all resident, and some), HF's decode path and Reviva's own: plain HF's sequences, the
-    prompt's K/V held once per prompt (shared) and one copy per row (REVIVA_SHARE_PROMPT=0).
-    With every layer streamed through one slot, the bytes sent to the host are the prompt's rows
-    once and, per row copies, per step the new token's row and the generated rows a reorder
-    rewrote (a reorder never moves the prompt's rows; HF's caches copy every row per step);
-    shared, the generated rows stay on the device: the prompts' rows alone go to the host."""
+    """Note [Beams] and Note [Shared prompt K/V] (sequence_rows.py): 4 beams and 2 returned
+    sequences for each of 2 prompts, every family with every layer streamed through one slot (Llama
+    also all resident, and some), HF's decode path and Reviva's own: plain HF's sequences, the
+    prompt's K/V held once per prompt (shared) and one copy per row (REVIVA_SHARE_PROMPT=0). With
+    every layer streamed through one slot, the bytes sent to the host are the prompt's rows once
+    and, per row copies, per step the new token's row and the generated rows a reorder rewrote (a
+    reorder never moves the prompt's rows; HF's caches copy every row per step); shared, the
+    generated rows stay on the device: the prompts' rows alone go to the host."""
     model = tiny_model(family, seed=3)
     ids = torch.randint(1, 211, (2, 60), generator=torch.Generator().manual_seed(4))
     kw = dict(max_new_tokens=20, do_sample=False, num_beams=4, num_return_sequences=2)
@@ -361,7 +361,7 @@ def test_beam_search_identical(family: str, layers: int, monkeypatch: pytest.Mon
         if layers == 1:
             assert st.prefill.kv_streamed_layers == 5 and st["resident_layers_in_prefill"] == 0
             # (decode may promote a layer at its start where prefill's working set was the
-            # larger: Mixtral's experts, Note [The experts' working set] in planner.py)
+            # larger: Mixtral's experts, Note [The experts' working set] in memory_model.py)
             decode = st["streamed_layers"]
             assert decode >= 5 - (family == "mixtral"), st
             row = rows * 2 * 2 * 16 * 4  # the rows held, K and V, 2 heads x 16, fp32
@@ -442,7 +442,7 @@ def test_sliding_layers_move_only_their_window(
     copy its last 16 tokens, not all 150-189: counted against the same calls with whole fetches
     (REVIVA_FETCH_WINDOWS=0), plain HF's tokens both ways. Gemma 2 alternates sliding and global
     layers: the global ones are promoted first (a promoted sliding layer would save 16 tokens a
-    step, a global one all of its). Without rings (Note [Window rings] in kv_cache.py, where a
+    step, a global one all of its). Without rings (Note [Window rings] in window_rings.py, where a
     ring is its window already; test_window_rings_hold_their_window)."""
     monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
     model = tiny_model(family, seed=7)
@@ -494,7 +494,7 @@ def test_sliding_layers_move_only_their_window(
 
 @pytest.mark.parametrize("family", list(SLIDING))
 def test_window_rings_hold_their_window(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [Window rings] (kv_cache.py): a sliding layer whose window (16) leaves tokens out
+    """Note [Window rings] (window_rings.py): a sliding layer whose window (16) leaves tokens out
     of the call (150 + 40) is kept as a ring of 15 + 48 rows (48-token chunks), which wraps:
     plain HF's tokens with HF's decode path and Reviva's own, and, against the same call with
     every token kept (REVIVA_WINDOW_RINGS=0): each streamed ring's host copy and each fetch of it
@@ -582,7 +582,7 @@ def test_window_rings_hold_their_window(family: str, monkeypatch: pytest.MonkeyP
 def test_no_prompt_sized_mask_with_a_short_window(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Note [Prefill masks left to Reviva] (kv_cache.py): an unpadded call whose window (16) is
+    """Note [Prefill masks left to Reviva] (cache_layer.py): an unpadded call whose window (16) is
     shorter than its prompt (150) makes HF build no mask of the prompt's size (HF alone builds
     [1, 1, 150, 150]; at 64k that is 4 GiB), and still gives HF's tokens at every residency,
     with and without rings, on both decode paths; a padded batch still gets HF's masks."""
@@ -1236,7 +1236,7 @@ def test_gpu_bf16_every_family_close_to_an_fp32_run(family: str) -> None:
 
 
 def test_a_chat_continues_from_the_returned_cache_turn_after_turn() -> None:
-    """Note [A returned cache] (kv_cache.py): a call with return_dict_in_generate=True returns
+    """Note [A returned cache] (returned_cache.py): a call with return_dict_in_generate=True returns
     its cache, parked in pinned host memory; the next turn (its tokens, then the user's new
     ones) continues from it with layers streamed and gives plain HF's tokens (HF continuing from
     its own DynamicCache, and HF recomputing every token); a parked cache is read, never

@@ -333,11 +333,11 @@ def test_fp8_rows_attended_on_the_host_give_the_devices_tokens(family: str) -> N
 
 
 def test_fp8_some_layers_on_the_host_beside_the_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [The host beside the copies] (planner.py): with fp8 rows, "auto" on a GPU attends
-    some of the layers still streamed after prefill on the host while the others are fetched
-    (planner.host_kv_layers picks how many; forced to 2 here, on the CPU, where "auto" never
-    takes the host). The same tokens as every layer fetched, on repeated calls; 2 layers on the
-    host, the rest fetched through the slots they keep."""
+    """Note [The host beside the copies] (host_decode_policy.py): with fp8 rows, "auto" on a GPU
+    attends some of the layers still streamed after prefill on the host while the others are fetched
+    (planner.host_kv_layers picks how many; forced to 2 here, on the CPU, where "auto" never takes
+    the host). The same tokens as every layer fetched, on repeated calls; 2 layers on the host, the
+    rest fetched through the slots they keep."""
     model = tiny_model("llama", seed=6)
     ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(7))
     device = RevivaManager(copy.deepcopy(model), RevivaConfig(kv_dtype="fp8"))

@@ -384,7 +384,7 @@ def test_generate_with_fp8_kv(family: str, layers: int, chunk: int, block: int) 
         if layers < 5:
             assert st["streamed_layers"] > 0, st
         # (the returned cache's rows are parked in pinned memory until dropped: Note [A
-        # returned cache] in kv_cache.py; nothing else of the call stays there)
+        # returned cache] in returned_cache.py; nothing else of the call stays there)
         assert out.past_key_values.parked_bytes > 0
         del out
         assert reviva.pinned_memory_stats()["bytes_in_use"] == 0

@@ -357,14 +357,14 @@ MISTRAL_FIELDS = {
 def test_window_rings_plan_sliding_layers_by_their_ring(
     capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # noqa: ANN001
-    """Note [Window rings] (kv_cache.py): the Mistral-7B-v0.1 shape at 64k on a 24 GB card.
+    """Note [Window rings] (window_rings.py): the Mistral-7B-v0.1 shape at 64k on a 24 GB card.
     Each sliding layer is planned as a ring of 4095 + its chunk's tokens (the planner's own
     slack, 256, is below the chunk), so all 32 stay on the device and nothing is pinned; with
     REVIVA_WINDOW_RINGS=0 each layer is planned by the call's 64k tokens: layers stream and
     their host copies are pinned. The forecast's transfer is no more with rings."""
-    import reviva.planner
+    import reviva.window_rings
 
-    monkeypatch.setattr(reviva.planner, "RING_SLACK_TOKENS", 256)  # (the conftest's 8 undone)
+    monkeypatch.setattr(reviva.window_rings, "RING_SLACK_TOKENS", 256)  # (the conftest's 8 undone)
     path = tmp_path / "mistral.json"
     path.write_text(json.dumps(MISTRAL_FIELDS))
     args = ("--model", str(path), "--context", "64k", "--card", "24GB")
@@ -491,7 +491,7 @@ def _cpu_peak_bytes(fn, path: Path) -> tuple[int, set[str]]:  # noqa: ANN001
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_the_experts_working_set_covers_hfs_grouped_forward(family: str, tmp_path: Path) -> None:
-    """Note [The experts' working set] (planner.py): a mixture-of-experts layer's MLP, HF's
+    """Note [The experts' working set] (memory_model.py): a mixture-of-experts layer's MLP, HF's
     grouped experts forward over a chunk of tokens, peaks at no more than the planner's bytes a
     token times the tokens, and at least 95% of them (k = 8 of 16 experts narrower than the
     hidden size, as Qwen3-MoE's; k = 2 of 8 wider, as Mixtral's); the layout reads k, the
