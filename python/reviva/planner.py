@@ -110,17 +110,17 @@ MODEL = MemoryModel()
 
 # Note [The experts' working set]
 # A mixture-of-experts layer's prefill runs HF's own experts forward (Note [Routed experts] in
-# weights.py), by default its grouped one (transformers.integrations.moe): each token's input is
-# gathered once per chosen expert, sorted by expert, and each (token, expert) pair goes through
+# routed_experts.py), by default its grouped one (transformers.integrations.moe): each token's input
+# is gathered once per chosen expert, sorted by expert, and each (token, expert) pair goes through
 # that expert's gate_up, gate and down projections; the pairs' outputs are weighted, put back in
-# token order and summed over the k experts. So a chunk of T tokens holds T*k rows at once: of
-# the expert's width while it computes, of the hidden size (four of them) at its end. Qwen3-MoE
-# (k = 8, width 768, hidden 2048) holds 128 KiB a token there, where a dense MLP of its
-# config's intermediate_size (6144, run by none of its layers) is 36 KiB: planned as dense, a
-# 4k-token chunk on a 6 GB card ran out of memory in `weighted_out[inv_perm]` (bench_experts
-# --model qwen3-30b-a3b on the H200 at cb4c235). Measured on the CPU with torch's profiler
-# (test_the_experts_working_set_covers_hfs_grouped_forward): the estimate is within 2% above
-# the forward's peak.
+# token order and summed over the k experts. So a chunk of T tokens holds T*k rows at once: of the
+# expert's width while it computes, of the hidden size (four of them) at its end. Qwen3-MoE (k = 8,
+# width 768, hidden 2048) holds 128 KiB a token there, where a dense MLP of its config's
+# intermediate_size (6144, run by none of its layers) is 36 KiB: planned as dense, a 4k-token chunk
+# on a 6 GB card ran out of memory in `weighted_out[inv_perm]` (bench_experts --model qwen3-30b-a3b
+# on the H200 at cb4c235). Measured on the CPU with torch's profiler
+# (test_the_experts_working_set_covers_hfs_grouped_forward): the estimate is within 2% above the
+# forward's peak.
 
 
 def _experts_per_token(lay: DecoderLayout, model: MemoryModel) -> int:
@@ -257,12 +257,12 @@ class Plan:
     weight_resident_layers: tuple[int, ...] = ()
     weight_slots: int = 0
     weight_prefetch_layers: int = 0
-    # decode's room for streamed weights (Note [Layers in parts] in reviva/weights.py: one block at
-    # a time, two of the largest block), at most the weight slots' (0: theirs)
+    # decode's room for streamed weights (Note [Layers in parts] in reviva/layer_packing.py: one
+    # block at a time, two of the largest block), at most the weight slots' (0: theirs)
     weight_decode_slot_bytes: int = 0
-    # Note [Routed experts] (reviva/weights.py): a streamed expert layer's decode step copies its
-    # first block and the experts its tokens chose: one expert's bytes (0: not an expert model,
-    # a step copies the whole layer), of how many, and how many each token chooses
+    # Note [Routed experts] (reviva/routed_experts.py): a streamed expert layer's decode step
+    # copies its first block and the experts its tokens chose: one expert's bytes (0: not an
+    # expert model, a step copies the whole layer), of how many, and how many each token chooses
     weight_expert_bytes: int = 0
     weight_experts: int = 0
     weight_experts_per_token: int = 0
@@ -316,7 +316,7 @@ class Plan:
     @property
     def weight_decode_block_bytes(self) -> int:
         """One block of decode's room for streamed weights (half of weight_decode_slot_bytes)
-        where layers are taken in blocks (Note [Layers in parts] in reviva/weights.py), else 0."""
+        where layers are taken in blocks (Note [Layers in parts] in layer_packing.py), else 0."""
         if self.weight_decode_slot_bytes == 0 or self.weight_decode_slot_bytes >= (
             self.weight_layer_bytes
         ):
@@ -347,7 +347,7 @@ class Plan:
     @property
     def weight_step_bytes(self) -> int:
         """The bytes of one streamed layer's weights a decode step copies: the whole layer, or
-        (Note [Routed experts] in reviva/weights.py) all but the experts none of the batch's
+        (Note [Routed experts] in reviva/routed_experts.py) all but the experts none of the batch's
         tokens can choose."""
         if self.weight_expert_bytes == 0:
             return self.weight_layer_bytes
@@ -438,7 +438,7 @@ def make_plan(
 
     weight_experts: (one expert's bytes, experts, experts per token) of a model whose streamed
     layers' decode steps copy only the routed experts (Note [Routed experts] in
-    reviva/weights.py), (0, 0, 0) otherwise: what a step's copies are forecast by."""
+    reviva/routed_experts.py), (0, 0, 0) otherwise: what a step's copies are forecast by."""
     _check_shape(batch, prompt_tokens, new_tokens)
     if isinstance(past_tokens, bool) or not isinstance(past_tokens, int) or past_tokens < 0:
         raise ValueError(f"plan: past_tokens must be an int >= 0, got {past_tokens!r}")
