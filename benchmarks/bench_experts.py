@@ -1,5 +1,5 @@
 """Mixture-of-experts weights streamed with only the routed experts moving (issue 15's
-`experts_decode` check; Note [Routed experts] in python/reviva/weights.py).
+`experts_decode` check; Note [Routed experts] in python/reviva/routed_experts.py).
 
     python benchmarks/bench_experts.py [--out DIR] [--model mixtral-8x7b|qwen3-30b-a3b]
                                        [--layers 8] [--card-gb G] [--prompt 4096]

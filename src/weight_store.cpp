@@ -29,9 +29,9 @@
 // projections, then all their down projections: the parameters HF's experts forward reads as
 // [experts, ...] tensors), which a prefill acquires whole, but a decode step runs only the
 // experts its router chose (2 of Mixtral's 8, 8 of Qwen3-MoE's 128): Note [Routed experts] in
-// python/reviva/weights.py. Each expert's projection is also a view of the store, a block whose
-// host copy is its range of the layer's host copy (PinnedBlock::share: Note [Shared blocks] in
-// pinned_host_pool.cpp; no second host copy, and every view is exactly its bytes of the layer).
+// python/reviva/routed_experts.py. Each expert's projection is also a view of the store, a block
+// whose host copy is its range of the layer's host copy (PinnedBlock::share: Note [Shared blocks]
+// in pinned_host_pool.cpp; no second host copy, and every view is exactly its bytes of the layer).
 // A decode step leaves the experts' whole block out of the cycle (set_on_demand) and acquires
 // the chosen experts' views one at a time: each is fetched at its acquire (the host knows the
 // router's choice only once the router ran, so no prefetch can know it earlier) and leaves at

@@ -45,8 +45,8 @@ struct Fp8Rows {
 
 // Rows of a table gathered by index, an embedding's lookup: row i of `out` is row ids[i] of
 // `table`, row_bytes bytes each. The table is device memory or pinned host memory that the device
-// reads in place over the bus (Note [Embedding on the host] in python/reviva/weights.py: no host
-// work, no synchronization); `ids` (int64) and `out` are device memory. An index outside
+// reads in place over the bus (Note [Embedding on the host] in python/reviva/host_embedding.py:
+// no host work, no synchronization); `ids` (int64) and `out` are device memory. An index outside
 // [0, rows) gives a row of zeros: callers check the indices they did not produce themselves.
 struct RowGather {
   const void* table = nullptr;

@@ -51,9 +51,9 @@ struct WeightStoreOptions {
   std::size_t timeline_capacity = 0;  // copy and stall events kept for timeline() (0: none)
   // The room of one slot. 0: the largest streamed layer. A caller that splits each of its layers
   // into consecutive blocks used one after the other (a decoder layer's attention, then its MLP:
-  // Note [Layers in parts] in python/reviva/weights.py) gives the largest whole layer here, so that
-  // one slot holds a layer and the next block's copy goes into the memory its predecessor just
-  // freed. At least the largest layer (block) of the store.
+  // Note [Layers in parts] in python/reviva/layer_packing.py) gives the largest whole layer here,
+  // so that one slot holds a layer and the next block's copy goes into the memory its predecessor
+  // just freed. At least the largest layer (block) of the store.
   std::size_t slot_bytes = 0;
 };
 
@@ -109,9 +109,9 @@ class REVIVA_API WeightStore {
   // layer), e.g. a caller whose layers are split into blocks used one after the other needs a whole
   // layer's room where it acquires all of a layer's blocks at once (a prefill) and only the
   // largest two consecutive blocks' where it takes them one at a time (a decode step: Note
-  // [Layers in parts] in python/reviva/weights.py). Lowered, the streamed layers held beyond the
-  // new budget leave (clean: no copy; one in flight is waited for), the cycle starts again from its
-  // first streamed layer and the memory freed goes back to the arena. Not while a layer is
+  // [Layers in parts] in python/reviva/layer_packing.py). Lowered, the streamed layers held beyond
+  // the new budget leave (clean: no copy; one in flight is waited for), the cycle starts again from
+  // its first streamed layer and the memory freed goes back to the arena. Not while a layer is
   // acquired. `block_bytes` (> 0): every streamed layer's device buffer takes that many bytes (at
   // least the largest streamed layer; ArenaDeviceAllocator::set_min_bytes), so that a slot of two
   // such buffers holds any two consecutive layers and the store maps no more than its slots.

@@ -60,12 +60,12 @@ class Plan:
     weight_resident_layers: tuple[int, ...] = ()
     weight_slots: int = 0
     weight_prefetch_layers: int = 0
-    # decode's room for streamed weights (Note [Layers in parts] in reviva/weights.py: one block at
-    # a time, two of the largest block), at most the weight slots' (0: theirs)
+    # decode's room for streamed weights (Note [Layers in parts] in reviva/layer_packing.py: one
+    # block at a time, two of the largest block), at most the weight slots' (0: theirs)
     weight_decode_slot_bytes: int = 0
-    # Note [Routed experts] (reviva/weights.py): a streamed expert layer's decode step copies its
-    # first block and the experts its tokens chose: one expert's bytes (0: not an expert model,
-    # a step copies the whole layer), of how many, and how many each token chooses
+    # Note [Routed experts] (reviva/routed_experts.py): a streamed expert layer's decode step
+    # copies its first block and the experts its tokens chose: one expert's bytes (0: not an
+    # expert model, a step copies the whole layer), of how many, and how many each token chooses
     weight_expert_bytes: int = 0
     weight_experts: int = 0
     weight_experts_per_token: int = 0
@@ -119,7 +119,7 @@ class Plan:
     @property
     def weight_decode_block_bytes(self) -> int:
         """One block of decode's room for streamed weights (half of weight_decode_slot_bytes)
-        where layers are taken in blocks (Note [Layers in parts] in reviva/weights.py), else 0."""
+        where layers are taken in blocks (Note [Layers in parts] in layer_packing.py), else 0."""
         if self.weight_decode_slot_bytes == 0 or self.weight_decode_slot_bytes >= (
             self.weight_layer_bytes
         ):
@@ -150,7 +150,7 @@ class Plan:
     @property
     def weight_step_bytes(self) -> int:
         """The bytes of one streamed layer's weights a decode step copies: the whole layer, or
-        (Note [Routed experts] in reviva/weights.py) all but the experts none of the batch's
+        (Note [Routed experts] in reviva/routed_experts.py) all but the experts none of the batch's
         tokens can choose."""
         if self.weight_expert_bytes == 0:
             return self.weight_layer_bytes

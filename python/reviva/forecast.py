@@ -197,7 +197,8 @@ def forecast(
         for i in streamed_ids
         if i not in promoted_ids
     ]
-    # (a step's copies: Note [Routed experts] in weights.py, an expert layer's routed experts)
+    # (a step's copies: Note [Routed experts] in routed_experts.py, an expert layer's routed
+    # experts)
     weight_copies = plan.streamed_weight_layers * plan.weight_step_bytes / pcie
     host = 0.0
     if mix is not None:  # nothing fetched; the host reads the rows where they are

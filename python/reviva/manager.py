@@ -39,6 +39,7 @@ from reviva.generate_call import CallOutOfMemoryError, GenerateCall
 from reviva.graph_capture import take_matmul_workspaces
 from reviva.hf_surface import _MISSING, HFSurface
 from reviva.host_copies import _reserve_host_copies
+from reviva.host_embedding import HostEmbedding
 from reviva.kv_cache import RevivaCache
 from reviva.llama_layer import LlamaLayerPath
 from reviva.planner import (
@@ -50,13 +51,10 @@ from reviva.planner import (
     rings_wanted,
 )
 from reviva.resources import device_resources
+from reviva.routed_experts import routed_expert_sizes
 from reviva.stats import GenerateStats
 from reviva.trace import PrefillProgress, Ranges, write_trace
-from reviva.weights import (
-    HostEmbedding,
-    StreamedWeights,
-    routed_expert_sizes,
-)
+from reviva.weights import StreamedWeights
 
 __all__ = ["CallOutOfMemoryError", "RevivaManager"]
 
@@ -117,7 +115,7 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
         # Note [Streamed weights] (reviva/weights.py): the decoder layers' weights in pinned host
         # memory, streamed to the device by each call's plan; None: they stay where they are.
         self.weights: StreamedWeights | None = self._take_weights(config, fill_layer)
-        # Note [Embedding on the host] (reviva/weights.py): with streamed weights, an untied
+        # Note [Embedding on the host] (reviva/host_embedding.py): with streamed weights, an untied
         # input embedding's table in pinned host memory.
         self.host_embedding: HostEmbedding | None = None
         embed = self.layout.embed_tokens

@@ -125,7 +125,7 @@ def make_plan(
 
     weight_experts: (one expert's bytes, experts, experts per token) of a model whose streamed
     layers' decode steps copy only the routed experts (Note [Routed experts] in
-    reviva/weights.py), (0, 0, 0) otherwise: what a step's copies are forecast by."""
+    reviva/routed_experts.py), (0, 0, 0) otherwise: what a step's copies are forecast by."""
     _check_shape(batch, prompt_tokens, new_tokens)
     if isinstance(past_tokens, bool) or not isinstance(past_tokens, int) or past_tokens < 0:
         raise ValueError(f"plan: past_tokens must be an int >= 0, got {past_tokens!r}")

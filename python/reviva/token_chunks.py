@@ -145,7 +145,7 @@ def chunked(
     """fn(x) by chunks of `chunk` rows where x has more rows than that (TokenChunked under
     autograd, run_by_chunks without it); fn(x) itself otherwise. `unread` (under autograd, fn
     drawing no random numbers): TokenChunked's output values are not computed (Note [Outputs
-    nobody reads] in finetune.py)."""
+    nobody reads] in finetune_forwards.py)."""
     if x.dim() < 2 or x.reshape(-1, x.shape[-1]).shape[0] <= chunk:
         return fn(x)
     if torch.is_grad_enabled():

@@ -47,12 +47,15 @@ Budget mode: the first step offloads everything eligible and records the bytes e
 and (CUDA) the step's peak; later steps keep the last layers' activations on the device (needed
 first in backward) while that peak plus what they saved fits the budget, and offload the first
 layers (needed last, so their copies hide under the most backward compute).
+
+The saved-tensor hooks are saved_tensors.py's (Note [Saved tensors' versions]), the layer
+boundaries and backward's prefetch activation_backward.py's, budget mode's choice of layers
+activation_budget.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 import weakref
@@ -68,16 +71,16 @@ from reviva._C import (
     DeviceArena,
     OffloadManager,
     PrefetchScheduler,
-    RevivaOutOfMemoryError,
     TransferEngine,
     overlap_ratio,
 )
+from reviva.activation_backward import LayerBoundaries
+from reviva.activation_budget import BudgetMode
 from reviva.adapters import base_model_of
 from reviva.resources import device_resources
-from reviva.sizes import format_bytes, parse_bytes
+from reviva.saved_tensors import SavedTensorHooks, _Stored
+from reviva.sizes import parse_bytes
 from reviva.trace import chrome_trace, span, store_spans, write_trace
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,64 +107,7 @@ class ActivationStats:
     step_s: float | None = None  # wall time of the last step (enter to exit)
 
 
-class _Stored:
-    """One offloaded storage: its block, and while it is back, a tensor viewing the block."""
-
-    __slots__ = ("block", "nbytes", "layer", "restored", "widen", "owner", "changed", "__weakref__")
-
-    def __init__(
-        self, owner: ActivationOffload, block: int, nbytes: int, layer: int, widen: bool
-    ) -> None:
-        self.owner = weakref.ref(owner)
-        self.block = block
-        self.nbytes = nbytes
-        self.layer = layer
-        self.widen = widen  # moved at 16 bits: widened back to fp32 on the compute stream
-        # A tensor on the block's device memory (a lease: the block stays there while it lives),
-        # or after widening, torch's fp32 copy of it.
-        self.restored: torch.Tensor | None = None
-        # Note [Saved tensors' versions]: the storage was saved again at another version after
-        # this copy: changed in place since the saves this copy serves
-        self.changed = False
-
-    def __del__(self) -> None:
-        # Autograd dropped the saved tensor: the block is dead. Its tensor goes first (ending
-        # the lease unless a view of it lives on), then the block (its memory and host copy).
-        self.restored = None
-        owner = self.owner()
-        if owner is not None and self.block is not None:  # None: retired when widened
-            owner._retire(self.block)
-
-
-@dataclass(frozen=True)
-class _Packed:
-    stored: _Stored
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    # Note [Saved tensors' versions]: the saved tensor (weakly) and its version when saved
-    source: weakref.ref
-    version: int
-
-
-# Note [Saved tensors' versions]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Autograd keeps a saved tensor's version (its view family's count of in-place changes) and
-# refuses backward if it changed: the values saved are gone. With pack hooks it keeps the hook's
-# object instead and checks nothing; offload copies the values when they are saved, and shares
-# one copy among the saves of a storage (views, a tensor saved by several ops). Both need the
-# version: a storage changed in place between two saves is copied again at the second (sharing
-# the first copy gave the second save the old values: a wrong gradient, silently), and a saved
-# tensor whose version moved after its save is refused at unpack as autograd refuses it (its
-# copy holds the values of the save, but what autograd would raise on, offload raises on too).
-# The version is read at unpack where the saved tensor still lives (a weak reference), and a
-# copy is marked changed where its storage is saved again at another version; a tensor changed
-# after its save that dies before backward without a later save goes unseen: its copy holds
-# the values the graph used.
-
-
-class ActivationOffload:
+class ActivationOffload(SavedTensorHooks, LayerBoundaries, BudgetMode):
     """The context manager behind `offload_activations`; one forward+backward per `with`.
 
     budget: the step's device peak to stay under (budget mode; None: offload everything
@@ -414,333 +360,6 @@ class ActivationOffload:
         each activation copy each way and compute's stalls (Note [Traces] in reviva/trace.py).
         Returns the path."""
         return write_trace(path, self._last_trace, "ActivationOffload")
-
-    def _choose_layers(self) -> set[int] | None:
-        """Budget mode: the layers to offload this step (None: all).
-
-        The first step offloads all and measures what each layer saves and (CUDA) the step's
-        peak above what the device held before it. A layer kept on the device adds what it saved
-        to that floor, so layers are kept from the last one down (their activations are needed
-        first in backward, where a copy could not hide) while the sum, plus a prefetch window,
-        fits the budget; the first layers, needed last, are offloaded. On the CPU there is no
-        peak to measure: the floor is what was saved outside the layers."""
-        self._room = None
-        self._kept_upto = []
-        if self.budget is None or not self.stats.layer_saved_bytes:
-            return None
-        saved = self.stats.layer_saved_bytes
-        n = self._regions
-        kept = sum(b for i, b in saved.items() if i < n)
-        floor = self._extra_all
-        if floor is None:
-            floor = sum(b for i, b in saved.items() if i >= n)
-        room = self.budget - self._held - floor
-        if room < 0:
-            log.warning(
-                "reviva: activation budget %s cannot be met: with every activation offloaded "
-                "the step peaked at %s (%s held before it); offloading all",
-                format_bytes(self.budget),
-                format_bytes(self._held + floor),
-                format_bytes(self._held),
-            )
-            return None
-        # While kept layers run backward, the first offloaded layers' storages already come back
-        # (up to window_bytes) beside the kept activations: room for that window too, or keep
-        # nothing (measured on the H200: without it a halfway budget was exceeded by 65 MB).
-        room_beside_window = room - min(self.window_bytes, sum(saved.values()))
-        chosen: set[int] = set()
-        for i in range(n):
-            if kept <= room_beside_window:
-                break
-            chosen.add(i)
-            kept -= saved.get(i, 0)
-        self._room = room
-        upto = 0
-        for i in range(n):
-            upto += 0 if i in chosen else saved.get(i, 0)
-            self._kept_upto.append(upto)
-        return chosen
-
-    def _window(self, layer: int) -> int:
-        """The device bytes that may wait for their D2H (forward) or be brought back ahead
-        (backward) while `layer` runs: `window_bytes`, or in budget mode, if more, what the
-        budget leaves beside the kept layers' activations on the device then (those of layers
-        up to `layer`). The offloaded layers come first, so their copies may lag far behind
-        forward compute before the kept layers fill the room, and in backward the first
-        offloaded layers come back while the kept layers' activations are freed."""
-        if self._room is None or not self._kept_upto:
-            return self.window_bytes
-        kept = self._kept_upto[min(max(layer, 0), len(self._kept_upto) - 1)]
-        return max(self.window_bytes, self._room - kept)
-
-    # --- layer boundaries ------------------------------------------------------------------------
-
-    def _make_pre_hook(self, i: int) -> Any:
-        def pre_hook(module: nn.Module, args: Any) -> None:
-            self._layer = i
-            if not self._in_backward:  # not a recomputation under checkpointing
-                self._set_budget(self._window(i) + self._in_use)
-
-        return pre_hook
-
-    def _make_post_hook(self, i: int) -> Any:
-        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._layer = i + 1  # what follows belongs to the next layer, or to the head
-            out = output[0] if isinstance(output, tuple | list) else output
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                # The gradient of layer i's output arrives when layer i's backward starts.
-                out.register_hook(lambda grad, i=i: self._backward_reached(i))
-
-        return post_hook
-
-    def _head_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._layer = self._regions  # the loss: what it saves is needed first in backward
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            # The gradient of the logits arrives after the loss's backward, the step's peak:
-            # the head's storages come back from then on, not beside it.
-            output.register_hook(lambda grad: self._backward_reached(self._regions - 1))
-
-    def _backward_reached(self, i: int) -> None:
-        """Layer i's backward starts (the gradient of its output arrived). The first time, the
-        step's order goes to a new scheduler: one group per block, the last region first and
-        each region's blocks in reverse saving order (needed first is saved last), its window
-        the blocks of `prefetch_layers` regions; the block needed first is acquired at once,
-        which starts the prefetch behind it."""
-        self._grad_layer = min(self._grad_layer, i)
-        if not self._in_backward:
-            first = self._start_backward()
-            if first is not None:
-                self._acquire(first)
-
-    def _start_backward(self) -> _Stored | None:
-        """Declares the step's order to a new scheduler; returns the live storage record needed
-        first (None without any)."""
-        self._in_backward = True
-        self._t_backward = time.perf_counter()
-        # Blocks whose saved tensor autograd dropped before backward are gone (a graph the step
-        # built and let go: TRL's SFTTrainer computes its entropy metric with grad and detaches
-        # it): the order is the live ones alone.
-        groups = {r: [b for b in blocks if self._live(b)] for r, blocks in self._groups.items()}
-        order = [[b] for r in sorted(groups, reverse=True) for b in reversed(groups[r])]
-        if not order:
-            return None
-        per_region = max(len(g) for g in groups.values())
-        self.scheduler = PrefetchScheduler(
-            self.manager,
-            prefetch_groups=self.prefetch_layers * per_region,
-            eager_offload=False,
-            max_ahead_bytes=self._window(self._grad_layer),
-        )
-        self.scheduler.declare_order(order)
-        ref = self._stored_of[order[0][0]]
-        return ref()
-
-    def _live(self, block: int) -> bool:
-        """Whether the block's saved tensor is still held by autograd (its record lives)."""
-        ref = self._stored_of.get(block)
-        return ref is not None and ref() is not None
-
-    def _acquire(self, stored: _Stored) -> None:
-        """Acquires a block through the scheduler (which prefetches the next ones of the order
-        into the room the budget leaves): its storage record gets a tensor on the block (its
-        lease), and the caller's part of the acquire ends at once, so the block stays on the
-        device while that tensor or a view of it lives. Compute waits for the block's copy."""
-        block = stored.block
-        window = self._window(self._grad_layer)
-        self.scheduler.max_ahead_bytes = window  # budget mode: it grows as kept layers go
-        self._raise_budget(window + self._in_use + stored.nbytes)
-        try:
-            (t,) = self.scheduler.acquire_group([block], "read")
-        except RevivaOutOfMemoryError:
-            # What compute still holds was undercounted (a view of a used block still alive):
-            # room for this block beside everything the manager holds now.
-            self._raise_budget(self.manager.device_bytes + stored.nbytes)
-            (t,) = self.scheduler.acquire_group([block], "read")
-        stored.restored = t
-        self._hold(block, stored.nbytes)
-        del t  # the lease now lives in the storage record alone
-        self.scheduler.release_group([block], False)
-
-    def _hold(self, block: int, nbytes: int) -> None:
-        if block not in self._using:
-            self._using[block] = nbytes
-            self._in_use += nbytes
-
-    def _set_budget(self, nbytes: int) -> None:
-        """Forward: the window beside what compute holds (the caller adds self._in_use)."""
-        nbytes = max(int(nbytes), 1)
-        if nbytes != self.manager.budget_bytes:
-            self.manager.budget_bytes = nbytes  # lowering it waits until the held bytes fit
-
-    def _raise_budget(self, nbytes: int) -> None:
-        """Backward: the budget only grows until the step ends (lowered as blocks go, it would
-        push out blocks prefetched into the room they left, to be fetched again, or make the
-        host wait for their memory). So at most the window plus the most compute held at once
-        (a layer and what is left of the one before) is on the device for this offload."""
-        if nbytes > self.manager.budget_bytes:
-            self.manager.budget_bytes = int(nbytes)
-
-    def _retire(self, block: int) -> None:
-        """A block whose saved tensor autograd dropped (_Stored.__del__): unregistered now, so
-        that its memory is room for the next prefetch at once (the scheduler is topped up in
-        backward). If a view of it is still alive, the binding discards it when that view goes
-        (discard_when_free) and the registration goes at a step boundary (_reap)."""
-        try:
-            self._unregister(block)
-        except ValueError:
-            if self.manager.discard_when_free(block):
-                self._dropping.append(block)
-            else:  # the view went meanwhile
-                self._unregister(block)
-        if self._hooks_ctx is not None and self._in_backward and self.scheduler is not None:
-            self.scheduler.release_group([], False)
-
-    def _unregister(self, block: int) -> None:
-        self.manager.unregister(block)  # ValueError while a tensor of it is alive
-        self._stored_of.pop(block, None)
-        self._in_use -= self._using.pop(block, 0)
-
-    def _reap(self) -> None:
-        """Step boundaries: unregisters the dead blocks whose last view has gone."""
-        dropping, self._dropping = self._dropping, []
-        for block in dropping:
-            try:
-                self._unregister(block)
-            except ValueError:  # still viewed: it is discarded when the view goes
-                self._dropping.append(block)
-
-    # --- pack / unpack ---------------------------------------------------------------------------
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        self.stats.saved_tensors += 1
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if (
-            t.device != self.device
-            or nbytes == 0
-            or nbytes < self.min_bytes
-            or storage.data_ptr() in self._param_ptrs
-            or storage.data_ptr() in self._input_ptrs
-            or isinstance(t, nn.Parameter)
-            or not 0 <= self._layer < self._regions
-            or self._in_backward  # recomputed in backward (checkpointing): needed at once
-            or (self._offload_layers is not None and self._layer not in self._offload_layers)
-        ):
-            if self.stats.steps == 0 and t.device == self.device:
-                self._record(storage)
-            self.stats.kept_tensors += 1
-            # Detached (same storage and version counter): returned as is, a tensor an op saved
-            # as its own output would hold its node through the hook's object, a cycle through
-            # C++ that Python's collector cannot see; a graph never run backward (stopped part
-            # way, or dropped) then stayed alive for good with every block it held.
-            return t.detach()
-        key = (storage.data_ptr(), nbytes)
-        entry = self._by_storage.get(key)
-        stored = entry[1]() if entry is not None and not entry[0].expired() else None
-        if stored is not None and entry[2] != t._version:
-            # (Note [Saved tensors' versions]: changed in place since its copy: copied again,
-            # and the saves of the old copy refused at unpack)
-            stored.changed = True
-            stored = None
-        if stored is None:
-            narrow = _cast_from(t)
-            if narrow is None:
-                moved = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            else:  # exact: every value came from `narrow`
-                whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
-                moved = whole.to(narrow)
-                self.stats.narrowed_tensors += 1
-            # A storage larger than the window still goes (alone), beside what compute holds
-            # (blocks brought back for a graph that is still alive: a backward that stopped
-            # part way, retain_graph).
-            if moved.nbytes + self._in_use > self.manager.budget_bytes:
-                self._set_budget(moved.nbytes + self._in_use)
-            # The block holds `moved` until its D2H has read it; then torch's allocator reuses
-            # the memory after the copy stream's work (record_stream).
-            block = self.manager.adopt(moved)
-            self.manager.offload(block)
-            del moved
-            widen = narrow is not None
-            stored = _Stored(self, block, self.manager.nbytes(block), self._layer, widen)
-            self._by_storage[key] = (StorageWeakRef(storage), weakref.ref(stored), t._version)
-            self._stored_of[block] = weakref.ref(stored)
-            self._groups.setdefault(self._layer, []).append(block)
-            self.stats.bytes_to_host += stored.nbytes
-            if self.stats.steps == 0:
-                self._record(storage)
-        self.stats.offloaded_tensors += 1
-        return _Packed(
-            stored,
-            t.dtype,
-            tuple(t.size()),
-            tuple(t.stride()),
-            t.storage_offset(),
-            weakref.ref(t),
-            t._version,
-        )
-
-    def _record(self, storage: torch.UntypedStorage) -> None:
-        # Step 1 records each layer's saved bytes (each storage once) for the budget plan.
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if ptr in self._param_ptrs or nbytes < self.min_bytes:
-            return
-        seen = self._recorded.get((ptr, nbytes))
-        if seen is not None and not seen.expired():
-            return
-        self._recorded[(ptr, nbytes)] = StorageWeakRef(storage)
-        saved = self.stats.layer_saved_bytes
-        saved[self._layer] = saved.get(self._layer, 0) + nbytes
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
-            return packed
-        source = packed.source()  # (Note [Saved tensors' versions])
-        now = None if source is None else source._version
-        if packed.stored.changed or (now is not None and now != packed.version):
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{packed.dtype} {list(packed.size)}] saved at version "
-                f"{packed.version}, changed in place since"
-                + (f" (version {now})" if now is not None else "")
-                + " (reviva's activation offload checks saved tensors' versions as autograd does)"
-            )
-        stored = packed.stored
-        if stored.restored is None:
-            if not self._in_backward:  # no layer boundary seen yet (no hook fired)
-                self._start_backward()
-            self._acquire(stored)
-        if stored.widen and stored.restored.dtype != packed.dtype:
-            # On the compute stream, which waited for the H2D when the block was acquired. The
-            # 16-bit block is of no further use (every view of this storage reads the widened
-            # copy): it goes now, not when autograd drops the saved tensor, so that the device
-            # does not hold both copies until then (its memory returns in compute order).
-            stored.restored = stored.restored.to(packed.dtype)
-            block, stored.block = stored.block, None
-            self._retire(block)
-        out = torch.empty(0, dtype=packed.dtype, device=self.device)
-        out.set_(stored.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
-        return out
-
-
-def _cast_from(t: torch.Tensor) -> torch.dtype | None:
-    """The 16-bit float dtype that autograd records `t` (fp32, its whole storage) was cast
-    from, or None. Its values are then exact in that dtype, so it moves at half the bytes and is
-    widened back bit for bit (mixed precision saves such casts: an RMSNorm's fp32 input)."""
-    fn = t.grad_fn
-    if (
-        t.dtype != torch.float32
-        or fn is None
-        or type(fn).__name__ != "ToCopyBackward0"
-        or t.storage_offset() != 0
-        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
-    ):
-        return None
-    try:
-        source, index = fn.next_functions[0]
-        dtype = source._input_metadata[index].dtype
-    except (AttributeError, IndexError, TypeError, RuntimeError):
-        return None
-    return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:

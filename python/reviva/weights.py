@@ -19,233 +19,42 @@ streamed layers run eagerly (their device address changes with each use).
     weights = StreamedWeights(layout.layers, engine, arena, device)
     weights.set_residency([0, 5, 10], slots=2, prefetch_layers=1)
     weights.acquire(3); ...; weights.release(3)
+
+Packing a layer into blocks is layer_packing.py's (Note [Layers in parts]), the routed experts'
+decode forward routed_experts.py's (Note [Routed experts]), the embedding on the host
+host_embedding.py's (Note [Embedding on the host]).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from reviva import switches
 from reviva._C import DeviceArena, RevivaOutOfMemoryError, TransferEngine, WeightStore
+from reviva.host_embedding import HostEmbedding  # noqa: F401  (re-exported)
+from reviva.host_heap import _trim_host_heap
+from reviva.layer_packing import (  # noqa: F401  (layer_weight_bytes re-exported)
+    _block_bytes,
+    _decode_blocks,
+    _mlp_pieces,
+    _pack,
+    _round_up,
+    _Slot,
+    decode_slot_bytes,
+    layer_weight_bytes,
+)
+from reviva.routed_experts import (  # noqa: F401  (routed_expert_sizes re-exported)
+    RoutedExpertsForward,
+    routed_expert_sizes,
+    routed_experts,
+)
 
 log = logging.getLogger(__name__)
-
-# Parameters start at multiples of this in a layer's block (vectorized kernels' alignment).
-_ALIGN = 256
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """Where one parameter (module._parameters[name]) lives in its layer's block."""
-
-    module: nn.Module
-    name: str
-    offset: int
-    nbytes: int
-
-    @property
-    def param(self) -> nn.Parameter:
-        return self.module._parameters[self.name]
-
-
-def _trim_host_heap() -> None:
-    """Gives the C heap's free memory back to the system (glibc's malloc_trim): the CPU
-    tensors just freed may sit in the heap (malloc's mmap threshold grows with large frees), and
-    a model larger than half the host must not hold it twice. Nothing where there is no glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _round_up(n: int, unit: int) -> int:
-    return (n + unit - 1) // unit * unit
-
-
-# What a decoder layer runs from its MLP's start on (Gemma 2/3 normalize the MLP's output too).
-_MLP_PART = ("mlp.", "post_feedforward_layernorm.")
-
-# MLPs whose projections are used one after the other, in this order, each once per forward
-# (HF's gated MLPs: down(act(gate(x)) * up(x)), Phi-3's gate_up then down): each projection is a
-# block of its own (Note [Layers in parts]).
-_MLP_PIECES = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"))
-
-
-def _mlp_pieces(layer: nn.Module) -> tuple[str, ...]:
-    """The names of the layer's MLP projections that are blocks of their own, in the order the
-    MLP uses them (Note [Layers in parts]); () when the MLP is one block (experts, or any other
-    MLP: what it runs, and in which order, is not known here)."""
-    mlp = getattr(layer, "mlp", None)
-    if mlp is None or any(True for _ in mlp.parameters(recurse=False)):
-        return ()
-    owners = tuple(n for n, m in mlp.named_children() if any(True for _ in m.parameters()))
-    if owners not in _MLP_PIECES:
-        return ()
-    if not all(type(getattr(mlp, n)) is nn.Linear for n in owners):
-        return ()
-    return owners
-
-
-# What a decoder layer runs before its MLP (Note [Routed experts]: nothing of the layer may run
-# after its experts, whose block's views are the last a decode step takes).
-_BEFORE_MLP = frozenset({"self_attn", "input_layernorm", "post_attention_layernorm"})
-
-
-def _owners(module: nn.Module) -> set[str]:
-    return {n for n, m in module.named_children() if any(True for _ in m.parameters())}
-
-
-def routed_experts(layer: nn.Module) -> nn.Module | None:
-    """The layer's experts module where a decode step can take only the experts its router
-    chooses (Note [Routed experts]): an MLP of a router (`gate`) and HF's experts module, whose
-    parameters are gate_up_proj [E, 2I, H] and down_proj [E, H, I] (no bias, not transposed,
-    gated), in a layer whose other parts all run before the MLP (Mixtral, Qwen3-MoE). None
-    otherwise, and with REVIVA_ROUTED_EXPERTS=0 (a baseline for benchmarks): the MLP is then one
-    block (and every expert moves)."""
-    if not switches.routed_experts():
-        return None
-    mlp = getattr(layer, "mlp", None)
-    experts = getattr(mlp, "experts", None)
-    if experts is None or not _owners(layer) <= _BEFORE_MLP | {"mlp"}:
-        return None
-    if any(True for _ in mlp.parameters(recurse=False)) or _owners(mlp) != {"gate", "experts"}:
-        return None
-    params = dict(experts.named_parameters())
-    if set(params) != {"gate_up_proj", "down_proj"}:
-        return None
-    gu, dn = params["gate_up_proj"], params["down_proj"]
-    e = getattr(experts, "num_experts", None)
-    if gu.dim() != 3 or dn.dim() != 3 or gu.dtype != dn.dtype or not e or gu.shape[0] != e:
-        return None
-    if dn.shape[0] != e or gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != dn.shape[1]:
-        return None
-    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
-        return None
-    if not getattr(experts, "has_gate", True) or not callable(
-        getattr(experts, "_apply_gate", None)
-    ):
-        return None
-    return experts
-
-
-def _expert_bytes(experts: nn.Module) -> tuple[int, int]:
-    """One expert's gate_up and down projections' bytes (routed_experts' module)."""
-    e = experts.num_experts
-    gate_up, down = (experts.gate_up_proj, experts.down_proj)
-    return gate_up.numel() * gate_up.element_size() // e, down.numel() * down.element_size() // e
-
-
-def routed_expert_sizes(layers: list[nn.Module]) -> tuple[int, int, int]:
-    """(one expert's bytes, experts, experts each token chooses) of the first layer with routed
-    experts (Note [Routed experts]), (0, 0, 0) where none has: what the planner forecasts a
-    decode step's copies by."""
-    for layer in layers:
-        experts = routed_experts(layer)
-        if experts is None:
-            continue
-        e = experts.num_experts
-        k = getattr(layer.mlp.gate, "top_k", None) or getattr(layer.mlp, "top_k", None) or e
-        return sum(_expert_bytes(experts)), e, int(k)
-    return 0, 0, 0
-
-
-def _part_of(name: str, pieces: tuple[str, ...]) -> int:
-    """Note [Layers in parts]: the block of a parameter: 0 for the attention's (and the norms'),
-    then the MLP's: one block, or one per projection in `pieces` (what runs after the MLP,
-    _MLP_PART's norm, goes with the last)."""
-    if not name.startswith(_MLP_PART):
-        return 0
-    for k, piece in enumerate(pieces):
-        if name.startswith(f"mlp.{piece}."):
-            return 1 + k
-    return max(len(pieces), 1)
-
-
-def _pack(
-    layer: nn.Module, granularity: int = 1, frozen_only: bool = False
-) -> list[list[tuple[str, _Slot]]]:
-    """The layer's packing (Note [Layers in parts]): its parameters by block, the attention's
-    (and the norms') then the MLP's, empty blocks left out; each (name, slot) at its offset in
-    its block, aligned to _ALIGN, in module order. The MLP's projections are blocks of their own
-    only where two of the largest block (each rounded to `granularity`, the arena's granule) are
-    less than the whole layer; else the MLP is one block. `frozen_only`: the parameters that
-    need no gradient alone (a fine-tune's base weights: Note [Streamed fine-tuning] in
-    finetune.py), in two blocks (attention, MLP), none per expert or projection."""
-    if frozen_only:
-        return _pack_by(layer, (), frozen_only=True)
-    if routed_experts(layer) is not None:  # Note [Routed experts]: the experts alone, then
-        return _pack_by(layer, (), routed=True)
-    pieces = _mlp_pieces(layer)
-    parts = _pack_by(layer, pieces)
-    if pieces:
-        sizes = [_round_up(_block_bytes([slot for _, slot in p]), granularity) for p in parts]
-        if 2 * max(sizes) >= sum(sizes):
-            parts = _pack_by(layer, ())
-    return parts
-
-
-def _pack_by(
-    layer: nn.Module, pieces: tuple[str, ...], routed: bool = False, frozen_only: bool = False
-) -> list[list[tuple[str, _Slot]]]:
-    parts: list[list[tuple[str, _Slot]]] = [[] for _ in range(1 + max(len(pieces), 1))]
-    ends = [0] * len(parts)
-    for prefix, module in layer.named_modules():
-        for key, p in module._parameters.items():
-            if p is None or (frozen_only and p.requires_grad):
-                continue
-            name = f"{prefix}.{key}" if prefix else key
-            k = int(name.startswith("mlp.experts.")) if routed else _part_of(name, pieces)
-            offset = _round_up(ends[k], _ALIGN)
-            nbytes = p.numel() * p.element_size()
-            parts[k].append((name, _Slot(module, key, offset, nbytes)))
-            ends[k] = offset + nbytes
-    return [part for part in parts if part]
-
-
-def _block_bytes(slots: list[_Slot]) -> int:
-    return slots[-1].offset + slots[-1].nbytes
-
-
-def layer_weight_bytes(layer: nn.Module, granularity: int = 1) -> int:
-    """Device bytes of a decoder layer's packed weights: its blocks (Note [Layers in parts]),
-    parameters aligned as StreamedWeights packs them, each block rounded up to `granularity` (the
-    arena's mapping granule: each block is a buffer of its own)."""
-    return sum(
-        _round_up(_block_bytes([slot for _, slot in part]), granularity)
-        for part in _pack(layer, granularity)
-    )
-
-
-def _decode_blocks(layer: nn.Module, granularity: int = 1) -> list[int]:
-    """The bytes of the blocks a decode step takes of a streamed layer, each rounded to
-    `granularity`: its parts (Note [Layers in parts]), or, for routed experts, its first part
-    and one expert's gate_up and down projections (Note [Routed experts])."""
-    parts = _pack(layer, granularity)
-    sizes = [_round_up(_block_bytes([slot for _, slot in p]), granularity) for p in parts]
-    experts = routed_experts(layer)
-    if experts is None:
-        return sizes
-    return [sizes[0], *(_round_up(b, granularity) for b in _expert_bytes(experts))]
-
-
-def decode_slot_bytes(layers: list[nn.Module], granularity: int = 1) -> int:
-    """The room streamed weights need in a decode step (Note [Layers in parts]): two of the
-    largest block a step takes (rounded to `granularity`; Note [Routed experts]: an expert's
-    projection, not all experts), or the largest whole layer where that is less."""
-    blocks = [b for layer in layers for b in _decode_blocks(layer, granularity)]
-    whole = max(layer_weight_bytes(layer, granularity) for layer in layers)
-    return min(2 * max(blocks), whole)
-
 
 # Note [Decode rooms when the host attends]
 # A decode step with attention on the host (Note [Attention on the host] in
@@ -264,48 +73,7 @@ DECODE_ROOMS = 2
 HOST_DECODE_ROOMS = 3
 
 
-# Note [Layers in parts]
-# A decoder layer's weights are several blocks of the WeightStore: its attention (and norms),
-# then its MLP, as one block, or, for the gated MLPs whose projections run one after the other
-# (_MLP_PIECES: gate, up, down; Phi-3's gate_up, down), one block per projection (what runs after
-# the MLP, Gemma's post-MLP norm, goes with the last). A prefill runs the MLP once per chunk, so
-# it acquires every block at the layer's start, and the store's slot holds a whole layer; so
-# does any call that is not a decode step. A decode step acquires the attention's block, and at
-# each next block's first use (a forward pre-hook on layer.mlp, or on each projection) releases
-# the one before and acquires it: the next block is copied into the memory just freed while
-# this one computes. So decode needs room for two blocks, not a whole layer
-# (StreamedWeights.enter_decode lowers the store's slot to two of the largest block, each
-# streamed block's buffer of that one size: ArenaDeviceAllocator::set_min_bytes), and what that
-# frees keeps more K/V resident: Llama-3-8B's layer is 416 MiB (attention 80, each projection
-# 112), its decode room 224 MiB. With the layer whole in one block, one slot left the copy engine
-# idle while each streamed layer computed (the next layer's copy waits for that memory): 0.97 of
-# the roofline on the H200 at 067decd, the 3% being about the streamed layers' compute time.
-
-
-# Note [Routed experts]
-# A mixture-of-experts layer (Mixtral, Qwen3-MoE: routed_experts) runs, per token, only the top-k
-# experts its router chooses, but its experts are one block, as HF keeps them ([E, ...] tensors
-# that its experts forward indexes or hands to a grouped matmul), so a decode step that took the
-# block moved every expert: Mixtral-8x7B's layer is 2.9 GB of which a token uses 0.8. So a
-# streamed MoE layer is two blocks, its first (attention, norms and the router) and its
-# experts', and each expert's gate_up and down projections are also views of the store (Note
-# [Blocks within a block] in src/weight_store.cpp: ranges of the experts' host copy, no memory
-# of their own). A prefill takes both blocks whole and runs HF's own experts forward (most
-# experts see some of a long prompt's tokens). A decode step takes the first block, and HF's
-# experts forward is replaced there (an instance attribute on the experts module, forwarding to
-# HF's own everywhere else) by `_routed_forward`: it gives the first block back (the router
-# ran), learns which experts were chosen (one synchronization: the host must know what to
-# fetch), and takes each chosen expert's gate_up view, then its down view, one at a time, into
-# decode's room of two blocks (the store fetches a view at its acquire and lets it go at its
-# release). Its arithmetic is HF's grouped_mm experts forward (HF's default: rows sorted by
-# expert, each expert's rows through its projections, weights applied, a sum over the top-k)
-# done expert by expert. A step then moves the attention's bytes and the chosen experts' (2 of
-# 8 experts: about a quarter of Mixtral's layer); the experts' whole block stays out of
-# decode's cycle (WeightStore.set_on_demand), and decode's room is two of the largest of those
-# blocks.
-
-
-class StreamedWeights:
+class StreamedWeights(RoutedExpertsForward):
     """The parameters of `layers` in a WeightStore; see the module docstring."""
 
     def __init__(
@@ -481,67 +249,6 @@ class StreamedWeights:
                 weights._switch(i, b)
 
         return hook
-
-    def _experts_forward(
-        self, i: int, hf: Callable[..., torch.Tensor]
-    ) -> Callable[..., torch.Tensor]:
-        ref = weakref.ref(self)
-
-        def forward(
-            hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-        ) -> torch.Tensor:
-            weights = ref()
-            if weights is not None and i in weights._routing:
-                return weights._routed_forward(i, hidden_states, top_k_index, top_k_weights)
-            return hf(hidden_states, top_k_index, top_k_weights)
-
-        return forward
-
-    def _routed_forward(
-        self, i: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """Note [Routed experts]: layer i's experts in a decode step, each chosen expert's
-        projections brought in one at a time (HF's grouped_mm experts forward, expert by
-        expert)."""
-        experts, e, first = self._routed[i]
-        self._routing.discard(i)  # (once per use of the layer)
-        for b in self._held.get(i, []):  # the router ran: the first block's work is queued
-            self._release_block(b)
-        self._held[i] = []
-        gu_shape = experts.gate_up_proj.shape[1:]
-        dn_shape = experts.down_proj.shape[1:]
-        dtype = experts.gate_up_proj.dtype
-        k = top_k_index.size(-1)
-        ids, order = torch.sort(top_k_index.reshape(-1))
-        rows = hidden[order // k].to(dtype)
-        counts = torch.bincount(ids, minlength=e).tolist()  # (the host fetches what was chosen)
-        out = torch.empty(rows.shape[0], hidden.shape[-1], dtype=dtype, device=hidden.device)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            end = start + n
-            gate_up = self._take_view(i, first + 2 * expert).view(dtype).view(gu_shape)
-            h = torch.mm(rows[start:end], gate_up.t())
-            self._drop_view(i)
-            h = experts._apply_gate(h)
-            down = self._take_view(i, first + 2 * expert + 1).view(dtype).view(dn_shape)
-            out[start:end] = torch.mm(h, down.t())
-            self._drop_view(i)
-            start = end
-        weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=order.device)
-        tokens = hidden.shape[0]
-        return weighted[back].view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
-
-    def _take_view(self, i: int, v: int) -> torch.Tensor:
-        block = self.store.acquire(v)
-        self._views_held[i] = v
-        return block
-
-    def _drop_view(self, i: int) -> None:
-        self.store.release(self._views_held.pop(i))
 
     def _switch(self, i: int, b: int) -> None:
         """Block b of layer i starts (Note [Layers in parts]): the block before it goes, b comes."""
@@ -769,69 +476,3 @@ class StreamedWeights:
         st["prefetch_blocks"] = st.pop("prefetch_layers")
         st["routed_expert_layers"] = len(self._routed)
         return st
-
-
-# Note [Embedding on the host]
-# A decoder's input embedding is a table of vocab x hidden (1.56 GB for the 32B shape, 1.05 GB
-# for the 8B one) of which a decode step reads one row per sequence. When the layers' weights
-# stream, every byte of device memory is a byte a step need not copy, so the table moves to pinned
-# host memory, from which the device reads the rows it needs in place (Backend::gather_rows_async:
-# one kernel, the prompt's rows once, then a row per step; no host work and no synchronization in
-# a step). At 067decd the rows were gathered on the host and copied, and the 32B shape's first
-# 32k-token call spent 1.4 s more before its first layer than with the table on the device.
-# The module's `weight` stays a parameter on the device, of the table's shape, over one element
-# (an expanded view): `model.device` (HF reads the first parameter's) stays the compute device,
-# and anything that would write into it fails loudly (an expanded tensor refuses in-place
-# copies). Its state_dict entry is the host table. Only for an input embedding that is not tied
-# to the output head (tied, the head reads the table every step: it stays on the device).
-
-
-class HostEmbedding:
-    """An nn.Embedding whose table lives in pinned host memory (Note [Embedding on the host])."""
-
-    def __init__(
-        self, embed: nn.Embedding, pool: object, runtime: object, device: torch.device
-    ) -> None:
-        if type(embed) is not nn.Embedding or embed.max_norm is not None:
-            raise ValueError(
-                f"HostEmbedding: a plain nn.Embedding without max_norm is needed, got "
-                f"{type(embed).__name__}"
-            )
-        w = embed.weight
-        self.embed = embed
-        self.device = device
-        self.runtime = runtime
-        self.table = pool.tensor(list(w.shape), w.dtype)  # pinned
-        with torch.no_grad():
-            self.table.copy_(w.data)
-        self.nbytes = w.numel() * w.element_size()
-        w.data = torch.zeros((), dtype=w.dtype, device=device).expand(w.shape)
-        self._state_hook = embed._register_state_dict_hook(self._state_dict_hook)
-        embed.forward = self.forward  # (an instance attribute: the class's forward is shadowed)
-        _trim_host_heap()
-        if device.type == "cuda":
-            # The table's device memory goes back to the driver, not to torch's cache: the arena
-            # maps its own memory and cannot take what torch keeps cached (the H200 at 7657206:
-            # 8-16 of an 8 GB card's promotions refused by the device, 1 GB of budget unused).
-            torch.cuda.empty_cache()
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows, width = self.table.shape
-        ids = input_ids.to(self.device, torch.long).reshape(-1).contiguous()
-        if input_ids.shape[-1] > 1 and ids.numel() > 0:
-            # A prompt (or candidates): ids that did not come from this model's own sampling are
-            # checked as nn.Embedding checks them (one synchronization per prompt; the kernel
-            # would give zeros for them).
-            lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # (one synchronization)
-            if lo < 0 or hi >= rows:
-                raise IndexError(
-                    f"token id {lo if lo < 0 else hi} is outside the input embedding's {rows} rows"
-                )
-        out = torch.empty((ids.numel(), width), dtype=self.table.dtype, device=self.device)
-        # The device reads the rows from the pinned table in place, in stream order: no host
-        # gather, no copy to stage, no synchronization in a decode step.
-        self.runtime.gather_rows(self.table, ids, out)
-        return out.view(*input_ids.shape, width)
-
-    def _state_dict_hook(self, module: nn.Module, state: dict, prefix: str, meta: object) -> None:
-        state[prefix + "weight"] = self.table

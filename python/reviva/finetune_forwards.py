@@ -1,0 +1,232 @@
+"""The forwards a streamed fine-tune installs on the model (Note [Streamed fine-tuning] in
+finetune.py): each decoder layer as a _LayerStep (no autograd in forward, its input checkpointed
+on the host, recomputed and back-propagated in its backward), the token-wise parts by chunks of
+tokens (Note [Outputs nobody reads]), the causal LM's loss by chunks of tokens.
+
+FinetuneForwards is a mixin of Finetune (finetune.py). State it reads: the tuner's layers,
+_original forwards, weights, checkpoints, causal, chunk_tokens, loss_chunk_tokens, softcap and
+_anchor. State it writes: _recomputed (the layer being recomputed in its backward).
+
+Note [Outputs nobody reads]
+A layer's recompute in backward exists for its graph: its output's values are never read (the
+gradient flows from the output gradient saved by autograd), and in the Llama layout (Llama,
+Mistral, Qwen2, Qwen3, SmolLM3, Phi-3: _MLP_LAST) the MLP's output only enters that output
+through the residual's addition (Phi-3's dropout too), whose backward reads no values. So in the
+recompute the MLP's TokenChunked computes nothing in its forward (an uninitialized output) and
+runs each chunk once, with autograd, in its backward: the MLP's forward runs twice a step, as in
+a plain run with checkpointing, not three times (a third of 14336-wide GEMMs is ~1.4 s of a 64k
+step of the 8B shape on the H200). Where something reads the MLP's output (Gemma's
+post_feedforward_layernorm) or its dropout draws random numbers, it is computed as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from reviva.host_checkpoints import _Checkpoint
+from reviva.token_chunks import (
+    chunked,
+    draws_random,
+    head_loss,
+    rng_restored,
+    rng_state,
+)
+
+if TYPE_CHECKING:
+    from reviva.finetune import Finetune
+
+# Decoder layers whose MLP output only enters the layer's output through the residual's addition
+# (Note [Outputs nobody reads]).
+_MLP_LAST = frozenset(
+    {
+        "LlamaDecoderLayer",
+        "MistralDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen3DecoderLayer",
+        "SmolLM3DecoderLayer",
+        "Phi3DecoderLayer",
+    }
+)
+# The children of a decoder layer that map each token's row on their own (Note [Streamed
+# fine-tuning]): run by chunks of tokens.
+_TOKEN_WISE = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "mlp",
+)
+
+
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    kind = device.type
+    return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+
+class _LayerStep(torch.autograd.Function):
+    """A decoder layer without autograd in forward, recomputed and back-propagated in its
+    backward (Note [Streamed fine-tuning])."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        anchor: torch.Tensor,
+        tuner: Finetune,
+        i: int,
+        args: tuple,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        layer = tuner.layers[i]
+        ctx.tuner, ctx.i, ctx.args, ctx.kwargs = tuner, i, args, kwargs
+        ctx.rng = rng_state(x.device) if tuner._random(layer) else None
+        ctx.autocast = _autocast_state(x.device)
+        y = tuner._run_layer(i, x, args, kwargs)
+        ctx.checkpoint = tuner.checkpoints.save(x)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        tuner: Finetune = ctx.tuner
+        i = ctx.i
+        record: _Checkpoint = ctx.checkpoint
+        device = dy.device
+        try:
+            x = tuner.checkpoints.restore(record)
+            with (
+                tuner._weights_of(i),
+                rng_restored(ctx.rng, device),
+                torch.autocast(device.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]),
+                torch.enable_grad(),
+                tuner._recomputing(i),
+            ):
+                xg = x.detach().requires_grad_(bool(ctx.needs_input_grad[0]))
+                y = tuner._original[i](xg, *ctx.args, **ctx.kwargs)
+                if y.requires_grad:
+                    torch.autograd.backward(y, dy)
+                dx = xg.grad
+            del x, xg, y
+        except torch.OutOfMemoryError as e:
+            raise tuner._out_of_memory(e, f"layer {i}'s backward") from e
+        tuner.checkpoints.retire(record)
+        ctx.checkpoint = None
+        return dx, None, None, None, None, None
+
+
+class FinetuneForwards:
+    """The model's forwards under a Finetune (its mixin; see the module docstring)."""
+
+    def _random(self, layer: nn.Module) -> bool:
+        dropout = getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0) or 0.0
+        return layer.training and (dropout > 0 or draws_random(layer))
+
+    @contextlib.contextmanager
+    def _weights_of(self, i: int) -> Iterator[None]:
+        self.weights.acquire(i)
+        try:
+            yield
+        finally:
+            self.weights.release(i)
+
+    def _run_layer(self, i: int, x: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> Any:
+        try:
+            with self._weights_of(i):
+                return self._original[i](x, *args, **kwargs)
+        except torch.OutOfMemoryError as e:
+            raise self._out_of_memory(e, f"layer {i}'s forward") from e
+
+    def _layer_forward(self, i: int) -> Callable[..., Any]:
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("past_key_values") is not None and torch.is_grad_enabled():
+                raise ValueError(
+                    "reviva.finetune: a training forward with a K/V cache (use_cache=True) "
+                    "would write each layer's K/V twice (forward and recompute); pass "
+                    "use_cache=False"
+                )
+            layer = self.layers[i]
+            trained = any(p.requires_grad for p in layer.parameters())
+            if torch.is_grad_enabled() and (trained or hidden_states.requires_grad):
+                return _LayerStep.apply(hidden_states, self._anchor, self, i, args, kwargs)
+            return self._run_layer(i, hidden_states, args, kwargs)
+
+        return forward
+
+    def _token_wise(self, module: nn.Module, unread_in: int | None = None) -> Callable[..., Any]:
+        """The module by chunks of tokens; `unread_in`: the layer in whose recompute its output
+        is not read (Note [Outputs nobody reads])."""
+        own = module.forward
+
+        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs or not isinstance(x, torch.Tensor):
+                return own(x, *args, **kwargs)
+            random = module.training and draws_random(module)
+            unread = unread_in is not None and self._recomputed == unread_in
+            return chunked(own, x, self.chunk_tokens, self._anchor, random, unread)
+
+        return forward
+
+    @contextlib.contextmanager
+    def _recomputing(self, i: int) -> Iterator[None]:
+        """Layer i's recompute in its backward (Note [Outputs nobody reads])."""
+        before, self._recomputed = self._recomputed, i
+        try:
+            yield
+        finally:
+            self._recomputed = before
+
+    def _causal_forward(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        causal = self.causal
+
+        def forward(*args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+            if labels is None or kwargs.get("fused_lm_head") or args:
+                # (no loss, or a loss computed by whoever patched the forward before: TRL's
+                # fused head reads the decoder's output itself)
+                if labels is not None:
+                    kwargs["labels"] = labels
+                return inner(*args, **kwargs)
+            return self._loss_forward(causal, labels, kwargs)
+
+        return forward
+
+    def _loss_forward(self, causal: nn.Module, labels: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError(
+                "reviva.finetune: labels with past_key_values: a loss over a cached prefix is not "
+                "supported (the chunked loss needs the whole sequence's hidden states)"
+            )
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shifted = kwargs.pop("shift_labels", None)
+        ignore = kwargs.pop("ignore_index", -100)
+        if ignore != -100:
+            raise ValueError(f"reviva.finetune: ignore_index={ignore!r}; the loss ignores -100")
+        kwargs.pop("logits_to_keep", None)
+        kwargs.pop("return_dict", None)
+        kwargs["use_cache"] = False
+        outputs = causal.model(**kwargs)
+        hidden = outputs.last_hidden_state
+        try:
+            loss = head_loss(
+                hidden,
+                causal.lm_head,
+                labels,
+                self.loss_chunk_tokens,
+                num_items,
+                self.softcap,
+                shifted,
+            )
+        except torch.OutOfMemoryError as e:
+            raise self._out_of_memory(e, "the loss") from e
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=None,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )

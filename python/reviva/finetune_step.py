@@ -1,0 +1,156 @@
+"""A streamed fine-tuning step's beginning: when the decoder's forward starts, the last step's
+working set is measured (CUDA), this step planned (train_plan.plan_step: which layers' frozen
+weights stay on the device) and the plan applied to the weights, its checkpoints started afresh;
+HF's gradient checkpointing is served by Reviva's own (_run_directly).
+
+FinetuneStepPlan is a mixin of Finetune (finetune.py). State it reads: the tuner's dims, layers,
+weights, model, budget, device, chunk_tokens, loss_chunk_tokens and prefetch_layers. State it
+writes: _plan, _held, _measured, _step_tokens, _hf_checkpointing, stats_ (steps, tokens, plan,
+layers), the weights' residency, and the checkpoints' step (begin_step).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from reviva.train_plan import TrainPlan, describe, plan_step
+
+# (the finetune's logger: what a user filters on stays reviva.finetune's)
+log = logging.getLogger("reviva.finetune")
+
+
+def _run_directly(fn: Callable[..., Any], *args: Any) -> Any:
+    """A layer's gradient-checkpointing function under reviva.finetune: the layer itself (its
+    checkpointing is Reviva's: Finetune._serve_hf_checkpointing)."""
+    return fn(*args)
+
+
+class FinetuneStepPlan:
+    """A step's beginning and its plan (Finetune's mixin; see the module docstring)."""
+
+    def _begin(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The decoder's forward starts: a step begins. The last training step's working set is
+        measured (CUDA), this one's planned (which layers' weights stay), and its checkpoints
+        start afresh."""
+        self._serve_hf_checkpointing()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        shape = ids.shape if isinstance(ids, torch.Tensor) else getattr(embeds, "shape", None)
+        if shape is None:
+            return None
+        tokens = int(shape[0] * shape[1]) if len(shape) >= 2 else int(shape[0])
+        self._measure()
+        training = torch.is_grad_enabled()
+        if training or self._plan is None:
+            self._apply_plan(tokens)
+        self.checkpoints.begin_step()
+        if training:
+            self.stats_.steps += 1
+            self.stats_.tokens = tokens
+            self._step_tokens = tokens
+            if kwargs.get("use_cache") is not False:  # (None: the config's, True by default)
+                kwargs = dict(kwargs)
+                kwargs["use_cache"] = False  # (as HF's gradient checkpointing does)
+                return args, kwargs
+        return None
+
+    def _serve_hf_checkpointing(self) -> None:
+        """HF's gradient checkpointing (TRL's SFTConfig turns it on by default; the Trainer
+        enables it at train()) would wrap each layer in torch's checkpoint around Reviva's own:
+        a layer recomputed twice with use_reentrant=True. Reviva's checkpointing is what it asks
+        for (each layer's input kept, the layer recomputed in backward), so a layer whose
+        checkpointing is on runs its forward directly (its _gradient_checkpointing_func, which
+        HF sets at each gradient_checkpointing_enable(), is replaced; close() puts it back)."""
+        for layer in self.layers:
+            if not getattr(layer, "gradient_checkpointing", False):
+                continue
+            func = layer.__dict__.get("_gradient_checkpointing_func")
+            if func is _run_directly:
+                continue
+            if not self._hf_checkpointing:
+                log.info(
+                    "reviva.finetune: HF's gradient checkpointing is on; Reviva checkpoints each "
+                    "layer itself (its input in pinned host memory), and HF's is not applied on "
+                    "top of it"
+                )
+            self._hf_checkpointing[id(layer)] = (layer, func)
+            layer._gradient_checkpointing_func = _run_directly
+
+    def _collect(self) -> None:
+        """The training step run since the last begin: its peak of torch's reserved memory
+        beside what was held when it began (CUDA), kept as the working set of its length. The
+        peak only grows until the next begin, so reading it again is harmless."""
+        if self._cuda and self._step_tokens is not None:
+            peak = max(torch.cuda.max_memory_reserved(self.device) - self._held, 0)
+            self._measured[self._step_tokens] = peak
+            self.stats_.working_set_bytes = peak
+
+    def _measure(self) -> None:
+        """A step begins: the last one's working set kept (_collect), the peak reset."""
+        self._collect()
+        self._step_tokens = None
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _budget_now(self) -> tuple[int, int]:
+        """(the budget, the bytes held before the step): the budget capped by what the device
+        can give (free, torch's cache, the weights' arena memory and what torch holds)."""
+        if self._cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            held = torch.cuda.memory_allocated(self.device)
+            cached = torch.cuda.memory_reserved(self.device) - held
+            weights = int(self.weights.store.stats()["device_bytes"])
+            limit = free + cached + weights + held
+            budget = limit if self.budget is None else min(self.budget, limit)
+            return budget, held
+        held = (
+            sum(
+                t.numel() * t.element_size()
+                for t in (*self.model.parameters(), *self.model.buffers())
+                if t.device == self.device
+            )
+            - self.weights.param_bytes
+        )
+        budget = self.budget if self.budget is not None else 16 << 30
+        return budget, max(held, 0)
+
+    def plan(self, tokens: int) -> TrainPlan:
+        """The plan a step of `tokens` tokens would run with now (train_plan.plan_step), with the
+        working set measured by the last step of that length where one ran (CUDA)."""
+        self._collect()
+        budget, held = self._budget_now()
+        # (the resident weights live in the arena, outside torch's `held`: the plan places them
+        # in the room the budget leaves beside held, the working set and the margin)
+        return plan_step(
+            self.dims,
+            tokens,
+            budget,
+            held,
+            self.chunk_tokens,
+            self.loss_chunk_tokens,
+            self._measured.get(tokens),
+        )
+
+    def _apply_plan(self, tokens: int) -> None:
+        plan = self.plan(tokens)
+        self._held = plan.held
+        before = self._plan
+        if before is None or plan.resident_layers != before.resident_layers:
+            if self._cuda:
+                torch.cuda.empty_cache()  # (the arena maps its own memory: torch's cache gives)
+            streams = plan.streamed_layers > 0
+            self.weights.set_residency(
+                list(plan.resident_layers),
+                2 if streams else 0,
+                self.prefetch_layers if streams else 0,
+            )
+            log.info("reviva.finetune: %s", describe(self.dims, plan))
+        self._plan = plan
+        self.stats_.plan = plan
+        self.stats_.resident_layers = len(plan.resident_layers)
+        self.stats_.streamed_layers = plan.streamed_layers
