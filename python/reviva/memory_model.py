@@ -88,17 +88,17 @@ MODEL = MemoryModel()
 
 # Note [The experts' working set]
 # A mixture-of-experts layer's prefill runs HF's own experts forward (Note [Routed experts] in
-# routed_experts.py), by default its grouped one (transformers.integrations.moe): each token's
-# input is gathered once per chosen expert, sorted by expert, and each (token, expert) pair goes
-# through that expert's gate_up, gate and down projections; the pairs' outputs are weighted, put
-# back in token order and summed over the k experts. So a chunk of T tokens holds T*k rows at
-# once: of the expert's width while it computes, of the hidden size (four of them) at its end. Qwen3-MoE
-# (k = 8, width 768, hidden 2048) holds 128 KiB a token there, where a dense MLP of its
-# config's intermediate_size (6144, run by none of its layers) is 36 KiB: planned as dense, a
-# 4k-token chunk on a 6 GB card ran out of memory in `weighted_out[inv_perm]` (bench_experts
-# --model qwen3-30b-a3b on the H200 at cb4c235). Measured on the CPU with torch's profiler
-# (test_the_experts_working_set_covers_hfs_grouped_forward): the estimate is within 2% above
-# the forward's peak.
+# routed_experts.py), by default its grouped one (transformers.integrations.moe): each token's input
+# is gathered once per chosen expert, sorted by expert, and each (token, expert) pair goes through
+# that expert's gate_up, gate and down projections; the pairs' outputs are weighted, put back in
+# token order and summed over the k experts. So a chunk of T tokens holds T*k rows at once: of the
+# expert's width while it computes, of the hidden size (four of them) at its end. Qwen3-MoE (k = 8,
+# width 768, hidden 2048) holds 128 KiB a token there, where a dense MLP of its config's
+# intermediate_size (6144, run by none of its layers) is 36 KiB: planned as dense, a 4k-token chunk
+# on a 6 GB card ran out of memory in `weighted_out[inv_perm]` (bench_experts --model qwen3-30b-a3b
+# on the H200 at cb4c235). Measured on the CPU with torch's profiler
+# (test_the_experts_working_set_covers_hfs_grouped_forward): the estimate is within 2% above the
+# forward's peak.
 
 
 def _experts_per_token(lay: DecoderLayout, model: MemoryModel) -> int:
