@@ -210,7 +210,7 @@ def test_gpu_fp8_decode_graphs_on_row_ops_against_hfs_modules(monkeypatch, caplo
     """CUDA, bf16, fp8 K/V, 2k prompt, decode graphs: with the row ops (every layer's graph
     runs them) and without (REVIVA_DECODE_ROW_OPS=off): logits within fp8's tolerance of each
     other while the tokens agree, twice in a row each; then a model whose norms have another
-    formula keeps HF's modules, named in the log, and its tokens are HF's."""
+    formula keeps HF's modules, named in the log, and gives what the switch's off gives."""
     model = gpu_llama(4, 4096, torch.bfloat16)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
@@ -240,11 +240,15 @@ def test_gpu_fp8_decode_graphs_on_row_ops_against_hfs_modules(monkeypatch, caplo
         old = layer.post_attention_layernorm
         layer.post_attention_layernorm = OnePlusWeight(old.weight.shape[0], old.variance_epsilon)
         layer.post_attention_layernorm.to("cuda", torch.bfloat16).eval()
+    monkeypatch.setenv("REVIVA_DECODE_ROW_OPS", "off")
+    ref = RevivaManager(model, RevivaConfig(kv_dtype="fp8")).generate(ids, **kw)
     monkeypatch.setenv("REVIVA_DECODE_ROW_OPS", "on")
-    ref = model.generate(ids, **kw)
     m = RevivaManager(model, RevivaConfig(kv_dtype="fp8"))
     with caplog.at_level(logging.INFO, logger="reviva.decode_graphs"):
         out = m.generate(ids, **kw)
     assert len(m._graphs.fused) == 4 and not m._graphs.row_ops
     assert "keeps HF's modules (h differs from HF's modules'" in caplog.text
-    assert assert_close_to_exact(out, ref, 2048, 0.05) >= 1
+    # refused, the step is the one REVIVA_DECODE_ROW_OPS=off runs (fp8 against plain HF is
+    # judged by test_kv_fp8; these norms' scale moves fp8's error beyond its 5% there)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert assert_close_to_exact(out, ref, 2048, 0.01) >= 24
