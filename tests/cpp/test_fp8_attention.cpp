@@ -17,31 +17,6 @@ namespace {
 
 using Fp8Attention = BackendTest;
 
-float half_value(std::uint16_t bits, HalfType type) {
-  if (type == HalfType::BFloat16) {
-    const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
-    float f;
-    std::memcpy(&f, &wide, 4);
-    return f;
-  }
-  _Float16 h;
-  std::memcpy(&h, &bits, 2);
-  return static_cast<float>(h);
-}
-
-std::uint16_t half_bits(float x, HalfType type) {
-  if (type == HalfType::BFloat16) {
-    std::uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return static_cast<std::uint16_t>(bits >> 16);
-  }
-  const _Float16 h = static_cast<_Float16>(x);
-  std::uint16_t bits;
-  std::memcpy(&bits, &h, 2);
-  return bits;
-}
-
 double e4m3_value(std::uint8_t b) {
   const int e = (b >> 3) & 15, m = b & 7;
   const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(1.0 + m / 8.0, e - 7);

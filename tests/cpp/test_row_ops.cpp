@@ -18,31 +18,10 @@ namespace {
 using RowOps = BackendTest;
 using Half = std::uint16_t;
 
-float value(Half bits, HalfType type) {
-  if (type == HalfType::BFloat16) {
-    const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
-    float f;
-    std::memcpy(&f, &wide, 4);
-    return f;
-  }
-  _Float16 h;
-  std::memcpy(&h, &bits, 2);
-  return static_cast<float>(h);
-}
+float value(Half bits, HalfType type) { return half_value(bits, type); }
 
-Half bits_of(double x, HalfType type) {
-  if (type == HalfType::BFloat16) {
-    const auto f = static_cast<float>(x);  // (doubles here hold floats' products exactly)
-    std::uint32_t b;
-    std::memcpy(&b, &f, 4);
-    b += 0x7FFFu + ((b >> 16) & 1u);
-    return static_cast<Half>(b >> 16);
-  }
-  const auto h = static_cast<_Float16>(static_cast<float>(x));
-  Half b;
-  std::memcpy(&b, &h, 2);
-  return b;
-}
+// (doubles here hold floats' products exactly)
+Half bits_of(double x, HalfType type) { return half_bits(static_cast<float>(x), type); }
 
 double rounded(double x, HalfType type) { return value(bits_of(x, type), type); }
 

@@ -42,6 +42,32 @@ class BackendTest : public ::testing::TestWithParam<BackendKind> {
   std::shared_ptr<Backend> backend_;
 };
 
+// 16-bit float bits <-> fp32 for the kernels' tests (rounded to nearest even).
+inline float half_value(std::uint16_t bits, HalfType type) {
+  if (type == HalfType::BFloat16) {
+    const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &wide, 4);
+    return f;
+  }
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+
+inline std::uint16_t half_bits(float x, HalfType type) {
+  if (type == HalfType::BFloat16) {
+    std::uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return static_cast<std::uint16_t>(bits >> 16);
+  }
+  const _Float16 h = static_cast<_Float16>(x);
+  std::uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
 inline std::vector<std::uint8_t> random_bytes(std::size_t n, std::uint64_t seed) {
   std::vector<std::uint8_t> v(n);
   std::mt19937_64 rng(seed);

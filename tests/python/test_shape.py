@@ -24,12 +24,17 @@ MANAGER_MODULES = (
 MAX_LINES = 500
 
 
-@pytest.mark.parametrize("name", MANAGER_MODULES)
-def test_manager_modules_stay_under_500_lines(name: str) -> None:
+def assert_small(name: str) -> None:
+    """The package's module `name` exists and has at most MAX_LINES lines."""
     path = PACKAGE / name
     assert path.is_file(), f"{path} is missing"
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines, more than {MAX_LINES}: split it"
+
+
+@pytest.mark.parametrize("name", MANAGER_MODULES)
+def test_manager_modules_stay_under_500_lines(name: str) -> None:
+    assert_small(name)
 
 
 # The four oversized modules split along their Notes (weights.py, finetune.py, training.py and
@@ -58,10 +63,7 @@ SPLIT_MODULES = (
 
 @pytest.mark.parametrize("name", SPLIT_MODULES)
 def test_split_modules_stay_under_500_lines(name: str) -> None:
-    path = PACKAGE / name
-    assert path.is_file(), f"{path} is missing"
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name} has {lines} lines, more than {MAX_LINES}: split it"
+    assert_small(name)
 
 
 def test_names_importable_from_the_split_modules_old_homes() -> None:
@@ -104,10 +106,7 @@ LAYER_MODULES = ("llama_layer.py", "layer_attention.py", "decode_graphs.py", "gr
 
 @pytest.mark.parametrize("name", LAYER_MODULES)
 def test_layer_modules_stay_under_500_lines(name: str) -> None:
-    path = PACKAGE / name
-    assert path.is_file(), f"{path} is missing"
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name} has {lines} lines, more than {MAX_LINES}: split it"
+    assert_small(name)
 
 
 # The planner (the search for a plan) and RevivaCache (the store, HF's Cache interface), and the
@@ -131,10 +130,7 @@ PLANNER_AND_CACHE_MODULES = (
 
 @pytest.mark.parametrize("name", PLANNER_AND_CACHE_MODULES)
 def test_planner_and_cache_modules_stay_under_500_lines(name: str) -> None:
-    path = PACKAGE / name
-    assert path.is_file(), f"{path} is missing"
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name} has {lines} lines, more than {MAX_LINES}: split it"
+    assert_small(name)
 
 
 def test_public_names_importable_from_planner_and_kv_cache() -> None:
