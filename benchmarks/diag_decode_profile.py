@@ -7,9 +7,12 @@ launch latencies inside the graphs; longer ones: the device waiting for the host
 largest kernels. A step whose busy time is near its wall time is bound by the device; far
 below, by the host or by its kernels' count. Runs: bf16 K/V, fp8 K/V (the row operations in the
 decode graphs, Note [Decode row ops]), fp8 K/V with HF's modules (REVIVA_DECODE_ROW_OPS=off);
-each also decodes --new tokens unprofiled (decode_tok_s_unprofiled).
+each also decodes --new tokens unprofiled (decode_tok_s_unprofiled). With --host, the host's
+side too: cProfile over the same two calls, each function's own time per decode step (the host
+work between the device's kernels: HF's generate loop, the layers' Python, the replays' launches).
 
-    python benchmarks/diag_decode_profile.py [--tokens 65536] [--new 16] [--out DIR]
+    python benchmarks/diag_decode_profile.py [--tokens 65536] [--new 16] [--runs auto,fp8,fp8_hf]
+                                             [--host] [--out DIR]
 """
 
 from __future__ import annotations
@@ -71,6 +74,44 @@ def _kernels(
     return wall, kernels, _idle(spans)
 
 
+def _host_times(manager: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, dict[str, Any]]:
+    """One call under cProfile: its wall time and each function's (calls, own seconds)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    manager.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    torch.cuda.synchronize()
+    prof.disable()
+    wall = time.perf_counter() - t
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    return wall, {
+        f"{Path(f).name}:{line}({fn})": (calls, own)
+        for (f, line, fn), (calls, _, own, _, _) in stats.items()
+    }
+
+
+def host_profile(manager: Any, ids: torch.Tensor, new: int) -> dict[str, Any]:
+    """The host's time per decode step by function (a call of new + 1 tokens less one of 1)."""
+    wall_1, first = _host_times(manager, ids, 1)
+    wall, funcs = _host_times(manager, ids, new + 1)
+    per_step = []
+    for name, (calls, own) in funcs.items():
+        c0, t0 = first.get(name, (0, 0.0))
+        if calls > c0:
+            per_step.append((name, (calls - c0) / new, 1e6 * (own - t0) / new))
+    per_step.sort(key=lambda x: -x[2])
+    return {
+        "decode_step_s_wall_under_cprofile": (wall - wall_1) / new,
+        "host_us_per_step_total": sum(t for _, _, t in per_step),
+        "top_functions_per_step": [
+            {"name": n, "calls": c, "own_us": t} for n, c, t in per_step[:30]
+        ],
+    }
+
+
 def profile(manager: Any, ids: torch.Tensor, new: int) -> dict[str, Any]:
     manager.generate(ids, max_new_tokens=4, do_sample=False)  # warm (graphs captured)
     torch.cuda.synchronize()
@@ -116,8 +157,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--runs", default="auto,fp8,fp8_hf")
+    ap.add_argument("--host", action="store_true", help="also cProfile the host's side")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    runs = args.runs.split(",")
+    known = {"auto", "fp8", "fp8_hf"}
+    if not runs or not set(runs) <= known:
+        ap.error(f"--runs {args.runs!r}: each of {sorted(known)}")
     import reviva
 
     model = build_model(32)
@@ -128,6 +175,8 @@ def main() -> int:
         ("fp8", "fp8", "on"),
         ("fp8_hf", "fp8", "off"),
     ):
+        if run not in runs:
+            continue
         os.environ["REVIVA_DECODE_ROW_OPS"] = row_ops  # (read when the graphs are captured)
         manager = reviva.RevivaManager(model, reviva.RevivaConfig(kv_dtype=kv))
         out["runs"][run] = r = profile(manager, ids, args.new)
@@ -136,6 +185,14 @@ def main() -> int:
         for k in r["top_kernels_per_step"]:
             us, n, mean = k["us"], k["calls"], k["mean_us"]
             print(f"   {us:9.1f} us/step {n:6.1f} x {mean:8.1f} us  {k['name']}")
+        if args.host:
+            r["host"] = h = host_profile(manager, ids, args.new)
+            print(
+                f"  host: {h['host_us_per_step_total']:.0f} us of Python a step, "
+                f"{1e3 * h['decode_step_s_wall_under_cprofile']:.2f} ms a step under cProfile"
+            )
+            for f in h["top_functions_per_step"][:20]:
+                print(f"   {f['own_us']:9.1f} us/step {f['calls']:6.1f} x  {f['name']}")
         del manager
         torch.cuda.empty_cache()
     os.environ.pop("REVIVA_DECODE_ROW_OPS")

@@ -157,9 +157,9 @@ Split split_of(const Fp8DecodeArgs& a) {
   const bool graphed = a.device_length != nullptr;
   const std::size_t keys = graphed ? a.length : a.length - a.first_key;
   const std::size_t blocks = a.batch * a.kv_heads * head_groups(a);
+  // (rounded down: a block past the wave would run alone after it, Note [fp8 decode attention])
   const std::size_t fill = std::max<std::size_t>(
-      1, (static_cast<std::size_t>(std::max(a.sm_count, 1) * resident_blocks(a)) + blocks - 1) /
-             blocks);
+      1, static_cast<std::size_t>(std::max(a.sm_count, 1) * resident_blocks(a)) / blocks);
   const std::size_t by_keys = std::max<std::size_t>(1, keys / kMinKeys);
   if (graphed) {
     const std::size_t splits =
@@ -584,37 +584,73 @@ __global__ void __launch_bounds__(kWarps * 32)
   merge_warps<T, GP>(a, w, splits, &sm_acc[0][0][0], GP * D, D, sm_m, sm_l);
 }
 
-// Grid batch * heads; merges the splits' outputs by their log2-sum-exp into `out`.
+// Grid batch * heads; merges the splits' outputs by their log2-sum-exp into `out`. The splits
+// are spread over the block's warps (warp w sums splits w, w + kMergeWarps, ...; lane l elements
+// l, l + 32, ...), then the warps' partial sums are added: a thread looping over every split in
+// turn waited for each load (~10 us a head at 132 splits on an H100).
+constexpr int kMergeWarps = 8;
+
 template <typename T>
-__global__ void __launch_bounds__(128) merge_splits_kernel(Fp8DecodeArgs a, int splits) {
+__global__ void __launch_bounds__(kMergeWarps * 32)
+    merge_splits_kernel(Fp8DecodeArgs a, int splits) {
   if (a.device_length != nullptr &&
       (*a.device_length < 1 || static_cast<std::size_t>(*a.device_length) > a.length))
     return;  // (the split kernel wrote NaN)
+  constexpr int kMaxDim = 256, kPerLane = kMaxDim / 32;
   __shared__ float weight[kMaxSplits];
-  __shared__ float total;
+  __shared__ float reduce[kMergeWarps];
+  __shared__ float part[kMergeWarps][kMaxDim];
   const std::size_t row = blockIdx.x;  // b * heads + h
   const std::size_t dim = a.head_dim;
   const float* ws_o = static_cast<const float*>(a.workspace);
   const float* lse = ws_o + a.batch * a.heads * splits * dim + row * splits;
   ws_o += row * splits * dim;
+  const int lane = static_cast<int>(threadIdx.x & 31u), warp = static_cast<int>(threadIdx.x >> 5);
+  const auto block_reduce = [&](float v, bool take_max) {
+    for (int o = 16; o > 0; o >>= 1) {
+      const float other = __shfl_xor_sync(kFull, v, o);
+      v = take_max ? fmaxf(v, other) : v + other;
+    }
+    if (lane == 0) reduce[warp] = v;
+    __syncthreads();
+    v = reduce[0];
+    for (int k = 1; k < kMergeWarps; ++k) v = take_max ? fmaxf(v, reduce[k]) : v + reduce[k];
+    __syncthreads();  // (reduce is reused)
+    return v;
+  };
   float top = -INFINITY;
-  for (int s = 0; s < splits; ++s) top = fmaxf(top, lse[s]);
-  for (int s = static_cast<int>(threadIdx.x); s < splits; s += blockDim.x)
+  for (int s = static_cast<int>(threadIdx.x); s < splits; s += blockDim.x) top = fmaxf(top, lse[s]);
+  top = block_reduce(top, true);
+  float sum = 0.0f;
+  for (int s = static_cast<int>(threadIdx.x); s < splits; s += blockDim.x) {
     weight[s] = top > -INFINITY ? exp2f(lse[s] - top) : 0.0f;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) sum += weight[s];
-    total = sum;
+    sum += weight[s];
+  }
+  const float total = block_reduce(sum, false);  // (its barriers publish weight[])
+  float o[kPerLane] = {};
+  for (int s = warp; s < splits; s += kMergeWarps) {
+    const float ws = weight[s];
+    const float* src = ws_o + static_cast<std::size_t>(s) * dim;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      const std::size_t j = static_cast<std::size_t>(lane + 32 * e);
+      if (j < dim) o[e] = fmaf(ws, src[j], o[e]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) {
+    const std::size_t j = static_cast<std::size_t>(lane + 32 * e);
+    if (j < dim) part[warp][j] = o[e];
   }
   __syncthreads();
   const std::size_t b = row / a.heads, h = row % a.heads;
   T* out = static_cast<T*>(a.out) + static_cast<std::int64_t>(b) * a.out_stride[0] +
            static_cast<std::int64_t>(h) * a.out_stride[1];
   for (std::size_t j = threadIdx.x; j < dim; j += blockDim.x) {
-    float o = 0.0f;
-    for (int s = 0; s < splits; ++s) o = fmaf(weight[s], ws_o[s * dim + j], o);
-    out[j] = from_float<T>(total > 0.0f ? o / total : 0.0f);
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kMergeWarps; ++k) acc += part[k][j];
+    out[j] = from_float<T>(total > 0.0f ? acc / total : 0.0f);
   }
 }
 
@@ -676,7 +712,7 @@ cudaError_t launch_typed(const Fp8DecodeArgs& a, cudaStream_t stream) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || sp.splits == 1) return e;
   merge_splits_kernel<T>
-      <<<static_cast<unsigned>(a.batch * a.heads), 128, 0, stream>>>(a, sp.splits);
+      <<<static_cast<unsigned>(a.batch * a.heads), kMergeWarps * 32, 0, stream>>>(a, sp.splits);
   return cudaGetLastError();
 }
 

@@ -227,7 +227,7 @@ TEST(RowOpsReference, SiluMulIsSiluRoundedTimesUpRounded) {
 TEST_P(RowOps, RmsNormMatchesTheReferenceStridedInPlaceAndWithTheResidual) {
   Stream s(backend_);
   for (const HalfType type : {HalfType::BFloat16, HalfType::Float16}) {
-    for (const std::size_t width : {4096u, 1000u, 37u}) {
+    for (const std::size_t width : {4096u, 1000u, 37u, 8192u, 9000u}) {  // (9000: the wide kernel)
       for (const bool with_residual : {false, true}) {
         for (const bool in_place : {false, true}) {
           const std::size_t rows = 3, stride = width + 8;
