@@ -207,12 +207,18 @@ bool WeightStore::acquired(int layer) const {
 }
 
 // Note [Streamed weights]: the resident layers' bytes and `slots` of the largest streamed layer
-// of the cycle.
+// of the cycle (slot_bytes 0), or of the largest streamed layer where every one is on demand (a
+// slot of the empty cycle's 0 bytes would let none of them in).
 std::size_t WeightStore::budget_for(int slots) const {
-  std::size_t held = 0;
-  for (std::size_t i = 0; i < blocks_.size(); ++i)
-    if (resident_[i]) held += bytes_of(i);
-  const std::size_t slot = options_.slot_bytes > 0 ? options_.slot_bytes : largest_cycled();
+  std::size_t held = 0, streamed = 0;
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    if (resident_[i])
+      held += bytes_of(i);
+    else
+      streamed = std::max(streamed, bytes_of(i));
+  }
+  std::size_t slot = options_.slot_bytes;
+  if (slot == 0) slot = largest_cycled() > 0 ? largest_cycled() : streamed;
   return std::max<std::size_t>(held + static_cast<std::size_t>(slots) * slot, 1);
 }
 
@@ -415,6 +421,11 @@ void WeightStore::set_on_demand(const std::vector<int>& layers) {
   if (wanted == on_demand_) return;
   on_demand_ = std::move(wanted);
   scheduler_.reset();
+  // The cycle changes, and with it the slots' room where that is the cycle's largest layer
+  // (slot_bytes 0): a layer taken back into the cycle may be larger than any left in it (the room
+  // stayed the old cycle's, and that layer's acquire found none). A slot_bytes given stays: a
+  // caller who takes a larger layer back sets the room for it (set_slot_bytes).
+  if (slots_ > 0 && options_.slot_bytes == 0) manager_->set_budget_bytes(budget_for(slots_));
   declare_cycle();  // (from its first streamed layer)
 }
 

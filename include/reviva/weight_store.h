@@ -122,8 +122,10 @@ class REVIVA_API WeightStore {
   // as views always are: such a layer is fetched when acquired (compute waits for its copy) and
   // leaves when released; one larger than a slot needs room the budget may lack (OutOfMemory at
   // its acquire). E.g. a decode step's experts, taken one by one through their views, leave
-  // their layer's whole block out. The cycle starts again from its first streamed layer. Not
-  // while a layer is acquired.
+  // their layer's whole block out. The cycle starts again from its first streamed layer; with
+  // slot_bytes 0 the slots' room follows the cycle's largest layer (a slot_bytes given stays: a
+  // layer taken back into the cycle larger than it needs set_slot_bytes). Not while a layer is
+  // acquired.
   void set_on_demand(const std::vector<int>& layers);
   bool on_demand(int layer) const;
   // The order in which one step uses the layers (Note [Declared orders] in weight_store.cpp):

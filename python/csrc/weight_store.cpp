@@ -9,10 +9,17 @@
 // the next layer from then on. Compute is torch's current stream on CUDA; on the host
 // runtime acquire() waits for the fill before returning, since torch computes on the CPU
 // synchronously.
+//
+// The core's WeightStore is single-threaded, and the binding lets the GIL go inside its longer
+// calls: every call into the store takes the object's turn (turn(): the GIL let go first, then a
+// mutex), so calls from several Python threads run one at a time instead of racing in the core.
+// What one thread's calls leave (a layer acquired, a residency) the others see: a call against
+// it is refused by name ("is already acquired", "not while a layer is acquired").
 #include "leases.h"
 #include "runtime.h"
 
 #include <algorithm>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -46,9 +53,19 @@ class PyWeightStore {
     store_.reset();  // the last host tensor, if any outlives this object, closes the store
   }
 
+  // f(store) with the store to this thread alone (the GIL let go, then the store's mutex: a
+  // thread waiting for the turn holds neither, so no order of the two can deadlock).
+  template <typename F>
+  auto turn(F&& f) {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(turn_);
+    return f(*store_);
+  }
+
   torch::Tensor host(int layer) {
-    void* data = store_->host_data(layer);
-    const auto n = static_cast<int64_t>(store_->layer_bytes(layer));
+    const auto [data, bytes] = turn(
+        [&](WeightStore& s) { return std::make_pair(s.host_data(layer), s.layer_bytes(layer)); });
+    const auto n = static_cast<int64_t>(bytes);
     std::shared_ptr<WeightStore> keep = store_;
     return torch::from_blob(
         data, {n}, [keep](void*) mutable { keep.reset(); },
@@ -57,13 +74,12 @@ class PyWeightStore {
 
   torch::Tensor acquire(int layer) {
     auto compute = rt_->compute_stream();
-    void* data;
-    {
-      py::gil_scoped_release release;
-      data = store_->acquire(layer, *compute);
+    const Held held = turn([&](WeightStore& s) {
+      void* data = s.acquire(layer, *compute);
       if (!rt_->is_cuda()) compute->synchronize();  // the fill landed before torch reads
-    }
-    torch::Tensor t = device_tensor(layer, data);
+      return Held{data, s.buffer(layer), s.layer_bytes(layer)};
+    });
+    torch::Tensor t = device_tensor(held);
     acquired_.grant(layer, t);
     return t;
   }
@@ -71,18 +87,23 @@ class PyWeightStore {
   // A resident layer's device copy, its fill perhaps in flight on CUDA: for laying views out,
   // not for reading before acquire(layer) (which orders torch's stream after the fill).
   torch::Tensor resident_view(int layer) {
-    void* data = store_->resident_data(layer);
-    if (!rt_->is_cuda()) {  // (torch on the CPU reads without stream order: the fills land first)
-      py::gil_scoped_release release;
-      store_->synchronize();
-    }
-    torch::Tensor t = device_tensor(layer, data);
+    const Held held = turn([&](WeightStore& s) {
+      void* data = s.resident_data(layer);
+      // (torch on the CPU reads without stream order: the fills land first)
+      if (!rt_->is_cuda()) s.synchronize();
+      return Held{data, s.buffer(layer), s.layer_bytes(layer)};
+    });
+    torch::Tensor t = device_tensor(held);
     resident_.grant(layer, t);
     return t;
   }
 
   void release(int layer) {
-    store_->release(layer, *rt_->compute_stream());
+    auto compute = rt_->compute_stream();
+    turn([&](WeightStore& s) {
+      s.release(layer, *compute);
+      return 0;
+    });
     const std::string l = std::to_string(layer);
     acquired_.revoke(layer, "a tensor from WeightStore.acquire(" + l +
                                 ") used after WeightStore.release(" + l +
@@ -91,10 +112,10 @@ class PyWeightStore {
 
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers) {
     auto compute = rt_->compute_stream();
-    {
-      py::gil_scoped_release release;
-      store_->set_residency(resident, slots, prefetch_layers, *compute);
-    }
+    turn([&](WeightStore& s) {
+      s.set_residency(resident, slots, prefetch_layers, *compute);
+      return 0;
+    });
     for (const long layer : resident_.keys()) {
       if (std::find(resident.begin(), resident.end(), layer) != resident.end()) continue;
       const std::string l = std::to_string(layer);
@@ -105,7 +126,7 @@ class PyWeightStore {
   }
 
   py::dict stats() {
-    const WeightStoreStats st = store_->stats();
+    const WeightStoreStats st = turn([](WeightStore& s) { return s.stats(); });
     py::dict r;
     r["resident_layers"] = st.resident_layers;
     r["streamed_layers"] = st.streamed_layers;
@@ -126,20 +147,30 @@ class PyWeightStore {
     return r;
   }
 
-  WeightStore& store() { return *store_; }
+  py::list timeline(bool take) {
+    const std::vector<TimelineEvent> events =
+        turn([&](WeightStore& s) { return take ? s.take_timeline() : s.timeline(); });
+    return timeline_list(events);
+  }
 
  private:
-  // A uint8 tensor over the layer's device copy at `data`, holding its arena buffer mapped.
-  torch::Tensor device_tensor(int layer, void* data) {
-    std::shared_ptr<ArenaBuffer> buffer = store_->buffer(layer);
-    const auto n = static_cast<int64_t>(store_->layer_bytes(layer));
+  struct Held {  // a layer's device copy, read in the store's turn
+    void* data;
+    std::shared_ptr<ArenaBuffer> buffer;
+    std::size_t bytes;
+  };
+
+  // A uint8 tensor over a layer's device copy, holding its arena buffer mapped.
+  torch::Tensor device_tensor(const Held& held) {
+    std::shared_ptr<ArenaBuffer> buffer = held.buffer;
     return torch::from_blob(
-        data, {n}, [buffer](void*) mutable { buffer.reset(); },
+        held.data, {static_cast<int64_t>(held.bytes)}, [buffer](void*) mutable { buffer.reset(); },
         torch::TensorOptions().dtype(torch::kUInt8).device(rt_->device()));
   }
 
   std::shared_ptr<Runtime> rt_;
   std::shared_ptr<WeightStore> store_;
+  std::mutex turn_;  // turn(): one thread at a time in the store
   Leases acquired_;  // acquire() by layer, until release
   Leases resident_;  // resident_view() by layer, until set_residency leaves it out
 };
@@ -150,7 +181,8 @@ void bind_weight_store(py::module_& m) {
   py::class_<PyWeightStore>(m, "WeightStore",
                             "A decoder's weights in pinned host memory, layer by layer: resident "
                             "layers held on the device, the others streamed ahead of use by a "
-                            "PrefetchScheduler (see include/reviva/weight_store.h)")
+                            "PrefetchScheduler (see include/reviva/weight_store.h). Calls from "
+                            "several threads take turns, one at a time in the store")
       .def(py::init<py::object, std::shared_ptr<DeviceArena>, std::vector<std::size_t>, std::size_t,
                     std::size_t, const std::vector<std::tuple<int, std::size_t, std::size_t>>&>(),
            py::arg("engine"), py::arg("arena"), py::arg("layer_bytes"),
@@ -176,70 +208,83 @@ void bind_weight_store(py::module_& m) {
       .def(
           "set_slot_bytes",
           [](PyWeightStore& s, std::size_t bytes, std::size_t block_bytes) {
-            py::gil_scoped_release release;
-            s.store().set_slot_bytes(bytes, block_bytes);
+            s.turn([&](WeightStore& w) {
+              w.set_slot_bytes(bytes, block_bytes);
+              return 0;
+            });
           },
           py::arg("slot_bytes"), py::arg("block_bytes") = 0,
           "The room of one slot from now on (0: the largest streamed layer), and the bytes every "
           "streamed layer's device buffer takes (0: its own); lowered, streamed layers on the "
           "device leave and the cycle starts again. Not while a layer is acquired")
-      .def_property_readonly("slot_bytes", [](PyWeightStore& s) { return s.store().slot_bytes(); })
+      .def_property_readonly(
+          "slot_bytes",
+          [](PyWeightStore& s) { return s.turn([](WeightStore& w) { return w.slot_bytes(); }); })
       .def(
           "set_on_demand",
           [](PyWeightStore& s, const std::vector<int>& layers) {
-            py::gil_scoped_release release;
-            s.store().set_on_demand(layers);
+            s.turn([&](WeightStore& w) {
+              w.set_on_demand(layers);
+              return 0;
+            });
           },
           py::arg("layers"),
           "Streamed layers left out of the prefetch cycle from now on, as views always are: "
           "fetched when acquired, gone when released. Not while a layer is acquired")
-      .def("on_demand", [](PyWeightStore& s, int layer) { return s.store().on_demand(layer); })
+      .def("on_demand",
+           [](PyWeightStore& s, int layer) {
+             return s.turn([&](WeightStore& w) { return w.on_demand(layer); });
+           })
       .def(
           "set_order",
           [](PyWeightStore& s, const std::vector<int>& order) {
-            py::gil_scoped_release release;
-            s.store().set_order(order);
+            s.turn([&](WeightStore& w) {
+              w.set_order(order);
+              return 0;
+            });
           },
           py::arg("order"),
           "The layers one step uses, in use order, each as often as used (a training step: "
           "0..n-1 then n-1..0); [] for every layer once in index order. Not while a layer is "
           "acquired")
-      .def_property_readonly("order", [](PyWeightStore& s) { return s.store().order(); })
-      .def("view", [](PyWeightStore& s, int layer) { return s.store().view(layer); })
-      .def("resident", [](PyWeightStore& s, int layer) { return s.store().resident(layer); })
-      .def("acquired", [](PyWeightStore& s, int layer) { return s.store().acquired(layer); })
-      .def("layer_bytes", [](PyWeightStore& s, int layer) { return s.store().layer_bytes(layer); })
-      .def_property_readonly("num_layers", [](PyWeightStore& s) { return s.store().num_layers(); })
+      .def_property_readonly(
+          "order",
+          [](PyWeightStore& s) { return s.turn([](WeightStore& w) { return w.order(); }); })
+      .def("view", [](PyWeightStore& s,
+                      int layer) { return s.turn([&](WeightStore& w) { return w.view(layer); }); })
+      .def("resident",
+           [](PyWeightStore& s, int layer) {
+             return s.turn([&](WeightStore& w) { return w.resident(layer); });
+           })
+      .def("acquired",
+           [](PyWeightStore& s, int layer) {
+             return s.turn([&](WeightStore& w) { return w.acquired(layer); });
+           })
+      .def("layer_bytes",
+           [](PyWeightStore& s, int layer) {
+             return s.turn([&](WeightStore& w) { return w.layer_bytes(layer); });
+           })
+      .def_property_readonly(
+          "num_layers",
+          [](PyWeightStore& s) { return s.turn([](WeightStore& w) { return w.num_layers(); }); })
       .def("trim",
            [](PyWeightStore& s) {
-             py::gil_scoped_release release;
-             s.store().trim();
+             s.turn([](WeightStore& w) {
+               w.trim();
+               return 0;
+             });
            })
       .def("synchronize",
            [](PyWeightStore& s) {
-             py::gil_scoped_release release;
-             s.store().synchronize();
+             s.turn([](WeightStore& w) {
+               w.synchronize();
+               return 0;
+             });
            })
       .def("stats", &PyWeightStore::stats)
-      .def("timeline",
-           [](PyWeightStore& s) {
-             std::vector<TimelineEvent> events;
-             {
-               py::gil_scoped_release release;
-               events = s.store().timeline();
-             }
-             return timeline_list(events);
-           })
+      .def("timeline", [](PyWeightStore& s) { return s.timeline(false); })
       .def(
-          "take_timeline",
-          [](PyWeightStore& s) {
-            std::vector<TimelineEvent> events;
-            {
-              py::gil_scoped_release release;
-              events = s.store().take_timeline();
-            }
-            return timeline_list(events);
-          },
+          "take_timeline", [](PyWeightStore& s) { return s.timeline(true); },
           "The events so far (as timeline()), leaving none: each call's own");
 }
 

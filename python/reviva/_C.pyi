@@ -411,7 +411,7 @@ class KVStore:
 
 class WeightStore:
     """
-    A decoder's weights in pinned host memory, layer by layer: resident layers held on the device, the others streamed ahead of use by a PrefetchScheduler (see include/reviva/weight_store.h)
+    A decoder's weights in pinned host memory, layer by layer: resident layers held on the device, the others streamed ahead of use by a PrefetchScheduler (see include/reviva/weight_store.h). Calls from several threads take turns, one at a time in the store
     """
     def __init__(
         self,

@@ -478,6 +478,32 @@ TEST_P(WeightStoreTest, ExpertViewsMoveOnlyTheChosenExpertsBytes) {
   EXPECT_EQ(rig.pool->stats().bytes_in_use, 0u) << "a view kept its layer's host copy";
 }
 
+TEST_P(WeightStoreTest, ALayerTakenBackIntoTheCycleWidensTheSlotsRoom) {
+  // slot_bytes 0: a slot holds the cycle's largest layer, which set_on_demand changes. The
+  // residency set while layer 1 (the largest) was on demand gives a slot of layer 2's bytes;
+  // taking layer 1 back must widen it (the room stayed layer 2's, and layer 1's acquire found
+  // none: OutOfMemory, found by the binding's fuzz test).
+  const std::size_t g = rig_granule(backend_);
+  const std::vector<std::size_t> kSizes = {g / 4, g, g / 2};
+  WeightRig rig(backend_, kSizes);
+  rig.store->set_on_demand({1});
+  rig.store->set_residency({}, 1, 1, *rig.compute);
+  rig.pass({0, 2});
+  rig.store->set_on_demand({});
+  rig.pass();
+  rig.pass();
+  rig.store->set_on_demand({1});  // (narrowed again: the room follows)
+  rig.pass({0, 2});
+  // Every streamed layer on demand, the cycle empty: a slot holds the largest of them (a room of
+  // the empty cycle's 0 bytes let none in).
+  rig.store->set_on_demand({0, 1, 2});
+  rig.pass();
+  rig.store->set_residency({1}, 1, 1, *rig.compute);  // (the same with a layer resident)
+  rig.pass();
+  rig.store->synchronize();
+  EXPECT_LE(rig.store->stats().peak_device_bytes, 2 * rig.arena->granularity());
+}
+
 TEST_P(WeightStoreTest, ATrainingOrderFetchesEachStreamedLayerForItsForwardAndItsBackward) {
   // Note [Declared orders]: a training step uses layers 0..6 (forward), then 6..0 (backward).
   // Every use reads the layer's exact bytes; a streamed layer comes in once for its forward and

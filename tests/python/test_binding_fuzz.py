@@ -1,5 +1,6 @@
 """Randomized tests of reviva._C on the host backend: OffloadManager and PrefetchScheduler, and
-(at the end) PinnedHostPool, TransferEngine and KVStore (sizes, lifetimes, threads).
+(at the end) PinnedHostPool, TransferEngine, KVStore and WeightStore (sizes, lifetimes,
+threads).
 
 Thousands of random operations (register, adopt, acquire in each access mode, acquire_group,
 release, release_group with and without discard, offload, prefetch, discard, discard_when_free,
@@ -20,6 +21,7 @@ operations per seed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -571,3 +573,189 @@ def test_kv_store_random_writes_reads_and_host_attention_match_a_shadow(seed: in
     gc.collect()
     if last is not None:  # (the store's memory lives with its views: Note in kv_store.cpp)
         assert last.sum().isfinite()
+
+
+def _weight_store(rng: random.Random) -> tuple[reviva._C.WeightStore, list[torch.Tensor]]:
+    """A WeightStore of 3-6 layers of random sizes and 0-3 views of them, host copies filled
+    with random bytes; what each layer (views included) must read."""
+    res = reviva.device_resources(torch.device("cpu"))
+    sizes = [16 * rng.randint(1, 64) for _ in range(rng.randint(3, 6))]
+    views = []
+    for _ in range(rng.randint(0, 3)):
+        of = rng.randrange(len(sizes))
+        offset = rng.randrange(0, sizes[of], 4)
+        views.append((of, offset, rng.randint(1, sizes[of] - offset)))
+    store = reviva._C.WeightStore(res.engine, res.arena, sizes, views=views)
+    want = []
+    for i, n in enumerate(sizes):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        store.host(i).copy_(data)
+        want.append(data)
+    want += [want[of][offset : offset + n] for of, offset, n in views]
+    return store, want
+
+
+def _slots_room(store: reviva._C.WeightStore, want: list[torch.Tensor], layers: int) -> int:
+    """The bytes the store's slots hold (WeightStore::budget_for): slot_bytes, else the cycle's
+    largest layer, else (every streamed layer on demand) the largest streamed one."""
+    streamed = [i for i in range(len(want)) if not store.resident(i)]
+    cycled = [i for i in streamed if i < layers and not store.on_demand(i)]
+    slot = store.slot_bytes or max((want[i].numel() for i in cycled), default=0)
+    slot = slot or max((want[i].numel() for i in streamed), default=0)
+    return store.stats()["slots"] * slot
+
+
+def _weights_step(
+    store: reviva._C.WeightStore, want: list[torch.Tensor], rng: random.Random
+) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One step: its order's layers acquired and released in turn (now and then another layer
+    or a view on demand, and a misuse refused by name), every byte read checked; returns the
+    acquires made and the tensors kept past their release, with a copy each."""
+    layers = len(want) - sum(store.view(i) for i in range(len(want)))
+    order = store.order or list(range(layers))
+    acquires, kept = 0, []
+    room = _slots_room(store, want, layers)
+    for i in order:
+        if rng.random() < 0.1:  # (a layer out of the cycle's order, or a view where slots are)
+            i = rng.randrange(len(want) if room else layers)
+        try:
+            t = store.acquire(i)
+        except reviva.RevivaOutOfMemoryError:
+            # (a layer on demand larger than the slots may find no room, as documented: unless
+            # resident layers not yet filled leave some; the cycle's layers always fit a slot)
+            assert store.on_demand(i) and want[i].numel() > room, f"layer {i} found no room"
+            continue
+        acquires += 1
+        assert torch.equal(t, want[i]), f"layer {i}'s bytes"
+        if rng.random() < 0.1:
+            with pytest.raises(ValueError, match=f"layer {i} is already acquired"):
+                store.acquire(i)
+        if rng.random() < 0.05:
+            with pytest.raises(ValueError, match=f"layer {i} is acquired"):
+                store.set_residency([], 1, 1)
+        if rng.random() < 0.2:
+            kept.append((t, t.clone()))
+        del t
+        store.release(i)
+        if rng.random() < 0.05:
+            with pytest.raises(ValueError, match=f"layer {i} is not acquired"):
+                store.release(i)
+    return acquires, kept
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_weight_store_random_residency_orders_and_acquires_read_the_host_copies(seed: int) -> None:
+    """WeightStore under random use on the host backend: layers of random sizes and views of
+    them; between steps the resident layers, slots, prefetch window, declared order, on-demand
+    layers and slot room change at random; each step acquires its order's layers (now and then
+    another layer or a view) and keeps some tensors past their release: every byte acquired is
+    the host copy's, a kept tensor raises naming the release while its copy stays, misuse is
+    refused by name, and trim gives the device memory back."""
+    rng = random.Random(seed)
+    store, want = _weight_store(rng)
+    layers = len(want) - sum(store.view(i) for i in range(len(want)))
+    acquires = 0
+    for _ in range(OPS // 50):
+        resident = sorted(rng.sample(range(layers), rng.randint(0, layers)))
+        slots = rng.randint(1, 3)
+        streamed = [i for i in range(layers) if i not in resident]
+        # (with every layer resident the store keeps no slots: no prefetch, and no view to take)
+        store.set_residency(resident, slots, rng.randint(0, slots) if streamed else 0)
+        r = rng.random()
+        if r < 0.3:
+            store.set_order([])
+        elif r < 0.5:  # a training step's: forward, then backward
+            store.set_order(list(range(layers)) + list(range(layers - 1, -1, -1)))
+        elif r < 0.6:  # every layer at least once, some again, shuffled
+            order = list(range(layers)) + rng.choices(range(layers), k=rng.randint(0, layers))
+            rng.shuffle(order)
+            store.set_order(order)
+        demand = rng.sample(streamed, rng.randint(0, len(streamed)))
+        store.set_on_demand(demand)
+        largest = max((want[i].numel() for i in streamed if i not in demand), default=0)
+        if rng.random() < 0.3 and largest:  # (a slot must hold the cycle's largest layer)
+            store.set_slot_bytes(largest * rng.randint(1, 2))
+            with pytest.raises(ValueError, match="cannot hold the largest streamed layer"):
+                store.set_slot_bytes(largest - 1)
+        elif rng.random() < 0.3 or 0 < store.slot_bytes < largest:
+            # (a slot_bytes given stays when set_on_demand takes a larger layer back into the
+            # cycle: the caller sets the room again, as Reviva's StreamedWeights does)
+            store.set_slot_bytes(0)
+        n, kept = _weights_step(store, want, rng)
+        acquires += n
+        for t, copy in kept:
+            with pytest.raises(RuntimeError, match=r"used after WeightStore\.release"):
+                t.sum()
+            assert copy.numel() == t.numel()
+        if rng.random() < 0.2:
+            store.trim()
+    st = store.stats()
+    assert st["fills"] > 0 and st["bytes_to_device"] > 0 and acquires > OPS // 50
+    store.set_residency([], 1, 1)
+    store.trim()
+    assert store.stats()["device_bytes"] == 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_weight_store_calls_from_several_threads_take_turns(seed: int) -> None:
+    """One WeightStore used by three threads at once (the binding serializes them: its header
+    says single-threaded): two acquire and release layers of their own, reading each one's
+    bytes, while the third reads its state and stats; a call that meets another thread's
+    acquire is refused by name or finds no room (RevivaOutOfMemoryError), never a wrong byte
+    or a crash (ASan in CI), and the store ends as it began."""
+    import threading
+
+    rng = random.Random(seed)
+    store, want = _weight_store(rng)
+    layers = len(want) - sum(store.view(i) for i in range(len(want)))
+    store.set_residency([0], 3, 1)  # (layer 0 resident; room for both workers' layers at once)
+    errors: list[BaseException] = []
+    done = threading.Event()
+    refused = [0]
+
+    def worker(k: int) -> None:
+        r = random.Random(seed * 10 + k)
+        mine = [i for i in range(layers) if i % 2 == k] + [
+            i for i in range(layers, len(want)) if i % 2 == k
+        ]
+        try:
+            for _ in range(OPS // 10):
+                i = r.choice(mine)
+                try:
+                    t = store.acquire(i)
+                except reviva.RevivaOutOfMemoryError:
+                    refused[0] += 1
+                    continue
+                assert torch.equal(t, want[i]), f"layer {i}'s bytes"
+                del t
+                store.release(i)
+        except BaseException as e:  # noqa: BLE001 (re-raised by the test's thread)
+            errors.append(e)
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                st = store.stats()
+                assert st["resident_layers"] == 1
+                for i in range(len(want)):
+                    store.acquired(i)
+                    store.resident(i)
+                    assert store.layer_bytes(i) == want[i].numel()
+                with contextlib.suppress(ValueError):  # (refused while a worker holds a layer)
+                    store.set_order([])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    threads.append(threading.Thread(target=reader))
+    for t in threads:
+        t.start()
+    for t in threads[:2]:
+        t.join()
+    done.set()
+    threads[2].join()
+    assert not errors, errors[0]
+    assert not any(store.acquired(i) for i in range(len(want)))
+    store.set_residency([], 1, 1)
+    store.trim()
+    assert store.stats()["device_bytes"] == 0

@@ -24,6 +24,21 @@ def test_the_guide_has_its_four_parts() -> None:
         assert part in text, part
 
 
+def test_the_readme_is_a_users_page() -> None:
+    """Short enough to read (under ~250 lines), the two commands first, and no development
+    history: measurements live in benchmarks/README.md, design in docs/."""
+    text = README.read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 250, f"README.md is {len(lines)} lines"
+    first = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert first is not None and [x.split()[0] for x in first.group(1).splitlines()] == [
+        "scripts/demo",
+        "scripts/test",
+    ]
+    assert not re.search(r"\b[0-9a-f]{7,40}\b", text), "a commit hash"
+    assert not re.search(r"(?i)\bissue \d+|\bsession \d+", text), "an issue or session"
+
+
 def test_the_guide_runs_as_written(tmp_path: pathlib.Path) -> None:
     python = "\n".join(code for lang, code in snippets() if lang == "python")
     run = subprocess.run(
