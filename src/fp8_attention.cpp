@@ -20,13 +20,12 @@
 //   3. a second kernel merges the splits by their log-sum-exp into `out`.
 // The number of splits fills the device in one wave (the blocks an SM holds at once, rounded
 // down: one block more than a wave holds runs alone after it, latency-bound; at 64k on an H100,
-// 400 blocks for 396 places took 75 us a layer), each split at least 256 keys. For head_dim 64 and
-// 128 the blocks run on the tensor cores (Note [fp8 decode attention on the tensor cores]); for
-// other head_dims on the CUDA cores: each warp takes 32 / heads-per-block tokens at a time, lane l
-// holding elements [4l, 4l + 4) (and [128 + 4l,
-// ...) for head_dim > 128) of each row, the partial dot products of all (token, head) pairs
-// summed across the warp by one reduce-scatter (31 shuffles for 32 sums), after which lane
-// j * heads + g holds token j's score for head g.
+// 400 blocks for 396 places took 75 us a layer), each split at least 256 keys. For head_dim 64
+// and 128 the blocks run on the tensor cores (Note [fp8 decode attention on the tensor cores]);
+// for other head_dims on the CUDA cores: each warp takes 32 / heads-per-block tokens at a time,
+// lane l holding elements [4l, 4l + 4) (and [128 + 4l, ...) for head_dim > 128) of each row, the
+// partial dot products of all (token, head) pairs summed across the warp by one reduce-scatter
+// (31 shuffles for 32 sums), after which lane j * heads + g holds token j's score for head g.
 //
 // Note [fp8 decode attention on the tensor cores]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -218,7 +218,8 @@ std::size_t WeightStore::budget_for(int slots) const {
       streamed = std::max(streamed, bytes_of(i));
   }
   std::size_t slot = options_.slot_bytes;
-  if (slot == 0) slot = largest_cycled() > 0 ? largest_cycled() : streamed;
+  if (slot == 0) slot = largest_cycled();
+  if (slot == 0) slot = streamed;
   return std::max<std::size_t>(held + static_cast<std::size_t>(slots) * slot, 1);
 }
 

@@ -100,10 +100,7 @@ class PyWeightStore {
 
   void release(int layer) {
     auto compute = rt_->compute_stream();
-    turn([&](WeightStore& s) {
-      s.release(layer, *compute);
-      return 0;
-    });
+    turn([&](WeightStore& s) { s.release(layer, *compute); });
     const std::string l = std::to_string(layer);
     acquired_.revoke(layer, "a tensor from WeightStore.acquire(" + l +
                                 ") used after WeightStore.release(" + l +
@@ -112,10 +109,7 @@ class PyWeightStore {
 
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers) {
     auto compute = rt_->compute_stream();
-    turn([&](WeightStore& s) {
-      s.set_residency(resident, slots, prefetch_layers, *compute);
-      return 0;
-    });
+    turn([&](WeightStore& s) { s.set_residency(resident, slots, prefetch_layers, *compute); });
     for (const long layer : resident_.keys()) {
       if (std::find(resident.begin(), resident.end(), layer) != resident.end()) continue;
       const std::string l = std::to_string(layer);
@@ -208,10 +202,7 @@ void bind_weight_store(py::module_& m) {
       .def(
           "set_slot_bytes",
           [](PyWeightStore& s, std::size_t bytes, std::size_t block_bytes) {
-            s.turn([&](WeightStore& w) {
-              w.set_slot_bytes(bytes, block_bytes);
-              return 0;
-            });
+            s.turn([&](WeightStore& w) { w.set_slot_bytes(bytes, block_bytes); });
           },
           py::arg("slot_bytes"), py::arg("block_bytes") = 0,
           "The room of one slot from now on (0: the largest streamed layer), and the bytes every "
@@ -223,10 +214,7 @@ void bind_weight_store(py::module_& m) {
       .def(
           "set_on_demand",
           [](PyWeightStore& s, const std::vector<int>& layers) {
-            s.turn([&](WeightStore& w) {
-              w.set_on_demand(layers);
-              return 0;
-            });
+            s.turn([&](WeightStore& w) { w.set_on_demand(layers); });
           },
           py::arg("layers"),
           "Streamed layers left out of the prefetch cycle from now on, as views always are: "
@@ -238,10 +226,7 @@ void bind_weight_store(py::module_& m) {
       .def(
           "set_order",
           [](PyWeightStore& s, const std::vector<int>& order) {
-            s.turn([&](WeightStore& w) {
-              w.set_order(order);
-              return 0;
-            });
+            s.turn([&](WeightStore& w) { w.set_order(order); });
           },
           py::arg("order"),
           "The layers one step uses, in use order, each as often as used (a training step: "
@@ -267,20 +252,8 @@ void bind_weight_store(py::module_& m) {
       .def_property_readonly(
           "num_layers",
           [](PyWeightStore& s) { return s.turn([](WeightStore& w) { return w.num_layers(); }); })
-      .def("trim",
-           [](PyWeightStore& s) {
-             s.turn([](WeightStore& w) {
-               w.trim();
-               return 0;
-             });
-           })
-      .def("synchronize",
-           [](PyWeightStore& s) {
-             s.turn([](WeightStore& w) {
-               w.synchronize();
-               return 0;
-             });
-           })
+      .def("trim", [](PyWeightStore& s) { s.turn([](WeightStore& w) { w.trim(); }); })
+      .def("synchronize", [](PyWeightStore& s) { s.turn([](WeightStore& w) { w.synchronize(); }); })
       .def("stats", &PyWeightStore::stats)
       .def("timeline", [](PyWeightStore& s) { return s.timeline(false); })
       .def(
