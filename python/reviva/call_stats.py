@@ -13,6 +13,7 @@ from reviva import switches
 from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan
 from reviva.stats import GenerateStats, PhaseStats
+from reviva.stop_check import stop_state
 from reviva.trace import chrome_trace, span, store_spans
 
 if TYPE_CHECKING:
@@ -56,7 +57,9 @@ def collect(manager: RevivaManager, cache: RevivaCache, plan: Plan) -> GenerateS
     prefill_end = ph.get("prefill_end", ph["end"])
     prefill_s = elapsed_s(ph["start"], prefill_end)
     decode_s = elapsed_s(prefill_end, ph["end"])
-    steps = ph.get("decode_steps", 0)
+    ran = ph.get("decode_steps", 0)
+    # (less the step run past a stop and taken back: Note [A stop decided a step late])
+    steps = ran - cache.undone_steps
     layer_kv = plan.layer_kv_bytes
     # (rings hold their rows alone: Note [Window rings] in window_rings.py)
     kv_total = sum(plan.kv_tokens(i) for i in range(plan.num_layers)) * plan.kv_token_bytes
@@ -183,7 +186,9 @@ def collect(manager: RevivaManager, cache: RevivaCache, plan: Plan) -> GenerateS
         decode_steps=steps,
         decode_s=decode_s,
         decode_tok_s=steps / decode_s if steps and decode_s > 0 else None,
-        own_decode_attention=ph.get("own_decode_steps", 0) == steps > 0,
+        own_decode_attention=ph.get("own_decode_steps", 0) == ran > 0,
+        decode_stop=stop_state(manager.layout.device, cache),
+        decode_steps_undone=cache.undone_steps,
         # Note [Decode graphs]: layer steps replayed as CUDA graphs and run eagerly (before
         # the layer's capture), the layers captured in this call and the host time it took,
         # and "on", or why they are off.

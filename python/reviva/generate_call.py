@@ -30,6 +30,7 @@ from reviva.call_stats import call_trace, collect
 from reviva.host_copies import pin_host_copies
 from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan, rings_wanted
+from reviva.stop_check import deferring, defers
 from reviva.trace import PrefillProgress
 
 # (the manager's logger: what a user filters on stays RevivaManager's)
@@ -281,7 +282,9 @@ class GenerateCall:
     def _run_model_generate(self, request: CallRequest, cache: RevivaCache, plan: Plan) -> Any:
         """The model's own generate with the call's cache, under the wrappers; torch's out of
         memory re-raised as CallOutOfMemoryError (Note [Out of memory beyond the plan])."""
-        with self:
+        # Note [A stop decided a step late] (stop_check.py)
+        cache.defers_stop = defers(self.layout.device, request.gen)
+        with self, deferring(cache, cache.defers_stop):
             self._in_own_call = True
             try:
                 return self.layout.model.generate(

@@ -91,6 +91,10 @@ class RevivaCache(SequenceRows, ReturnedCache, WindowRings, Fp8Reads, HostAttent
         # Note [Prefill masks left to Reviva] (cache_layer.py): set by the manager for an
         # unpadded call from empty
         self.skip_prefill_masks = False
+        # Note [A stop decided a step late] (stop_check.py): set for a call that defers its stop;
+        # the decode steps taken back after a stop
+        self.defers_stop = False
+        self.undone_steps = 0
         self._ring_len = dict.fromkeys(self.rings, 0)  # positions held
         self._ring_high = dict.fromkeys(self.rings, 0)  # the furthest position written
         # Note [Shared prompt K/V] (sequence_rows.py): `batch` rows, every `share` of them one
@@ -409,6 +413,14 @@ class RevivaCache(SequenceRows, ReturnedCache, WindowRings, Fp8Reads, HostAttent
         self._generated_len.clear()
         for i in self.rings:
             self._ring_len[i] = self._ring_high[i] = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # (HF's convention, per layer: cache_layer.py; a negative count under a deferred stop
+        # is the step run past it: Note [A stop decided a step late])
+        n = int(tokens_to_remove)
+        if n < 0 and self.defers_stop:
+            self.undone_steps -= n
+        super().crop(n)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         # (several sequences per prompt repeat the prompt's rows before prefill, when the cache

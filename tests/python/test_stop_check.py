@@ -1,0 +1,185 @@
+"""Note [A stop decided a step late] (stop_check.py): which calls defer HF's stop decision, the
+scope that takes DeferredStopCheck for a Reviva call's cache alone, the cache's crop counting
+the step taken back, and on the GPU the same tokens, streamed tokens, returned cache and
+continuation as plain HF with an EOS that stops a call early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generate import tiny_model
+from transformers import DynamicCache, GenerationConfig
+from transformers.generation import utils as hf_generation
+from transformers.generation.streamers import BaseStreamer
+
+import reviva
+from reviva import RevivaConfig, RevivaManager
+from reviva.kv_cache import RevivaCache
+from reviva.stop_check import deferring, defers
+
+CUDA = torch.device("cuda")
+
+
+def _supported(cache: object, device: torch.device = CUDA, assistant: bool = False) -> bool:
+    return hf_generation.DeferredStopCheck.is_supported(device, cache, True, assistant)
+
+
+def _cache(device: str = "cpu", layers: int = 2) -> RevivaCache:
+    res = reviva.device_resources(device)
+    return RevivaCache(
+        res.engine,
+        res.arena,
+        layers,
+        1,
+        2,
+        8,
+        torch.float32,
+        64,
+        list(range(layers)),
+        0,
+        1,
+        device=torch.device(device),
+    )
+
+
+def test_which_calls_defer() -> None:
+    greedy = GenerationConfig(do_sample=False)
+    assert defers(CUDA, greedy)
+    assert not defers(torch.device("cpu"), greedy)
+    assert not defers(CUDA, GenerationConfig(do_sample=True))
+    assert not defers(CUDA, GenerationConfig(do_sample=False, num_beams=2))
+
+
+def test_the_scope_defers_its_own_cache_alone_and_puts_hfs_rule_back() -> None:
+    original = hf_generation.DeferredStopCheck.__dict__["is_supported"]
+    ours, theirs, second = object(), DynamicCache(), object()
+    assert not _supported(ours)
+    with deferring(ours, True):
+        assert _supported(ours)
+        assert not _supported(ours, assistant=True)
+        assert not _supported(ours, device=torch.device("cpu"))
+        # another cache on CUDA: HF's own answer (MPS only in transformers 5.17)
+        assert _supported(theirs) == original.__func__(CUDA, theirs, True, False)
+        assert not _supported(second)
+        with deferring(second, True):
+            assert _supported(second) and _supported(ours)
+        assert not _supported(second) and _supported(ours)  # (the first call still runs)
+    assert hf_generation.DeferredStopCheck.__dict__["is_supported"] is original
+    with pytest.raises(KeyError, match="raised inside"):
+        with deferring(ours, True):
+            raise KeyError("raised inside")
+    assert hf_generation.DeferredStopCheck.__dict__["is_supported"] is original
+    with deferring(ours, False):  # (a call that does not defer changes nothing)
+        assert hf_generation.DeferredStopCheck.__dict__["is_supported"] is original
+
+
+def test_the_cache_counts_the_step_it_takes_back() -> None:
+    cache = _cache()
+    try:
+        for i in range(2):
+            k = torch.randn(1, 2, 5, 8)
+            cache.acquire(i)
+            cache.write(i, 0, k, k + 1)
+            cache.release(i)
+        cache.crop(0)  # (HF's deferred check, every step)
+        assert cache.get_seq_length(0) == 5 and cache.undone_steps == 0
+        cache.crop(-1)  # not deferring: an assistant's rejected candidate, not counted
+        assert cache.get_seq_length(1) == 4 and cache.undone_steps == 0
+        cache.defers_stop = True
+        cache.crop(-1)
+        assert [cache.get_seq_length(i) for i in range(2)] == [3, 3]
+        assert cache.undone_steps == 1
+        cache.acquire(0)
+        k3 = cache.view(0, 3)[0].clone()
+        cache.write(0, 3, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+        assert torch.equal(cache.view(0, 3)[0], k3)  # (the rows kept are untouched)
+        cache.release(0)
+        assert cache.get_seq_length(0) == 4
+    finally:
+        cache.close()
+
+
+def test_a_cpu_call_waits_for_each_step_and_says_why() -> None:
+    model = tiny_model("llama")
+    ids = torch.randint(1, 200, (1, 12))
+    manager = RevivaManager(model)
+    out = manager.generate(ids, max_new_tokens=4, do_sample=False)
+    st = manager.get_memory_stats()
+    assert st["decode_stop"] == "each step (the device is cpu: deferred on CUDA only)"
+    assert st["decode_steps_undone"] == 0 and st["decode_steps"] == 3
+    assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+class _Collect(BaseStreamer):
+    def __init__(self) -> None:
+        self.tokens: list[list[int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.tokens.append(value.flatten().tolist())
+
+    def end(self) -> None:
+        self.tokens.append([])
+
+
+def _eos_at(ref: torch.Tensor, prompt: int, first: int) -> tuple[int, int]:
+    """A token of `ref`'s new tokens, from the `first`-th on, that is its first occurrence:
+    (token, its index among the new tokens)."""
+    new = ref[0, prompt:].tolist()
+    for k in range(first, len(new)):
+        if new[k] not in new[:k]:
+            return new[k], k
+    raise AssertionError(f"no new token from {first} on is a first occurrence: {new}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "family,config",
+    [
+        ("llama", {}),
+        ("llama", {"kv_dtype": "fp8"}),
+        ("mistral_sliding", {}),  # (window rings: one token back within the ring's slack)
+    ],
+)
+def test_gpu_an_early_stop_a_step_late_gives_hfs_tokens(family: str, config: dict) -> None:
+    """On CUDA a greedy call decides its stop a step late: an EOS mid-call gives plain HF's
+    tokens, its streamer's tokens and its returned cache's length, three calls in a row; the
+    step run past the EOS is taken back (counted apart from the decode steps); a call that runs
+    to its length runs none; a returned cache continues as HF's does."""
+    model = tiny_model(family, device="cuda")
+    torch.manual_seed(1)
+    ids = torch.randint(1, 200, (1, 40), device="cuda")
+    new = 16
+    ref = model.generate(ids, max_new_tokens=new, do_sample=False)
+    eos, k = _eos_at(ref, 40, 5)
+    kw = dict(max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    hf_streamer = _Collect()
+    ref_eos = model.generate(ids, streamer=hf_streamer, **kw)
+    assert ref_eos.shape[1] == 40 + k + 1  # (HF stops at the EOS)
+    manager = RevivaManager(model, RevivaConfig(**config))
+    for _ in range(3):
+        streamer = _Collect()
+        out = manager.generate(ids, streamer=streamer, **kw)
+        st = manager.get_memory_stats()
+        assert torch.equal(out, ref_eos)
+        assert streamer.tokens == hf_streamer.tokens
+        assert st["decode_stop"] == "deferred"
+        assert st["decode_steps_undone"] == 1 and st["decode_steps"] == k
+    full = manager.generate(ids, max_new_tokens=new, do_sample=False)
+    st = manager.get_memory_stats()
+    assert torch.equal(full, ref)
+    assert st["decode_steps_undone"] == 0 and st["decode_steps"] == new - 1
+    # a returned cache: HF's length, and a continuation as HF continues its own cache
+    ret = dict(kw, return_dict_in_generate=True)
+    hf_out = model.generate(ids, **ret)
+    out = manager.generate(ids, **ret)
+    assert torch.equal(out.sequences, hf_out.sequences)
+    cache = out.past_key_values
+    assert cache.get_seq_length() == hf_out.past_key_values.get_seq_length()
+    more = torch.randint(1, 200, (1, 6), device="cuda")
+    nxt = torch.cat([out.sequences, more], dim=1)
+    hf_next = model.generate(
+        nxt, past_key_values=hf_out.past_key_values, max_new_tokens=8, do_sample=False
+    )
+    got = manager.generate(nxt, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, hf_next)
+    assert hf_generation.DeferredStopCheck.is_supported(CUDA, cache, True, False) is False
