@@ -183,3 +183,35 @@ def test_gpu_an_early_stop_a_step_late_gives_hfs_tokens(family: str, config: dic
     got = manager.generate(nxt, past_key_values=cache, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, hf_next)
     assert hf_generation.DeferredStopCheck.is_supported(CUDA, cache, True, False) is False
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_forwards_of_an_unpadded_call_read_no_mask(padded: bool) -> None:
+    """Note [No mask read in decode steps] (hf_surface.py): an unpadded call's decode forwards
+    reach the model without HF's 2D mask (whose check would make the host wait each step); a
+    padded call's keep it; tokens as plain HF's either way, twice."""
+    model = tiny_model("llama")
+    torch.manual_seed(2)
+    ids = torch.randint(1, 200, (2, 10))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, :3], mask[1, :3] = 0, 0
+    seen: list[tuple[int, bool]] = []
+
+    def hook(module, args, kwargs):  # noqa: ANN001, ANN202
+        x = kwargs.get("input_ids")
+        x = kwargs["inputs_embeds"] if x is None else x
+        seen.append((x.shape[1], kwargs.get("attention_mask") is not None))
+
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    handle = model.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        manager = RevivaManager(model)
+        for _ in range(2):
+            seen.clear()
+            assert torch.equal(manager.generate(ids, **kw), ref)
+            assert seen[0] == (10, True)  # (prefill: the mask as given)
+            assert seen[1:] == [(1, padded)] * 4
+    finally:
+        handle.remove()
