@@ -131,6 +131,8 @@ class HFSurface:
     def _make_model_forward(self, model: nn.Module) -> Any:
         original = model.forward
 
+        # (HF's generate reads the forward's signature to choose its inputs: the original's)
+        @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             ids = kwargs.get("input_ids")
             if ids is None:
