@@ -40,20 +40,12 @@ attention is two calls merged by log-sum-exp: the earlier keys without a mask, a
 own keys, a square causal block. On the card (8646e57, generate-card24-2026-12-02-8646e57.json)
 256k prefill took 45.1 s instead of 62.6 and 512k 145.1 s instead of 234.7.
 
-cuDNN builds an execution plan for each new (queries, keys) shape, the first time a thread
-meets it (torch keeps them per thread), ~74 ms each on the H200: a chunked prefill whose earlier
-keys were one call met one plan per chunk (the earlier keys grow by a chunk each time), later
-layers and calls reusing them. In that run the first layer took 5.4 s (256k) and 5.7 s (512k)
-more than the others; at 64k in 3584-token chunks, fp8's first call 1.49 s (20 plans) more than
-its second (generate-fp8-64k-h200-2026-12-06-20f78a6.json). So the earlier keys of a chunk go to
-cuDNN in pieces of the chunk's length times a power of two (earlier_pieces: chunk c's earlier
-keys c x n as the binary digits of c), merged like any blocks: a prompt of P tokens meets
-log2(P / n) + 2 shapes (5 unmasked and the square at 64k, 8 at 512k) for about one more call and
-merge a chunk; and a chunk shorter than the prefill's chunks (the prompt's last) goes to flash,
-whose bottom-right mask takes it in one call and no plan (chunk_attention's `unit`). "auto"
-takes cuDNN only for prompts of at least CUDNN_MIN_PROMPT tokens (CUDNN_MIN_CHUNKED_PROMPT when
-the plan attends by chunks), where attention dominates the prefill and the gain outweighs the
-plans.
+cuDNN builds an execution plan for each new (queries, keys) shape, the first time a process
+meets it: a chunked prefill meets one per chunk (the earlier keys grow by a chunk each time) and
+the later layers and calls reuse them. In that run the first layer took 5.4 s (256k) and 5.7 s
+(512k) more than the others; in diag_prefill_attention.py the first pass over 256k in 3584-token
+chunks took 2.7 s more than the next. So "auto" takes cuDNN only for prompts of at least
+CUDNN_MIN_PROMPT tokens, where attention dominates the prefill and the gain outweighs the plans.
 
 RevivaConfig(attention_kernel=...) chooses: "auto" takes cuDNN where torch's cuDNN attention is
 enabled on a CUDA device of compute capability 9.0 or later (where it was measured) and the
@@ -222,28 +214,13 @@ def _block_parts(
     n, tokens = q.shape[2], k.shape[2]
     if kernel == "cudnn" and use_cudnn(q) and causal and tokens > n:
         head = tokens - n
-        for s, e in earlier_pieces(head, n):
-            yield attention_with_lse(q, k[:, :, s:e], v[:, :, s:e], False, scale, kernel)
+        yield attention_with_lse(q, k[:, :, :head], v[:, :, :head], False, scale, kernel)
         yield attention_with_lse(q, k[:, :, head:], v[:, :, head:], True, scale, kernel)
         return
     # (a causal block shorter than the queries: flash's bottom-right mask, cuDNN has none)
     if causal and tokens < n:
         kernel = "flash"
     yield attention_with_lse(q, k, v, causal, scale, kernel)
-
-
-def earlier_pieces(head: int, n: int) -> list[tuple[int, int]]:
-    """The earlier keys [0, head) of a chunk of n queries as cuDNN's unmasked calls take them
-    (Note [Prefill attention kernel]: cuDNN's plans): where head is a multiple of n, pieces of
-    n times a power of two, the largest first (the binary digits of head / n); else one."""
-    if head <= 0 or n <= 0 or head % n:
-        return [(0, head)] if head > 0 else []
-    pieces, s = [], 0
-    for bit in reversed(range((head // n).bit_length())):
-        if (head // n) >> bit & 1:
-            pieces.append((s, s + (n << bit)))
-            s += n << bit
-    return pieces
 
 
 def use_cudnn(q: torch.Tensor) -> bool:

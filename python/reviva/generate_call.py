@@ -249,7 +249,6 @@ class GenerateCall:
         it continues from, fetch windows) and made the call's, where the wrappers find it."""
         padded, continued = request.padded, request.continued
         cache.fp8_shadow = plan.kv_fp8_shadow_bytes > 0  # Note [fp8 prefill shadow]
-        cache.prefill_chunk = plan.chunk_tokens  # (Note [Prefill attention kernel])
         # Note [Prefill masks left to Reviva] (cache_layer.py)
         cache.skip_prefill_masks = (
             not padded

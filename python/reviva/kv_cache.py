@@ -126,8 +126,6 @@ class RevivaCache(SequenceRows, ReturnedCache, WindowRings, Fp8Reads, HostAttent
         # Prefill's attention calls on CUDA: "flash" or "cudnn" (Note [Prefill attention kernel]
         # in block_attention.py).
         self.attention_kernel = attention_kernel
-        # the plan's prefill chunk (0: not set), for cuDNN's shapes (chunk_attention's unit)
-        self.prefill_chunk = 0
         self.runtime = runtime  # the core's, for its kernels (fp8 rows' dequantization)
         self.capacity = capacity
         self.batch = batch

@@ -114,30 +114,12 @@ def attend_cache(
         k_w, v_w = cache.window_kv(i, lo, last)
         rows = None if mask is None else mask[:, :, :, lo:]
         return chunk_attention(
-            q,
-            k_w,
-            v_w,
-            rows,
-            first - lo,
-            last - lo,
-            scale,
-            cache.attention_kernel,
-            ring[0],
-            cache.prefill_chunk,
+            q, k_w, v_w, rows, first - lo, last - lo, scale, cache.attention_kernel, ring[0]
         )
     if not cache.read_by_blocks(i):  # (an fp8 layer's prefill: Note [fp8 prefill shadow])
         k_all, v_all = cache.view(i, last)
         return chunk_attention(
-            q,
-            k_all,
-            v_all,
-            mask,
-            first,
-            last,
-            scale,
-            cache.attention_kernel,
-            window,
-            cache.prefill_chunk,
+            q, k_all, v_all, mask, first, last, scale, cache.attention_kernel, window
         )
     if mask is not None:
         raise ValueError("RevivaManager: fp8 K/V with a padding mask is not supported")
@@ -164,16 +146,13 @@ def chunk_attention(
     scale: float,
     kernel: str = "flash",
     window: int | None = None,
-    unit: int = 0,
 ) -> torch.Tensor:
     """Attention of the queries of tokens [start, end) to the keys of tokens [0, end):
     causal aligned at the bottom right (query j sees keys <= start + j), and with a sliding
     `window` only keys > start + j - window (Note [Sliding windows]). [B, H, n, D] out.
     mask: HF's 4D mask (padding) of these queries, [B, 1, n, >= end], or None.
-    kernel "cudnn": the earlier keys (in pieces) and the chunk's own in calls merged by
-    log-sum-exp; `unit`, the prefill's chunk length (0: any), where given a shorter chunk after
-    the first goes to flash instead, which needs no plan of cuDNN's for its shape (Note [Prefill
-    attention kernel] in block_attention.py)."""
+    kernel "cudnn": the earlier keys and the chunk's own in two calls merged by log-sum-exp
+    (Note [Prefill attention kernel] in block_attention.py)."""
     if window is not None and end > window:  # (some query's window leaves keys out)
         # the first query's oldest key: older ones are outside every window
         lo = max(start - window + 1, 0)
@@ -192,7 +171,7 @@ def chunk_attention(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, :, :, :end], scale=scale, enable_gqa=True
         )
-    if kernel == "cudnn" and use_cudnn(q) and (not unit or start == 0 or end - start >= unit):
+    if kernel == "cudnn" and use_cudnn(q):
         return block_attention(q, [(k[:, :, :end], v[:, :, :end], 0)], start, scale, kernel)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
         # Flash attention's causal mask is bottom-right aligned when queries and keys differ in

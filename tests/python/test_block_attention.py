@@ -137,9 +137,8 @@ def test_gpu_cudnn_chunk_attention_against_fp32(batch: int) -> None:
     """Note [Prefill attention kernel]: cuDNN's attention (grouped heads read in place from the
     cache's token-major views; a chunk's earlier keys and its own square causal block merged by
     lse) and flash's, both against an fp32 reference, for chunks at the start, in the middle,
-    shorter than CUDNN_MIN_QUERIES (flash then), earlier keys a multiple of the chunk (in
-    pieces), and blocks of fp8's kind (a last block longer than the queries): cuDNN's error
-    within 2x flash's and within bf16 rounding."""
+    shorter than CUDNN_MIN_QUERIES (flash then), and blocks of fp8's kind (a last block longer
+    than the queries): cuDNN's error within 2x flash's and within bf16 rounding."""
     from reviva.block_attention import CUDNN_MIN_QUERIES, resolve_kernel
     from reviva.layer_attention import chunk_attention
 
@@ -151,9 +150,7 @@ def test_gpu_cudnn_chunk_attention_against_fp32(batch: int) -> None:
     k = torch.randn(batch, tokens, 8, dim, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(batch, tokens, 8, dim, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # token-major, as the cache's views
-    # (1536, 512) and (3584, 512): earlier keys 3 and 7 chunks long, in 2 and 3 pieces
-    chunks = ((0, 1024), (2000, 1500), (4000, 2000), (1536, 512), (3584, 512))
-    for start, n in chunks + ((5900, CUDNN_MIN_QUERIES - 28),):
+    for start, n in ((0, 1024), (2000, 1500), (4000, 2000), (5900, CUDNN_MIN_QUERIES - 28)):
         q = torch.randn(batch, 32, n, dim, device="cuda", generator=g, dtype=torch.bfloat16)
         end = start + n
         ref = one_call(q.float().cpu(), k.float().cpu(), v.float().cpu(), start, scale)
@@ -191,62 +188,3 @@ def test_merging_at_the_end_equals_merging_as_they_come() -> None:
     torch.testing.assert_close(merge_all(parts), out, rtol=1e-5, atol=1e-6)
     nothing = [(torch.full((1, 1, 1, 2), float("nan")), torch.full((1, 1, 1), float("-inf")))]
     assert torch.equal(merge_all(nothing), torch.zeros(1, 1, 1, 2))
-
-
-def test_earlier_keys_go_to_cudnn_in_few_shapes() -> None:
-    """Note [Prefill attention kernel]: a chunk's earlier keys as pieces of its length times a
-    power of two, contiguous and covering them (the binary digits of start / n); other lengths
-    in one piece."""
-    from reviva.block_attention import earlier_pieces
-
-    for n in (1, 3584, 4096):
-        for c in range(0, 80):
-            pieces = earlier_pieces(c * n, n)
-            bounds = [0] + [e for _, e in pieces]  # (contiguous from 0)
-            assert pieces == list(zip(bounds[:-1], bounds[1:], strict=True))
-            assert sum(e - s for s, e in pieces) == c * n
-            assert all((e - s) // n & ((e - s) // n - 1) == 0 for s, e in pieces), pieces
-            assert len(pieces) == bin(c).count("1")
-            assert [e - s for s, e in pieces] == sorted((e - s for s, e in pieces), reverse=True)
-    assert earlier_pieces(5000, 3584) == [(0, 5000)]
-    assert earlier_pieces(0, 3584) == []
-
-
-def test_a_prompts_chunks_meet_log_many_cudnn_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """chunk_attention with kernel "cudnn" over a whole prompt's chunks: the shapes cuDNN is
-    given (each one a plan the first time) are the pieces' n x n * 2^j and the causal square,
-    log2(P / n) + 2 of them, not one per chunk; the last, shorter chunk goes to flash (no plan)
-    when the prefill's chunk length is given; every output equals one call's attention. (On the
-    CPU with cuDNN's calls recorded and computed by the reference: the routing, not cuDNN.)"""
-    import reviva.block_attention as ba
-    import reviva.layer_attention as la
-    from reviva.layer_attention import chunk_attention
-
-    shapes: list[tuple[int, int, bool]] = []
-    real = ba.attention_with_lse
-
-    def recorded(q, k, v, causal, scale, kernel="flash"):  # noqa: ANN001, ANN202
-        if kernel == "cudnn":
-            assert not causal or k.shape[2] == q.shape[2]  # (cuDNN's mask: square only)
-            shapes.append((q.shape[2], k.shape[2], causal))
-        return real(q, k, v, causal, scale, "flash")
-
-    monkeypatch.setattr(ba, "attention_with_lse", recorded)
-    monkeypatch.setattr(ba, "use_cudnn", lambda q: True)
-    monkeypatch.setattr(la, "use_cudnn", lambda q: True)
-    n, prompt, dim = 16, 16 * 18 + 5, 8
-    k, v = cache_views(1, 2, prompt, dim, torch.float32, seed=4)
-    g = torch.Generator().manual_seed(5)
-    for start in range(0, prompt, n):
-        end = min(start + n, prompt)
-        q = torch.randn(1, 4, end - start, dim, generator=g)
-        before = len(shapes)
-        got = chunk_attention(
-            q, k[:, :, :end], v[:, :, :end], None, start, end, dim**-0.5, "cudnn", unit=n
-        )
-        ref = one_call(q, k, v, start, dim**-0.5)
-        assert (got - ref).abs().max().item() < 1e-5, start
-        if end - start < n:  # the last chunk: flash's bottom-right mask, no cuDNN shape
-            assert len(shapes) == before
-    assert set(shapes) == {(n, n << j, False) for j in range(5)} | {(n, n, True)}
-    assert len(shapes) == sum(bin(c).count("1") for c in range(18)) + 18

@@ -177,10 +177,10 @@ def test_gpu_an_early_stop_a_step_late_gives_hfs_tokens(family: str, config: dic
     assert cache.get_seq_length() == hf_out.past_key_values.get_seq_length()
     more = torch.randint(1, 200, (1, 6), device="cuda")
     nxt = torch.cat([out.sequences, more], dim=1)
-    hf_next = model.generate(
-        nxt, past_key_values=hf_out.past_key_values, max_new_tokens=8, do_sample=False
-    )
-    got = manager.generate(nxt, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    # (a mask given: the tokens generated may hold the pad id, which HF would mask)
+    again = dict(attention_mask=torch.ones_like(nxt), max_new_tokens=8, do_sample=False)
+    hf_next = model.generate(nxt, past_key_values=hf_out.past_key_values, **again)
+    got = manager.generate(nxt, past_key_values=cache, **again)
     assert torch.equal(got, hf_next)
     assert hf_generation.DeferredStopCheck.is_supported(CUDA, cache, True, False) is False
 
