@@ -34,7 +34,9 @@ from transformers.generation import utils as hf_generation
 
 _LOCK = threading.Lock()
 _DEFERRING: dict[int, Any] = {}  # id(cache) -> cache, for the calls running now
-_ORIGINAL = hf_generation.DeferredStopCheck.__dict__["is_supported"]
+# (transformers releases before DeferredStopCheck: every call waits each step, as HF's own do)
+_DEFERRED = getattr(hf_generation, "DeferredStopCheck", None)
+_ORIGINAL = None if _DEFERRED is None else _DEFERRED.__dict__["is_supported"]
 
 
 def _is_supported(device: Any, cache: Any, cache_is_returned: bool, is_assistant: bool) -> bool:
@@ -45,13 +47,20 @@ def _is_supported(device: Any, cache: Any, cache_is_returned: bool, is_assistant
 
 def defers(device: Any, gen: Any) -> bool:
     """Whether a call on `device` with GenerationConfig `gen` decides its stop a step late."""
-    return device.type == "cuda" and not gen.do_sample and (gen.num_beams or 1) == 1
+    return (
+        _DEFERRED is not None
+        and device.type == "cuda"
+        and not gen.do_sample
+        and (gen.num_beams or 1) == 1
+    )
 
 
 def stop_state(device: Any, cache: Any) -> str:
     """The stats' `decode_stop`: "deferred", or why the call waited for each step's stop."""
     if cache.defers_stop:
         return "deferred"
+    if _DEFERRED is None:
+        return "each step (this transformers has no DeferredStopCheck)"
     if device.type != "cuda":
         return f"each step (the device is {device.type}: deferred on CUDA only)"
     return "each step (sampling or beams: the step past a stop would change what is drawn)"
@@ -65,7 +74,7 @@ def deferring(cache: Any, on: bool) -> Iterator[None]:
         return
     with _LOCK:
         if not _DEFERRING:
-            hf_generation.DeferredStopCheck.is_supported = staticmethod(_is_supported)
+            _DEFERRED.is_supported = staticmethod(_is_supported)
         _DEFERRING[id(cache)] = cache
     try:
         yield
@@ -73,4 +82,4 @@ def deferring(cache: Any, on: bool) -> Iterator[None]:
         with _LOCK:
             del _DEFERRING[id(cache)]
             if not _DEFERRING:
-                hf_generation.DeferredStopCheck.is_supported = _ORIGINAL
+                _DEFERRED.is_supported = _ORIGINAL

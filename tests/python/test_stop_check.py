@@ -50,6 +50,22 @@ def test_which_calls_defer() -> None:
     assert not defers(CUDA, GenerationConfig(do_sample=False, num_beams=2))
 
 
+def test_a_transformers_without_the_deferred_check_waits_each_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from reviva import stop_check
+
+    monkeypatch.setattr(stop_check, "_DEFERRED", None)
+    assert not defers(CUDA, GenerationConfig(do_sample=False))
+    cache = _cache()
+    try:
+        assert stop_check.stop_state(CUDA, cache) == (
+            "each step (this transformers has no DeferredStopCheck)"
+        )
+    finally:
+        cache.close()
+
+
 def test_the_scope_defers_its_own_cache_alone_and_puts_hfs_rule_back() -> None:
     original = hf_generation.DeferredStopCheck.__dict__["is_supported"]
     ours, theirs, second = object(), DynamicCache(), object()
