@@ -123,8 +123,8 @@ class HFSurface:
     # HF's decode step builds its causal mask from the call's 2D attention mask, and asks whether
     # it masks anything (masking_utils._ignore_causal_mask_sdpa: `mask.sum() == mask.numel()` read
     # as a bool): the host waits there for the device every step, so a stop decided a step late
-    # (stop_check.py) still found the host one step behind (8.8 ms of a 10 ms step at
-    # 20f78a6 on the H200, under cProfile). A call whose mask masks nothing was read once at its
+    # (stop_check.py) still found the host waiting there (10.9 ms a step under cProfile at
+    # 20f78a6 on the H200). A call whose mask masks nothing was read once at its
     # start (call_inputs: `padded`), and the steps only append ones to it: for such a call the
     # model's forwards of one token a row (decode's) get no mask, which HF reads as "nothing
     # masked": the same masks and tokens. A padded call keeps its mask.

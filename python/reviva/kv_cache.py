@@ -418,6 +418,8 @@ class RevivaCache(SequenceRows, ReturnedCache, WindowRings, Fp8Reads, HostAttent
         # (HF's convention, per layer: cache_layer.py; a negative count under a deferred stop
         # is the step run past it: Note [A stop decided a step late])
         n = int(tokens_to_remove)
+        if n == 0:
+            return  # (HF's deferred check asks it every step: nothing to walk the layers for)
         if n < 0 and self.defers_stop:
             self.undone_steps -= n
         super().crop(n)

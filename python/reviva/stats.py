@@ -133,7 +133,7 @@ class GenerateStats(Mapping[str, Any]):
     decode_s: float
     decode_tok_s: float | None  # steps a second (a step gives one token to every row)
     own_decode_attention: bool
-    # the stop decided a step late (Note [A stop decided a step late]): "on" or why not, and
+    # the stop decided a step late (Note [A stop decided a step late]): "deferred" or why not, and
     # the steps run past a stop and taken back (not in decode_steps; their time is in decode_s)
     decode_stop: str
     decode_steps_undone: int
