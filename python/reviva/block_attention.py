@@ -71,8 +71,8 @@ _REFERENCE_ROWS = 1024
 CUDNN_MIN_QUERIES = 128
 # Prompts below which "auto" keeps flash (the plans' one-time cost against the gain).
 CUDNN_MIN_PROMPT = 131072
-# ... when the plan attends by chunks anyway (fp8 K/V on a card, which attends whole only where
-# that costs no residency: Note [fp8 prefill shadow] in fp8_reads.py). At 64k of the 8B shape in
+# ... when the plan attends by chunks anyway (fp8 K/V where whole attention would cost decode a
+# layer: Note [fp8 whole attention] in fp8_reads.py). At 64k of the 8B shape in
 # 3584-token chunks flash's attention is ~3.5 s a call and cuDNN's ~2.0 s, against ~18 plans of
 # ~37 ms in a process's first call; the two break even near 32k in a first call.
 CUDNN_MIN_CHUNKED_PROMPT = 49152

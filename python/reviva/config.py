@@ -36,8 +36,8 @@ class RevivaConfig:
                     from the budget.
     prefill_attention: "whole" (one attention call over the prompt: the fastest kernel, but
                     the queries and output of every token at once), "chunked" (by query chunks,
-                    bottom-right causal), or "auto" (whole when it takes at most a quarter of
-                    the room left after the weights).
+                    bottom-right causal), or "auto" (whole where it fits beside a full set
+                    of staging slots; with fp8 K/V where decode keeps its layers too).
     cuda_graphs:    replay each layer's decode compute around attention as CUDA graphs (CUDA,
                     half precision, no padding mask): the host issues a step several times
                     faster. False runs every kernel eagerly.

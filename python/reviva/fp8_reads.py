@@ -31,6 +31,20 @@ FP8_DECODE_MAX_HEAD_DIM = 256
 # dropped when it ends; the planner takes it only where the plan keeps the same residency with
 # it as without (else the blocks, in less memory: at 512k it would be 2 GiB, two layers' rows).
 
+# Note [fp8 whole attention]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Through the shadow, an fp8 layer can also be attended whole, as a bf16 layer is where its
+# plan allows (one flash call over the prompt: the queries and output of every token at once).
+# By chunks, fp8 at 64k on a 24 GB card went through cuDNN (flash by chunks is ~1.75x slower
+# there), whose plans, one per new shape and per thread, made a process's first call 1.31x
+# bf16's (H200, 20f78a6: 5.77 s against 4.39; 1.61 s in the first layer against 0.12). Whole
+# attention has one shape and no plan. Its queries and output take room the rows would have:
+# at 64k it keeps 18 of 32 layers in prefill, and the 14 it streams are promoted back after it
+# (as bf16's 9-in-prefill plan does), costing their copy back in the first decode step. So the
+# planner takes it where bf16's rule allows whole attention and decode holds every layer the
+# blocks by chunks would keep (plan_arithmetic._whole_keeps_decode); prefill_attention="chunked"
+# keeps chunks, "whole" takes it wherever it fits.
+
 
 class Fp8Reads:
     """The reads of a RevivaCache's fp8 rows (its mixin; see the module)."""

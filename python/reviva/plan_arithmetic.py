@@ -153,29 +153,36 @@ def _make_plan(
     if fp8:
         # Note [fp8 prefill shadow] (fp8_reads.py): with 16-bit compute, prefill may keep the
         # layer's K/V dequantized beside its rows (no blocks then) and attend it as a bf16
-        # layer's, whole where the rules above allow; taken where it costs no residency against
-        # the blocks by chunks, whole attention first.
+        # layer's. Whole attention through it is taken where the rules above allow it and
+        # decode keeps the residency of the blocks by chunks (Note [fp8 whole attention]);
+        # by chunks through it where it costs no residency at all; else the blocks.
         blocks_only = prefill_bytes(False)
         args = (n, layer_kv, layer_kv, window, weight_layers, weight_bytes)  # (fp8: no rings)
         rest = (model.weight_slots, 0, 0)
 
-        def residency(p: int) -> object:
+        def residency(p: int) -> tuple[int, int, int, int, int] | None:
             room = budget - baseline - max(p + margin, decode + decode_margin)
             return _residency(room, *args, *rest)
 
-        choices = []
+        reference = residency(blocks_only)
+        whole_wanted, whole_attention, prefill = whole_attention, False, blocks_only
         if not paged and e == 2:
             sh = 2 * batch * keys * lay.num_kv_heads * lay.head_dim * e
             swap = sh - block_tokens * per_block_token  # (the shadow instead of the blocks)
-            if whole_attention:
-                choices.append((True, prefill_bytes(True) + swap, sh))
-            choices.append((False, blocks_only + swap, sh))
-        reference = residency(blocks_only)
-        whole_attention, prefill = False, blocks_only
-        for whole, bytes_, sh in choices:
-            if residency(bytes_) == reference:
-                whole_attention, prefill, shadow = whole, bytes_, sh
-                break
+            whole_bytes = prefill_bytes(True) + swap
+            after = residency(0)  # what decode holds once prefill's working set is gone
+            whole_mix = residency(whole_bytes)
+            if (
+                whole_wanted
+                and whole_mix is not None
+                and (
+                    config.prefill_attention == "whole"
+                    or _whole_keeps_decode(whole_mix, reference, after)
+                )
+            ):
+                whole_attention, prefill, shadow = True, whole_bytes, sh
+            elif residency(blocks_only + swap) == reference:
+                prefill, shadow = blocks_only + swap, sh
     working = max(prefill + margin, decode + decode_margin)
     avail = budget - baseline - working
     unit = page_bytes if paged else layer_kv
@@ -371,6 +378,20 @@ def _residency(
             if best is None or key > best[0]:
                 best = (key, (full, kept_rings, staged, w, wslots))
     return None if best is None else best[1]
+
+
+def _whole_keeps_decode(
+    whole: tuple[int, int, int, int, int],
+    reference: tuple[int, int, int, int, int] | None,
+    after: tuple[int, int, int, int, int] | None,
+) -> bool:
+    """Note [fp8 whole attention]: whether fp8's whole attention through the shadow (prefill's
+    residency `whole`) leaves decode what the blocks by chunks would (`reference`): the same
+    weights, and room once prefill is done (`after`) for every layer the reference keeps, so
+    that the layers prefill streams are promoted back."""
+    if reference is None or after is None:
+        return False
+    return whole[3:] == reference[3:] and after[0] >= reference[0] and after[3] >= reference[3]
 
 
 def spread(count: int, total: int) -> tuple[int, ...]:

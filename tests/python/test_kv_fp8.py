@@ -488,6 +488,75 @@ def test_fp8_prefill_whole_chunked_and_by_blocks_give_the_same_tokens() -> None:
             assert float((a.float() - b.float()).norm() / b.float().norm()) < 2**-6, mode
 
 
+def test_fp8_whole_attention_streams_in_prefill_where_decode_keeps_every_layer() -> None:
+    """Note [fp8 whole attention]: where whole attention through the shadow fits beside the
+    staging slots but not beside every layer's rows, a bf16 model's fp8 plan takes it when decode
+    still holds every layer the blocks by chunks would keep: prefill streams them, decode gets
+    them back (promoted), the tokens are the chunked plan's, twice in a row; "chunked" keeps
+    every layer on the device through prefill at that budget."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    manager = RevivaManager(model)
+    lay = manager.layout
+    state = device_state(lay, manager.arena)
+    n, new = 8192, 12
+    cfg = dict(kv_dtype="fp8", chunk_tokens=128, prefill_residual="device")
+
+    def plan(budget: int, **kw) -> object:  # noqa: ANN003
+        return make_plan(lay, RevivaConfig(vram_budget=budget, **cfg, **kw), state, 1, n, new)
+
+    def streams_and_promotes(p) -> bool:  # noqa: ANN001
+        return p.whole_attention and 0 < len(p.streamed_layer_ids) <= p.promotable_layers()
+
+    every = lay.num_layers
+    chunked_all = smallest_budget(
+        lay,
+        RevivaConfig(prefill_attention="chunked", **cfg),
+        state,
+        1,
+        n,
+        new,
+        lambda p: len(p.resident_layers) == every,
+    )
+    whole_all = smallest_budget(
+        lay,
+        RevivaConfig(**cfg),
+        state,
+        1,
+        n,
+        new,
+        lambda p: p.whole_attention and len(p.resident_layers) == every,
+    )
+    assert whole_all > chunked_all  # (whole attention's queries and output take more)
+    budget = next(
+        b for b in range(chunked_all, whole_all, 64 << 10) if streams_and_promotes(plan(b))
+    )
+    p = plan(budget)
+    assert p.kv_fp8_shadow_bytes == 2 * n * lay.num_kv_heads * lay.head_dim * 2
+    assert not plan(budget, prefill_attention="chunked").whole_attention
+    assert len(plan(budget, prefill_attention="chunked").resident_layers) == every
+
+    ids = torch.randint(1, 211, (1, n), generator=torch.Generator().manual_seed(6))
+    kw = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    outs = {}
+    for mode in ("auto", "chunked"):
+        m = RevivaManager(model, RevivaConfig(vram_budget=budget, prefill_attention=mode, **cfg))
+        outs[mode] = [m.generate(ids, **kw) for _ in range(2)]
+        st = m.get_memory_stats()
+        assert st["kv_fp8_prefill_shadow_bytes"] > 0, (mode, st)
+        assert st["decode"]["kv_resident_layers"] == every, (mode, st["decode"])
+        if mode == "auto":
+            assert st["prefill"]["kv_resident_layers"] < every, st["prefill"]
+            assert st["promoted_layers"] == every - st["prefill"]["kv_resident_layers"], st
+        else:
+            assert st["prefill"]["kv_resident_layers"] == every and st["promoted_layers"] == 0
+    ref = outs["chunked"][0]
+    for first, second in (outs["auto"], outs["chunked"]):
+        assert torch.equal(first.sequences, ref.sequences)
+        assert torch.equal(second.sequences, first.sequences)
+        for a, b in zip(first.logits, ref.logits, strict=True):
+            assert float((a.float() - b.float()).norm() / b.float().norm()) < 2**-6
+
+
 def test_fp8_refusals() -> None:
     model = tiny_model("qwen2")
     ids = torch.randint(1, 211, (1, 40), generator=torch.Generator().manual_seed(5))
