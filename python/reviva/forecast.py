@@ -10,8 +10,14 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
   K/V per token at 3.9 TB/s (launch and host costs folded in).
 - fp8 K/V: a step reads the rows in place (Note [fp8 decode attention]) at the fused kernel's
   rate, FP8_ROWS_READ_BPS (bench_fp8_decode.py on the H200, one layer of the 8B shape: 1.64 TB/s
-  of rows at 64k, 2.17 at 512k; c27175f). With the weights' rate above this gives 87 tok/s at
-  64k on a 24 GB card, measured 87.1-88.7 (generate-card24-2026-12-04-c27175f26a93.json).
+  of rows at 64k, c27175f), and the weights at FP8_STEP_WEIGHT_READ_BPS: its step is one CUDA
+  graph a layer on Reviva's row operations (Note [Decode row ops]) and, since 20f78a6, the host
+  no longer waits for the device each step (stop_check.py), so the host's costs folded into
+  WEIGHT_READ_BPS above are not there. Fitted to the H200's 64k on a 24 GB card at 20f78a6,
+  every layer resident: 135.0 tok/s over 31 steps (7.41 ms a step: 4.43 GB of rows at 1.64 TB/s
+  leaves 4.71 ms for 16.06 GB of weights, generate-fp8-64k-h200-2026-12-06-20f78a6.json). bf16's
+  steps (attention eager between two replays) keep WEIGHT_READ_BPS: not re-measured on the H200
+  since the host stopped waiting.
 - decode, transfer: the streamed layers' K/V, and the streamed layers' weights (Note [Streamed
   weights]), over PCIe at 55 GB/s (pinned H2D, measured by bench_transfer), a step taking the
   slower of the two (the copies overlap the compute). Streamed weights measured at 0.95-0.98 of
@@ -58,6 +64,7 @@ PCIE_BPS = 55e9
 WEIGHT_READ_BPS = 1.82e12
 KV_READ_BPS = 3.9e12
 FP8_ROWS_READ_BPS = 1.64e12
+FP8_STEP_WEIGHT_READ_BPS = 3.41e12
 LINEAR_FLOPS = 546e12
 WHOLE_ATTENTION_FLOPS = 530e12
 CHUNKED_ATTENTION_FLOPS = 325e12
@@ -173,8 +180,10 @@ def forecast(
     mean_len = held + (plan.capacity - held) / 2
     read = [mean_len if w is None else min(w, mean_len) for w in windows]
     kv_bytes = sum(read) * plan.kv_token_bytes
-    kv_rate = FP8_ROWS_READ_BPS if plan.kv_fp8 else KV_READ_BPS
-    compute = weight_bytes / WEIGHT_READ_BPS + kv_bytes / kv_rate
+    if plan.kv_fp8:
+        compute = weight_bytes / FP8_STEP_WEIGHT_READ_BPS + kv_bytes / FP8_ROWS_READ_BPS
+    else:
+        compute = weight_bytes / WEIGHT_READ_BPS + kv_bytes / KV_READ_BPS
     # the layers streamed in decode: not resident in prefill, less the promotions after it
     # (full layers first: RevivaManager._promote_after_prefill)
     streamed_ids = list(plan.streamed_layer_ids)

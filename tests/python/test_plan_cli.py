@@ -50,15 +50,25 @@ def test_estimate_within_12_percent_of_the_h200_measurements(
 
 
 def test_fp8_estimate_against_the_h200(capsys: pytest.CaptureFixture[str]) -> None:
-    """fp8 K/V at 64k on the 24 GB card (Note [fp8 decode attention]): every layer resident,
-    prefill by chunks through cuDNN with its shadow, decode at the fused kernel's rate; call 2
-    of generate-card24-2026-12-04-c27175f26a93.json: 4.08 s and 87.1 tok/s."""
+    """fp8 K/V at 64k on the 24 GB card (Note [fp8 whole attention] in fp8_reads.py): prefill
+    attends the whole prompt through the shadow as bf16's does there, with 14 layers' K/V
+    streamed to make the queries' room, and decode keeps every layer (the 14 promoted back, the
+    first step's extra). The step at the fused kernel's and the fp8 graphs' rates (forecast.py)
+    against call 2 of generate-fp8-64k-h200-2026-12-06-20f78a6.json, which had every layer
+    resident from the start: 135.0 tok/s."""
     out = plan_json(capsys, "--context", "64k", "--kv-dtype", "fp8")
     f, plan = out["forecast"], out["plan"]
-    assert len(plan["resident_layers"]) == 32 and plan["kv_fp8_shadow_bytes"] > 0
-    assert abs(f["prefill_s"] / 4.08 - 1) <= 0.12, f["prefill_s"]
-    assert abs(f["decode_call_tok_s"] / 87.1 - 1) <= 0.12, f["decode_call_tok_s"]
+    assert plan["whole_attention"] and plan["kv_fp8_shadow_bytes"] > 0
+    assert len(plan["resident_layers"]) == 18, plan["resident_layers"]
+    assert out["promotable_layers"] == 14, out  # decode: all 32 resident
+    assert f["first_step_extra_s"] > 0, f  # the promotions after prefill
+    assert abs(f["decode_tok_s"] / 135.0 - 1) <= 0.12, f["decode_tok_s"]
     assert f["decode_bound"] == "compute"
+    # the same prefill as bf16's on this card (whole attention, flash; the streamed layers'
+    # copies run under the compute), whose forecast is held to the H200 above
+    bf16 = plan_json(capsys, "--context", "64k")["forecast"]
+    assert abs(f["prefill_s"] / bf16["prefill_s"] - 1) <= 0.02, (f, bf16)
+    assert f["prefill_first_call_extra_s"] == 0.0  # one flash shape: no cuDNN plans
 
 
 def test_512k_fits_with_the_residual_on_the_host(capsys: pytest.CaptureFixture[str]) -> None:
