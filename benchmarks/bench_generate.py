@@ -297,9 +297,9 @@ def run_call(
     import torch
     from transformers import DynamicCache
 
-    # The compute stream alone: a token exists once the stream that computes it has finished
-    # (card.CallTimer). A device-wide synchronize would also wait for copies in flight ahead of
-    # compute (Reviva's prefetches of the next step's layers), which no user's streamer does.
+    # The compute stream alone, at the call's start and end (card.CallTimer; generate hands
+    # the tokens over on the host). A device-wide synchronize would also wait for copies in
+    # flight ahead of compute (Reviva's prefetches of the next step's layers).
     sync = (lambda: torch.cuda.current_stream().synchronize()) if cuda else None
     timer = CallTimer(sync)
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, streamer=timer)
@@ -608,7 +608,10 @@ def card_driver(args: argparse.Namespace) -> int:
         "ballast": "cudaMalloc of (device total - card) outside torch's allocator, after "
         "torch.cuda.init() and before the model, in every card worker",
         "between_calls": "nothing: no prepare(), no empty_cache, no gc.collect",
-        "token_clock": "a streamer synchronizes the compute stream (not the device) at each token",
+        "token_clock": (
+            "a streamer timing each token as generate hands it over (on the host); "
+            "the compute stream synchronized at the call's start and end"
+        ),
         # Reviva's environment switches the workers inherit (e.g. REVIVA_PIN_HOST_COPIES).
         "reviva_env": {k: v for k, v in os.environ.items() if k.startswith("REVIVA_")},
         "pcie_gbps_for_roofline": PCIE_GBPS,

@@ -319,11 +319,15 @@ def _base_streamer() -> type:
 
 
 class CallTimer(_base_streamer()):  # type: ignore[misc]
-    """A generate streamer recording when the prompt and each new token arrive (after `sync`:
-    the compute stream's synchronize, so that a timestamp is the moment the token exists; not the
-    device's, which would also wait for copies running ahead of compute, as no user's streamer
-    does): prefill is the time from begin() to the first new token, decode rate the tokens after
-    it over the time after it."""
+    """A generate streamer recording when the prompt and each new token arrive: prefill is the
+    time from begin() to the first new token, decode rate the tokens after it over the time
+    after it. `sync` (the compute stream's synchronize; not the device's, which would also wait
+    for copies running ahead of compute) runs at begin() and end() only: generate hands put()
+    tokens already on the host (HF's loop waits for their copy, at once or, where it decides its
+    stop a step late, a step later), so a wait in put() would only wait for the step queued
+    after the token, making the host wait each step as no user's streamer does. In a call that
+    streams a step late (reviva's on CUDA: the first and last tokens when they exist, those
+    between a step late) the rate over the call is exact, a token's own time is not."""
 
     def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.sync = sync or (lambda: None)
@@ -338,7 +342,6 @@ class CallTimer(_base_streamer()):  # type: ignore[misc]
         self._prompt_seen = False
 
     def put(self, value: Any) -> None:
-        self.sync()
         now = time.perf_counter()
         if self._prompt_seen:  # generate puts the prompt first, then each new token
             self.token_times.append(now)

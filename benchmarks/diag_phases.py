@@ -152,9 +152,8 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(65536)
     ids = torch.randint(1, model.config.vocab_size, (1, 65536), device="cuda", generator=gen)
     out: dict[int, dict[str, Any]] = {}
-    # Calls 3 and 4 as bench_generate makes them: 3 with its streamer (the compute stream's
-    # synchronize at each token), 4 with that streamer and its card sampler (a thread polling
-    # free memory every 2 ms).
+    # Calls 3 and 4 as bench_generate makes them: 3 with its streamer (card.CallTimer), 4 with
+    # that streamer and its card sampler (a thread polling free memory every 2 ms).
     for call in range(1, min(max(args.calls, 1), 4) + 1):
         events.clear()
         seen.clear()

@@ -98,14 +98,18 @@ def test_sampler_stops_sampling_on_a_probe_error() -> None:
 
 
 def test_call_timer() -> None:
-    t = card.CallTimer()
+    syncs = []
+    t = card.CallTimer(lambda: syncs.append(t.new_tokens))
     t.begin()
     t.put(torch.zeros(1, 5))  # the prompt
     assert t.prefill_s is None
     for _ in range(3):
         time.sleep(0.01)
         t.put(torch.zeros(1))
+    t.end()
     assert t.new_tokens == 3 and t.prefill_s > 0 and 50 < t.decode_tok_s < 150
+    # the device waited for at begin and end only: a token comes to put() already on the host
+    assert syncs == [0, 3]
 
 
 def test_error_fields_classify_out_of_memory() -> None:

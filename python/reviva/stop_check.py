@@ -29,8 +29,19 @@ from transformers.generation import utils as hf_generation
 #   for it: Note [Window rings]). A stop at max_length is seen on the host at once: a call that
 #   runs to its length runs no extra step, and no step ever passes the cache's capacity.
 # The steps taken back are counted (RevivaCache.undone_steps) and leave the call's decode steps.
-# `is_supported` is replaced while at least one Reviva call defers (a count under a lock) and
-# asks the original for every other cache, so other generate calls decide as before.
+#
+# HF's deferred check also streams each token a step late: the first new token reached a
+# streamer only once the second step had been queued, so a user's time to the first token grew
+# by a decode step (1.53 -> 1.77 s for the 8B streaming its weights on an 8 GB card at 32k, the
+# calls' wall times alike: H200, before and after the deferral), and a streamer that timed the
+# call counted N-1 tokens over N-2 steps with the first step left out. For a Reviva call the
+# first token goes to the streamer at once (the call's one wait for the device, after
+# prefill); the tokens after it come a step late as HF streams them, the last at the end, so
+# the first and last arrive when they exist.
+#
+# While at least one Reviva call defers (a count under a lock), HF's module name
+# DeferredStopCheck is our subclass: its `is_supported` asks the original for every other
+# cache and it behaves as the original for them, so other generate calls decide as before.
 
 _LOCK = threading.Lock()
 _DEFERRING: dict[int, Any] = {}  # id(cache) -> cache, for the calls running now
@@ -43,6 +54,51 @@ def _is_supported(device: Any, cache: Any, cache_is_returned: bool, is_assistant
     if cache is not None and _DEFERRING.get(id(cache)) is cache:
         return device.type == "cuda" and not is_assistant
     return _ORIGINAL.__func__(device, cache, cache_is_returned, is_assistant)
+
+
+class _SkipFirstPut:
+    """A streamer's stand-in that drops the first token handed to it (already streamed)."""
+
+    def __init__(self, streamer: Any) -> None:
+        self.streamer = streamer
+        self.skip = True
+
+    def put(self, value: Any) -> None:
+        if self.skip:
+            self.skip = False
+            return
+        self.streamer.put(value)
+
+
+def _stop_check_class() -> type | None:
+    if _DEFERRED is None:
+        return None
+
+    class RevivaStopCheck(_DEFERRED):  # type: ignore[misc, valid-type]
+        """HF's DeferredStopCheck; for a deferring Reviva call's cache the first new token
+        reaches the streamer at once (Note [A stop decided a step late])."""
+
+        is_supported = staticmethod(_is_supported)
+
+        def __init__(
+            self,
+            input_ids: Any,
+            max_length: Any,
+            cache: Any,
+            cache_is_returned: bool,
+            streamer: Any = None,
+        ) -> None:
+            super().__init__(input_ids, max_length, cache, cache_is_returned, streamer)
+            ours = cache is not None and _DEFERRING.get(id(cache)) is cache
+            self.first_at_once = ours and streamer is not None
+
+        def __call__(self, unfinished_sequences: Any, tokens: Any, length: int) -> bool:
+            if self.first_at_once and self.is_first_step:
+                self.streamer.put(tokens.cpu())  # (waits for prefill's token: the one wait)
+                self.streamer = _SkipFirstPut(self.streamer)  # (HF hands it over next step)
+            return super().__call__(unfinished_sequences, tokens, length)
+
+    return RevivaStopCheck
 
 
 def defers(device: Any, gen: Any) -> bool:
@@ -74,7 +130,7 @@ def deferring(cache: Any, on: bool) -> Iterator[None]:
         return
     with _LOCK:
         if not _DEFERRING:
-            _DEFERRED.is_supported = staticmethod(_is_supported)
+            hf_generation.DeferredStopCheck = _STOP_CHECK
         _DEFERRING[id(cache)] = cache
     try:
         yield
@@ -82,4 +138,7 @@ def deferring(cache: Any, on: bool) -> Iterator[None]:
         with _LOCK:
             del _DEFERRING[id(cache)]
             if not _DEFERRING:
-                _DEFERRED.is_supported = _ORIGINAL
+                hf_generation.DeferredStopCheck = _DEFERRED
+
+
+_STOP_CHECK = _stop_check_class()

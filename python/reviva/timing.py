@@ -1,9 +1,12 @@
 """GenerationTimer: per-phase wall times of any `model.generate` call, through its streamer hook.
 
-generate hands the streamer the prompt first, then each new token as soon as it is chosen (HF's
-loop synchronizes with the device every step to test its stopping criteria; the timer
-synchronizes too, so a timestamp is the moment the token exists). Prefill is the time to the first
-new token; decode rate is the tokens after it over the time after it.
+generate hands the streamer the prompt first, then each new token once it is on the host (HF's
+loop waits for the token's copy: at once, or a step later where the stop is decided a step late,
+as a Reviva call on CUDA does with its first token at once and its last at the end: Note [A stop
+decided a step late] in stop_check.py). The timer waits for the device at begin and end only: a
+wait when a token arrives would wait for the step queued after it, as no user's streamer does.
+Prefill is the time to the first new token; decode rate is the tokens after it over the time
+after it (exact over the call; a token's own time may be a step late).
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ class GenerationTimer(BaseStreamer):
     def put(self, value: torch.Tensor) -> None:
         if self.start is None:
             raise RuntimeError("GenerationTimer: call begin() before generate")
-        self._sync()
         now = time.perf_counter()
         if self._prompt_seen:  # generate puts the prompt first, then each new token
             self.token_times.append(now)

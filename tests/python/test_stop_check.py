@@ -127,14 +127,73 @@ def test_a_cpu_call_waits_for_each_step_and_says_why() -> None:
 
 
 class _Collect(BaseStreamer):
-    def __init__(self) -> None:
+    """Each token handed over, and (given `steps`) the decode steps run when it came."""
+
+    def __init__(self, steps: object = None) -> None:
         self.tokens: list[list[int]] = []
+        self.steps_at: list[int] = []
+        self.steps = steps or (lambda: -1)
 
     def put(self, value: torch.Tensor) -> None:
         self.tokens.append(value.flatten().tolist())
+        self.steps_at.append(self.steps())
 
     def end(self) -> None:
         self.tokens.append([])
+
+
+class _NoEvent:
+    """torch.Event's stand-in on the CPU (HF's deferred check records and waits on events)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _run_stop_check(cache: object, tokens: list[int], eos: int | None) -> tuple[list, int]:
+    """HF's loop around the module's DeferredStopCheck: each token's stop check after its step;
+    returns (token, step when it was streamed) and the steps finish() undoes."""
+    streamed: list[tuple[int, int]] = []
+    step = 0
+
+    class Streamer(BaseStreamer):
+        def put(self, value: torch.Tensor) -> None:
+            streamed.append((int(value.flatten()[0]), step))
+
+    prompt = 5
+    ids = torch.zeros(1, prompt, dtype=torch.long)
+    check = hf_generation.DeferredStopCheck(ids, prompt + len(tokens), cache, False, Streamer())
+    unfinished = torch.ones(1, dtype=torch.long)
+    for step, tok in enumerate(tokens):
+        if tok == eos:
+            unfinished = torch.zeros(1, dtype=torch.long)
+        if check(unfinished, torch.tensor([tok]), prompt + step + 1):
+            break
+    return streamed, check.finish()
+
+
+def test_a_deferring_call_streams_its_first_token_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first new token reaches the streamer at its own step, those after it a step late, the
+    last at the end; no token twice. Another cache meets HF's own check (the first token a step
+    late) while a Reviva call defers."""
+    monkeypatch.setattr(torch, "Event", _NoEvent)
+    ours, theirs = object(), object()
+    tokens = [11, 12, 13, 14, 15]
+    with deferring(ours, True):
+        streamed, undo = _run_stop_check(ours, tokens, None)
+        assert streamed == [(11, 0), (12, 2), (13, 3), (14, 4), (15, 4)] and undo == 0
+        streamed, undo = _run_stop_check(ours, tokens, 13)  # (an EOS: the step past it undone)
+        assert streamed == [(11, 0), (12, 2), (13, 3)] and undo == 1
+        streamed, undo = _run_stop_check(ours, tokens[:1], None)  # (one new token)
+        assert streamed == [(11, 0)] and undo == 0
+        streamed, undo = _run_stop_check(theirs, tokens, None)
+        assert streamed == [(11, 1), (12, 2), (13, 3), (14, 4), (15, 4)] and undo == 0
+    assert hf_generation.DeferredStopCheck is reviva.stop_check._DEFERRED
 
 
 def _eos_at(ref: torch.Tensor, prompt: int, first: int) -> tuple[int, int]:
@@ -173,11 +232,13 @@ def test_gpu_an_early_stop_a_step_late_gives_hfs_tokens(family: str, config: dic
     assert ref_eos.shape[1] == 40 + k + 1  # (HF stops at the EOS)
     manager = RevivaManager(model, RevivaConfig(**config))
     for _ in range(3):
-        streamer = _Collect()
+        streamer = _Collect(lambda: manager._phase.get("decode_steps", 0))
         out = manager.generate(ids, streamer=streamer, **kw)
         st = manager.get_memory_stats()
         assert torch.equal(out, ref_eos)
         assert streamer.tokens == hf_streamer.tokens
+        # the prompt and the first new token before any decode step; the second a step late
+        assert streamer.steps_at[:3] == [0, 0, 2], streamer.steps_at
         assert st["decode_stop"] == "deferred"
         assert st["decode_steps_undone"] == 1 and st["decode_steps"] == k
     full = manager.generate(ids, max_new_tokens=new, do_sample=False)
