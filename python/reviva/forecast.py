@@ -13,9 +13,12 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
   of rows at 64k, c27175f), and the weights at FP8_STEP_WEIGHT_READ_BPS: its step is one CUDA
   graph a layer on Reviva's row operations (Note [Decode row ops]) and, since 20f78a6, the host
   no longer waits for the device each step (stop_check.py), so the host's costs folded into
-  WEIGHT_READ_BPS above are not there. Fitted to the H200's 64k on a 24 GB card at 20f78a6,
-  every layer resident: 135.0 tok/s over 31 steps (7.41 ms a step: 4.43 GB of rows at 1.64 TB/s
-  leaves 4.71 ms for 16.06 GB of weights, generate-fp8-64k-h200-2026-12-06-20f78a6.json). bf16's
+  WEIGHT_READ_BPS above are not there. Fitted to the H200's whole-card 64k at d245ca8, every
+  layer resident: 140.6 tok/s over 31 steps (call 2; 7.11 ms a step: 4.43 GB of rows at 1.64
+  TB/s leaves 4.41 ms for 16.06 GB of weights, generate-fp8-64k-h200-2026-12-06-d245ca8.json;
+  the 24 GB card's call, its first step promoting 14 layers back, 120.9 tok/s). The 135.0 of
+  20f78a6 this was fitted to before came from a streamer that waited for the step after each
+  token and left the first decode step out (Note [A stop decided a step late]). bf16's
   steps (attention eager between two replays) keep WEIGHT_READ_BPS: not re-measured on the H200
   since the host stopped waiting.
 - decode, transfer: the streamed layers' K/V, and the streamed layers' weights (Note [Streamed
@@ -64,7 +67,7 @@ PCIE_BPS = 55e9
 WEIGHT_READ_BPS = 1.82e12
 KV_READ_BPS = 3.9e12
 FP8_ROWS_READ_BPS = 1.64e12
-FP8_STEP_WEIGHT_READ_BPS = 3.41e12
+FP8_STEP_WEIGHT_READ_BPS = 3.64e12
 LINEAR_FLOPS = 546e12
 WHOLE_ATTENTION_FLOPS = 530e12
 CHUNKED_ATTENTION_FLOPS = 325e12

@@ -54,15 +54,16 @@ def test_fp8_estimate_against_the_h200(capsys: pytest.CaptureFixture[str]) -> No
     attends the whole prompt through the shadow as bf16's does there, with 14 layers' K/V
     streamed to make the queries' room, and decode keeps every layer (the 14 promoted back, the
     first step's extra). The step at the fused kernel's and the fp8 graphs' rates (forecast.py)
-    against call 2 of generate-fp8-64k-h200-2026-12-06-20f78a6.json, which had every layer
-    resident from the start: 135.0 tok/s."""
+    against call 2 of generate-fp8-64k-h200-2026-12-06-d245ca8.json: 140.6 tok/s on the whole
+    card (every layer resident from the start), 120.9 over the call on the 24 GB card."""
     out = plan_json(capsys, "--context", "64k", "--kv-dtype", "fp8")
     f, plan = out["forecast"], out["plan"]
     assert plan["whole_attention"] and plan["kv_fp8_shadow_bytes"] > 0
     assert len(plan["resident_layers"]) == 18, plan["resident_layers"]
     assert out["promotable_layers"] == 14, out  # decode: all 32 resident
     assert f["first_step_extra_s"] > 0, f  # the promotions after prefill
-    assert abs(f["decode_tok_s"] / 135.0 - 1) <= 0.12, f["decode_tok_s"]
+    assert abs(f["decode_tok_s"] / 140.6 - 1) <= 0.12, f["decode_tok_s"]
+    assert abs(f["decode_call_tok_s"] / 120.9 - 1) <= 0.12, f["decode_call_tok_s"]
     assert f["decode_bound"] == "compute"
     # the same prefill as bf16's on this card (whole attention, flash; the streamed layers'
     # copies run under the compute), whose forecast is held to the H200 above
