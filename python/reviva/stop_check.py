@@ -47,13 +47,12 @@ _LOCK = threading.Lock()
 _DEFERRING: dict[int, Any] = {}  # id(cache) -> cache, for the calls running now
 # (transformers releases before DeferredStopCheck: every call waits each step, as HF's own do)
 _DEFERRED = getattr(hf_generation, "DeferredStopCheck", None)
-_ORIGINAL = None if _DEFERRED is None else _DEFERRED.__dict__["is_supported"]
 
 
 def _is_supported(device: Any, cache: Any, cache_is_returned: bool, is_assistant: bool) -> bool:
     if cache is not None and _DEFERRING.get(id(cache)) is cache:
         return device.type == "cuda" and not is_assistant
-    return _ORIGINAL.__func__(device, cache, cache_is_returned, is_assistant)
+    return _DEFERRED.is_supported(device, cache, cache_is_returned, is_assistant)  # (HF's rule)
 
 
 class _SkipFirstPut:
