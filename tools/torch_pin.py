@@ -16,8 +16,11 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-# Without torch: what an sdist says (a wheel built from it pins its own torch).
-TORCH_RANGE = "torch>=2.4"
+# The tested range (scripts/test runs the lowest, scripts/test-newest the highest): what an sdist
+# says; a wheel built from it pins its own torch, which must be inside it.
+TORCH_LOWEST = (2, 11)
+TORCH_FIRST_UNTESTED = (2, 16)
+TORCH_RANGE = "torch>=2.11,<2.16"
 OTHERS = ["numpy"]
 
 _state = "metadata_wheel"
@@ -41,7 +44,13 @@ def installed_torch() -> str:
             text=True,
         )
         if r.returncode == 0:
-            major, minor = r.stdout.strip().split("+")[0].split(".")[:2]
+            version = r.stdout.strip()
+            major, minor = version.split("+")[0].split(".")[:2]
+            if not TORCH_LOWEST <= (int(major), int(minor)) < TORCH_FIRST_UNTESTED:
+                raise RuntimeError(
+                    f"reviva: torch {version} is installed, and Reviva is tested with "
+                    f"{TORCH_RANGE}: install a tested torch first (pip install '{TORCH_RANGE}')"
+                )
             return f"{major}.{minor}"
     raise RuntimeError(
         f"reviva: torch is not importable by {sys.executable}: install torch first (reviva._C "

@@ -166,8 +166,17 @@ def inspect_model(model: nn.Module) -> DecoderLayout:
         )
     for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         _need(cfg, name, "model.config")
-    cap = getattr(layers[0].self_attn, "attn_logit_softcapping", None)
     impl = getattr(cfg, "_attn_implementation", None)
+    if impl != "sdpa" and not getattr(type(model), "_supports_sdpa", True):
+        # (transformers 5.25 runs Gemma 2 eager only, its scores soft-capped and its sliding
+        # layers masked by HF's eager masks: Reviva's paths are verified against HF's sdpa)
+        raise ValueError(
+            f"RevivaManager: this transformers runs {type(model).__name__} with "
+            f"attn_implementation={impl!r} only (its sdpa path is gone), and Reviva's attention "
+            "is verified against HF's sdpa path for it; use a transformers that runs it with "
+            "sdpa (5.17)"
+        )
+    cap = getattr(layers[0].self_attn, "attn_logit_softcapping", None)
     if cap is not None and impl != "sdpa":
         raise ValueError(
             f"RevivaManager: attention scores soft-capped at {cap} (Gemma 2) with "

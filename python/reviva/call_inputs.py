@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache
 from reviva import switches
 from reviva.adapters import DecoderLayout
 from reviva.config import RevivaConfig
+from reviva.hf_versions import pop_cache
 from reviva.kv_cache import RevivaCache
 from reviva.kv_fp8 import row_bytes as fp8rows_width
 from reviva.planner import Plan
@@ -90,7 +91,7 @@ def read_call(layout: DecoderLayout, inputs: Any, kwargs: dict[str, Any]) -> Cal
         # cache is what bounds the call's memory: it runs with it, the same tokens)
         kwargs.pop("use_cache")
     # Note [A returned cache] (returned_cache.py): a cache to continue from, as parked K/V
-    past = kwargs.pop("past_key_values", None)
+    past = pop_cache(kwargs, "RevivaManager.generate")
     if isinstance(past, Cache) and not isinstance(past, RevivaCache):
         if not getattr(past, "layers", None) or past.get_seq_length() == 0:
             raise ValueError(

@@ -58,6 +58,7 @@ from reviva._C import RevivaOutOfMemoryError
 from reviva.adapters import inspect_model
 from reviva.finetune_forwards import _MLP_LAST, _TOKEN_WISE, FinetuneForwards
 from reviva.finetune_step import FinetuneStepPlan, _run_directly
+from reviva.hf_versions import check_transformers
 from reviva.host_checkpoints import _Checkpoints
 from reviva.host_embedding import HostEmbedding
 from reviva.resources import device_resources
@@ -359,6 +360,7 @@ def finetune(
 
     Train as usual afterwards (plain PyTorch, HF's Trainer, TRL's SFTTrainer): the model's
     forwards are Reviva's until close()."""
+    check_transformers("reviva.finetune")  # Note [Tested transformers]
     t = time.perf_counter()
     tuner = Finetune(
         model,

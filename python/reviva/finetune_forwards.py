@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from reviva.hf_versions import layer_cache
 from reviva.host_checkpoints import _Checkpoint
 from reviva.token_chunks import (
     chunked,
@@ -142,7 +143,7 @@ class FinetuneForwards:
 
     def _layer_forward(self, i: int) -> Callable[..., Any]:
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("past_key_values") is not None and torch.is_grad_enabled():
+            if layer_cache(kwargs) is not None and torch.is_grad_enabled():
                 raise ValueError(
                     "reviva.finetune: a training forward with a K/V cache (use_cache=True) "
                     "would write each layer's K/V twice (forward and recompute); pass "
@@ -196,7 +197,7 @@ class FinetuneForwards:
     def _loss_forward(self, causal: nn.Module, labels: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        if kwargs.get("past_key_values") is not None:
+        if layer_cache(kwargs) is not None:
             raise ValueError(
                 "reviva.finetune: labels with past_key_values: a loss over a cached prefix is not "
                 "supported (the chunked loss needs the whole sequence's hidden states)"

@@ -27,6 +27,7 @@ from reviva._C import RevivaOutOfMemoryError
 from reviva.block_attention import call_kernel
 from reviva.call_inputs import CallRequest, read_call, refuse_for_plan, share_rows
 from reviva.call_stats import call_trace, collect
+from reviva.hf_versions import cache_argument
 from reviva.host_copies import pin_host_copies
 from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan, rings_wanted
@@ -288,7 +289,7 @@ class GenerateCall:
             self._in_own_call = True
             try:
                 return self.layout.model.generate(
-                    request.inputs, past_key_values=cache, **request.kwargs
+                    request.inputs, **{cache_argument(): cache}, **request.kwargs
                 )
             except torch.OutOfMemoryError as e:
                 if isinstance(e, RevivaOutOfMemoryError):

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from reviva.hf_versions import layer_cache
+
 _MISSING = object()
 # Which manager has wrapped a model's layers: a second one on the same model (in this thread or
 # another) is refused rather than left to interleave its wrappers with the first's.
@@ -158,7 +160,7 @@ class HFSurface:
                 return run(hidden_states, *args, **kwargs)
             # (Note [Streamed weights]: its parameters on the device; a decode step's layer
             # takes them one block at a time, Note [Layers in parts])
-            cache = kwargs.get("past_key_values")
+            cache = layer_cache(kwargs)
             prompt = hidden_states is self._placeholder or (
                 hidden_states.shape[1] > 1
                 and (cache is None or cache.get_seq_length(i) == self._prefix)
@@ -172,7 +174,7 @@ class HFSurface:
                 weights.release(i)
 
         def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            cache = kwargs.get("past_key_values")
+            cache = layer_cache(kwargs)
             if cache is not self._cache or cache is None:
                 return original(hidden_states, *args, **kwargs)
             if hidden_states is self._placeholder and self._residual is not None:

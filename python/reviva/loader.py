@@ -109,7 +109,10 @@ def from_pretrained(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from reviva.adapters import inspect_model
+    from reviva.hf_versions import check_transformers
     from reviva.manager import RevivaManager
+
+    check_transformers("reviva.from_pretrained")  # (before any weight is read)
 
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"reviva.from_pretrained: dtype must be a float dtype, got {dtype}")

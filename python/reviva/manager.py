@@ -38,6 +38,7 @@ from reviva.decode_placement import DecodePlacement
 from reviva.generate_call import CallOutOfMemoryError, GenerateCall
 from reviva.graph_capture import take_matmul_workspaces
 from reviva.hf_surface import _MISSING, HFSurface
+from reviva.hf_versions import check_transformers
 from reviva.host_copies import _reserve_host_copies
 from reviva.host_embedding import HostEmbedding
 from reviva.kv_cache import RevivaCache
@@ -83,6 +84,7 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
         """fill_layer(i, layer): for a model whose decoder layers are on the meta device (built
         without memory), writes layer i's parameter values once they have their place in pinned
         host memory (RevivaConfig.stream_weights; reviva.weights)."""
+        check_transformers("RevivaManager")  # Note [Tested transformers]
         if config is None:
             config = RevivaConfig()
         if not isinstance(config, RevivaConfig):

@@ -64,7 +64,42 @@ SLIDING = {
 }
 
 
+def gemma2_runs_sdpa() -> bool:
+    """Whether this transformers runs Gemma 2 through sdpa (5.17: yes, its scores uncapped;
+    5.25: no, eager with the cap)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2PreTrainedModel
+
+    return bool(Gemma2PreTrainedModel._supports_sdpa)
+
+
+def test_gemma2_off_hfs_sdpa_path_is_refused_by_name() -> None:
+    """Gemma 2's attention scores soft-capped (HF's eager path) are refused, naming the cap and
+    the implementation, before anything is wrapped; HF's sdpa (where this transformers runs it)
+    leaves them uncapped, which Reviva matches. A transformers that runs Gemma 2 eager only
+    (5.25) is refused by name whatever the config (Note [Tested transformers])."""
+    torch.manual_seed(0)
+    cfg = Gemma2Config(**TINY, head_dim=16)
+    cfg.pad_token_id = 0
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    why = "soft-capped at 50.0 .*'eager'" if gemma2_runs_sdpa() else "with .*'eager' only"
+    with pytest.raises(ValueError, match=why):
+        RevivaManager(model)
+    assert "forward" not in model.model.layers[0].__dict__
+    if not gemma2_runs_sdpa():
+        with pytest.raises(ValueError, match="Gemma2ForCausalLM with attn_implementation"):
+            RevivaManager(build_tiny("gemma2_sliding"))
+
+
 def tiny_model(family: str, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
+    if family.startswith("gemma2") and not gemma2_runs_sdpa():
+        pytest.skip(
+            "this transformers runs Gemma 2 eager only, which RevivaManager refuses by name "
+            "(test_gemma2_off_hfs_sdpa_path_is_refused_by_name)"
+        )
+    return build_tiny(family, seed, device)
+
+
+def build_tiny(family: str, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(seed)
     if family in SLIDING:
         cfg = SLIDING[family]()
