@@ -30,6 +30,7 @@ from reviva.call_stats import call_trace, collect
 from reviva.host_copies import pin_host_copies
 from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan, rings_wanted
+from reviva.returned_cache import without_cache
 from reviva.stop_check import deferring, defers
 from reviva.trace import PrefillProgress
 
@@ -94,9 +95,12 @@ class GenerateCall:
             cache = self._new_cache(plan, request.batch, share)
             self._ready_cache(cache, plan, request, share)
             out = self._run_model_generate(request, cache, plan)
-            returned = bool(request.gen.return_dict_in_generate)  # (a call that raised: none)
+            # (a call that raised returns none; one without a cache, as HF's, none either)
+            returned = bool(request.gen.return_dict_in_generate) and request.returns_cache
         finally:
             self._end_call(cache, plan, returned)
+        if request.gen.return_dict_in_generate and not request.returns_cache:
+            out = without_cache(out)
         return out
 
     def _plan_call(self, request: CallRequest) -> tuple[Plan, int, int]:
