@@ -84,6 +84,7 @@ class GenerateCall:
     """RevivaManager's generate call, from its arguments to its statistics (see the module)."""
 
     def _generate(self, inputs: Any, kwargs: dict[str, Any]) -> Any:
+        switches.check_all()  # (a bad value refused whichever of them the call's path reads)
         request = read_call(self.layout, inputs, kwargs)
         self.arena.reclaim(True)  # memory a previous call gave back is free before planning
         plan, share, past_tokens = self._plan_call(request)
