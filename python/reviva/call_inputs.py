@@ -43,6 +43,7 @@ class CallRequest:
     tokens: int  # the prompt's tokens (a continued cache's included)
     new_tokens: int
     padded: bool  # an attention mask that masks something
+    returns_cache: bool  # HF's generate would return a cache (use_cache, or inputs_embeds)
 
 
 def read_call(layout: DecoderLayout, inputs: Any, kwargs: dict[str, Any]) -> CallRequest:
@@ -86,21 +87,14 @@ def read_call(layout: DecoderLayout, inputs: Any, kwargs: dict[str, Any]) -> Cal
             f"{layout.dtype} when the manager wrapped it; change the dtype before "
             "wrapping (e.g. model.half() then RevivaManager(model))"
         )
-    if kwargs.get("use_cache") is False:
-        # (HF recomputes the whole sequence at every step without a cache; the manager's
-        # cache is what bounds the call's memory: it runs with it, the same tokens)
-        kwargs.pop("use_cache")
     # Note [A returned cache] (returned_cache.py): a cache to continue from, as parked K/V
     past = pop_cache(kwargs, "RevivaManager.generate")
     if isinstance(past, Cache) and not isinstance(past, RevivaCache):
         if not getattr(past, "layers", None) or past.get_seq_length() == 0:
-            raise ValueError(
-                f"RevivaManager.generate: an empty {type(past).__name__} passed as "
-                "past_key_values, for the call to fill: the manager keeps a call's K/V in its "
-                "own cache (on the device and in pinned host memory); leave past_key_values "
-                "unset, and continue a chat from the call's own cache (return_dict_in_generate="
-                "True, then past_key_values=out.past_key_values)"
-            )
+            # (an HF cache holding no token, e.g. a DynamicCache made before a chat's first
+            # turn: HF runs the whole prompt into it, as into the cache it makes itself; the
+            # call's own cache holds its K/V and is the one returned: Note [A returned cache])
+            past = None
     continued = None if past is None else parked_of(layout, past, shape, embeds is not None)
     if kwargs.get("cache_implementation") is not None:
         # (transformers takes cache_implementation from a fixed list, with no registry to
@@ -113,6 +107,12 @@ def read_call(layout: DecoderLayout, inputs: Any, kwargs: dict[str, Any]) -> Cal
     gen = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     gen_kwargs = {k: v for k, v in kwargs.items() if hasattr(gen, k)}
     gen.update(**gen_kwargs)
+    # Without a cache (use_cache=False, in the call or a generation config) HF recomputes the
+    # whole sequence at every step and returns no cache; the manager's cache is what bounds the
+    # call's memory: the call runs with it (the same tokens) and returns none, as HF (HF caches
+    # anyway for inputs_embeds, and returns that cache).
+    returns_cache = gen.use_cache is not False or embeds is not None
+    kwargs["use_cache"] = True
     if gen.output_attentions:
         raise ValueError(
             "RevivaManager.generate does not support output_attentions=True: prefill runs "
@@ -134,7 +134,18 @@ def read_call(layout: DecoderLayout, inputs: Any, kwargs: dict[str, Any]) -> Cal
     mask = kwargs.get("attention_mask")
     padded = mask is not None and not bool(mask.all())
     return CallRequest(
-        inputs, kwargs, embeds, continued, gen, beams, rows, batch, tokens, new_tokens, padded
+        inputs,
+        kwargs,
+        embeds,
+        continued,
+        gen,
+        beams,
+        rows,
+        batch,
+        tokens,
+        new_tokens,
+        padded,
+        returns_cache,
     )
 
 

@@ -113,15 +113,96 @@ _CONFIG_LIMITS = {
 }
 
 
-def _config_error(cfg: object) -> str | None:
+# Other numbers the plan reads where a config gives them (None: not used by this model): a
+# window, a count of layers or experts of 0 or less planned nonsense ("rings of 3578 tokens").
+# key -> (least, most); max_window_layers may be 0 (every layer slides, Qwen2's meaning).
+_OPTIONAL_LIMITS = {
+    "sliding_window": (1, 1 << 31),
+    "max_window_layers": (0, 1 << 31),
+    "max_position_embeddings": (1, 1 << 31),
+    "num_local_experts": (1, 1 << 16),
+    "num_experts": (1, 1 << 16),
+    "num_experts_per_tok": (1, 1 << 16),
+    "moe_intermediate_size": (1, 1 << 20),
+    "sliding_window_pattern": (1, 4096),
+    "no_rope_layer_interval": (1, 4096),
+}
+
+# The keys the plan's sizes come from: a config.json must give each one its model's config
+# class has a default for (HF would plan that default silently: a config of a model_type alone
+# planned transformers' Llama-7B); one whose default is None HF derives (num_key_value_heads:
+# the heads; head_dim: hidden_size / heads). The window's keys only where the model slides.
+_PLAN_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+_WINDOW_KEYS = ("sliding_window", "max_window_layers")
+
+
+def _int_error(name: str, value: object, least: int, most: int) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        return f"{name} must be an integer in [{least}, {most}], got {value!r}"
+    return None
+
+
+def _missing_keys(cfg: object, given: dict) -> list[str]:
+    """The keys the plan needs (_PLAN_KEYS, _WINDOW_KEYS where the model slides) that the
+    config file does not give and the config class would fill with a default of its own."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cfg):
+        return []  # (no defaults to tell apart: a config class of another kind)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    keys = list(_PLAN_KEYS)
+    if getattr(cfg, "sliding_window", None) is not None:
+        keys += _WINDOW_KEYS
+    text = given.get("text_config") if isinstance(given.get("text_config"), dict) else {}
+    aliases = getattr(cfg, "attribute_map", {})  # (an alias -> the key it stands for)
+    names = {k: {k} | {a for a, real in aliases.items() if real == k} for k in keys}
+    return [
+        k
+        for k in keys
+        if defaults.get(k, dataclasses.MISSING) not in (None, dataclasses.MISSING)
+        and not names[k] & (given.keys() | text.keys())
+    ]
+
+
+def _config_error(cfg: object, given: dict) -> str | None:
     """Why a model config cannot be planned (a size missing, not a positive integer, beyond
-    _CONFIG_LIMITS, or heads that do not divide), or None."""
+    _CONFIG_LIMITS, heads that do not divide, or another number the plan reads out of
+    _OPTIONAL_LIMITS, named as `given`, the config file's keys, spells it), or None."""
     for name, most in _CONFIG_LIMITS.items():
         value = getattr(cfg, name, None)
         if value is None and name in ("num_key_value_heads", "head_dim", "intermediate_size"):
             continue  # (optional: HF derives them)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most:
-            return f"{name} must be an integer in [1, {most}], got {value!r}"
+        why = _int_error(name, value, 1, most)
+        if why is not None:
+            return why
+    aliases = getattr(cfg, "attribute_map", {})  # (an alias -> the key it stands for)
+    checked = set()
+    for name, (least, most) in _OPTIONAL_LIMITS.items():
+        key = aliases.get(name, name)
+        if key in checked:
+            continue  # (one key under two names: said once, as the file spells it)
+        checked.add(key)
+        value = getattr(cfg, name, None)
+        spelled = [n for n in (name, key, *aliases) if aliases.get(n, n) == key and n in given]
+        why = None if value is None else _int_error(next(iter(spelled), name), value, least, most)
+        if why is not None:
+            return why
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    routed = getattr(cfg, "num_experts_per_tok", None)
+    if experts and routed and routed > experts:
+        return f"num_experts_per_tok {routed} is more than the model's {experts} experts"
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or 0
     if kv and heads % kv:
         return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
@@ -155,16 +236,35 @@ def _config(args: argparse.Namespace) -> object | None:
                     file=sys.stderr,
                 )
                 return None
+        given = _given_keys(args.model)
     except Exception as e:  # noqa: BLE001 (any config transformers cannot read: said, not raised)
         print(
             f"reviva plan: --model {args.model!r}: its config cannot be read: {e}", file=sys.stderr
         )
         return None
-    why = _config_error(cfg)
+    why = None
+    missing = _missing_keys(cfg, given)
+    if missing:
+        why = (
+            f"the config does not give {', '.join(missing)}: the plan would take "
+            f"transformers' defaults for a {getattr(cfg, 'model_type', '?')} model; give "
+            "them in the config"
+        )
+    why = why or _config_error(cfg, given)
     if why is not None:
         print(f"reviva plan: --model {args.model!r}: {why}", file=sys.stderr)
         return None
     return cfg
+
+
+def _given_keys(model: str) -> dict:
+    """The keys the model's config file gives (a preset: its fields), read as transformers reads
+    them (a config.json, a folder holding one, a model id in the Hugging Face cache)."""
+    if model in PRESETS:
+        return dict(PRESETS[model])
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig.get_config_dict(model, local_files_only=True)[0]
 
 
 def _dtype_of(cfg: object) -> torch.dtype:

@@ -31,6 +31,7 @@ from reviva.hf_versions import cache_argument
 from reviva.host_copies import pin_host_copies
 from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan, rings_wanted
+from reviva.returned_cache import without_cache
 from reviva.stop_check import deferring, defers
 from reviva.trace import PrefillProgress
 
@@ -84,6 +85,7 @@ class GenerateCall:
     """RevivaManager's generate call, from its arguments to its statistics (see the module)."""
 
     def _generate(self, inputs: Any, kwargs: dict[str, Any]) -> Any:
+        switches.check_all()  # (a bad value refused whichever of them the call's path reads)
         request = read_call(self.layout, inputs, kwargs)
         self.arena.reclaim(True)  # memory a previous call gave back is free before planning
         plan, share, past_tokens = self._plan_call(request)
@@ -95,9 +97,12 @@ class GenerateCall:
             cache = self._new_cache(plan, request.batch, share)
             self._ready_cache(cache, plan, request, share)
             out = self._run_model_generate(request, cache, plan)
-            returned = bool(request.gen.return_dict_in_generate)  # (a call that raised: none)
+            # (a call that raised returns none; one without a cache, as HF's, none either)
+            returned = bool(request.gen.return_dict_in_generate) and request.returns_cache
         finally:
             self._end_call(cache, plan, returned)
+        if request.gen.return_dict_in_generate and not request.returns_cache:
+            out = without_cache(out)
         return out
 
     def _plan_call(self, request: CallRequest) -> tuple[Plan, int, int]:

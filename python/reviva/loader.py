@@ -79,7 +79,8 @@ class _Reader:
         self.alias: dict[str, str] = {}  # a name -> the name the file holds it under
         self._open: dict[str, Any] = {}
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str) -> tuple[Any, str]:
+        """The open file holding a tensor, and the name the file holds it under."""
         from safetensors import safe_open
 
         file = self.weight_map.get(name)
@@ -88,7 +89,16 @@ class _Reader:
             raise ValueError(f"reviva.from_pretrained: the checkpoint has no tensor {name!r}")
         if file not in self._open:
             self._open[file] = safe_open(file, framework="pt")
-        return self._open[file].get_tensor(name)
+        return self._open[file], name
+
+    def get(self, name: str) -> torch.Tensor:
+        handle, stored = self._handle(name)
+        return handle.get_tensor(stored)
+
+    def shape(self, name: str) -> list[int]:
+        """The tensor's shape, from its file's header (no data read)."""
+        handle, stored = self._handle(name)
+        return list(handle.get_slice(stored).get_shape())
 
     def close(self) -> None:
         self._open.clear()
@@ -127,6 +137,7 @@ def from_pretrained(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     model.eval()
+    model.generation_config = _generation_config(folder)
     layout = inspect_model(model)
     missing = [n for n, _ in model.named_parameters() if n not in weight_map]
     prefix_of = {id(module): name for name, module in model.named_modules()}
@@ -145,6 +156,18 @@ def from_pretrained(
         for n in pair:
             weight_map.setdefault(n, weight_map[held])
             reader.alias[n] = held
+    # Every tensor's shape is its parameter's, before anything is read: copy_ would broadcast a
+    # [1, n] tensor into an [m, n] place, and a parameter outside the layers would take the
+    # tensor's shape, where transformers refuses both; a config.json that disagrees with the
+    # tensors is named here too (not by a size error deep in a layer's copy).
+    for name, p in model.named_parameters():
+        held = reader.shape(name)
+        if held != list(p.shape):
+            raise ValueError(
+                f"reviva.from_pretrained: the checkpoint's {name} has shape {held}, the model "
+                f"built from {folder}/config.json wants {list(p.shape)} (the config and the "
+                "tensors disagree)"
+            )
     # the parts outside the decoder layers, on the compute device
     with torch.no_grad():
         for module_name, module in model.named_modules():
@@ -180,6 +203,24 @@ def from_pretrained(
     model.reviva = manager
     log.info("reviva: %s loaded layer by layer (%d layers)", folder, layout.num_layers)
     return model
+
+
+def _generation_config(folder: str) -> Any:
+    """The folder's generation_config.json (eos ids, sampling defaults), else one made from its
+    config.json: as transformers' from_pretrained loads it (GenerationMixin.adjust_generation_fn);
+    from_config alone would keep the config's defaults and e.g. a list of eos ids unread."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(folder, _from_auto=True, local_files_only=True)
+    except OSError:  # (no generation_config.json: transformers' own fallback)
+        return GenerationConfig.from_pretrained(
+            folder,
+            config_file_name="config.json",
+            _from_auto=True,
+            _from_model_config=True,
+            local_files_only=True,
+        )
 
 
 def _generate_through(model: nn.Module, manager: Any) -> None:

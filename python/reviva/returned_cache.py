@@ -6,6 +6,8 @@ cache's parked, parked_length and parked_bytes (and, through write, the store).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from reviva import kv_fp8 as fp8rows
@@ -26,7 +28,18 @@ from reviva import kv_fp8 as fp8rows
 # (Plan.past_tokens); a padded batch's new tokens attend under HF's mask of their rows; a paged
 # layer is parked page by page and loaded into pages; an HF cache's sliding layer that keeps its
 # window alone is written at its positions, zeros before (never read: its queries start at their
-# window); a call that raises parks nothing (it returns no cache).
+# window); a call that raises parks nothing (it returns no cache). As HF's generate: a call with
+# use_cache=False returns no cache (its output's past_key_values None, nothing parked; it still
+# runs with the manager's cache, the same tokens), and an HF cache holding no token passed as
+# past_key_values is no cache to continue from (the call's own is returned; the caller's empty
+# cache is left empty, where HF fills it in place).
+
+
+def without_cache(out: Any) -> Any:
+    """HF's generate output `out` as HF returns it from a call without a cache (use_cache=False):
+    its past_key_values None, no key for it (a ModelOutput keeps a key set to None in its
+    items, so the output is made again from its other fields)."""
+    return type(out)(**{k: v for k, v in out.items() if k != "past_key_values"})
 
 
 class ReturnedCache:

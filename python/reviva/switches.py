@@ -25,7 +25,8 @@ Comparisons (one mechanism off, to measure against it):
   [Window rings]).
 
 On/off switches read "1", "true", "on", "yes" as on and "0", "false", "off", "no" as off (any
-case; unset or empty: the default); any other value is refused naming the variable. Test and
+case; unset or empty: the default); any other value is refused naming the variable, at every
+generate call (check_all), also where the call's path does not read it. Test and
 build scripts have their own variables (REVIVA_TEST_SCALE, REVIVA_FUZZ_SEED, REVIVA_GIT_SHA,
 ...), read by those scripts alone.
 """
@@ -87,6 +88,12 @@ def pin_mode() -> str:
     return mode
 
 
+# The most host attention threads a process may ask for: the core starts up to that many
+# workers and keeps them (src/host_attention.cpp), and the binding takes a C int; a larger
+# number failed mid-call as pybind's TypeError (2^64) or asked for millions of threads.
+MAX_HOST_ATTENTION_THREADS = 4096
+
+
 def host_attention_threads() -> int:
     """Host threads for attention on the host: REVIVA_HOST_ATTENTION_THREADS, else every CPU
     this process may run on."""
@@ -97,11 +104,29 @@ def host_attention_threads() -> int:
         threads = int(value)
     except ValueError:
         threads = 0
-    if threads < 1:
+    if not 1 <= threads <= MAX_HOST_ATTENTION_THREADS:
         raise ValueError(
-            f"REVIVA_HOST_ATTENTION_THREADS={value!r} must be a whole number >= 1 (host threads)"
+            f"REVIVA_HOST_ATTENTION_THREADS={value!r} must be a whole number in [1, "
+            f"{MAX_HOST_ATTENTION_THREADS}] (host threads)"
         )
     return threads
+
+
+def check_all() -> None:
+    """Every switch the package reads, read once: a value it refuses is refused here, at the
+    start of each generate call, and not only by the paths that read it (a bad
+    REVIVA_FETCH_WINDOWS passed every call that fetched no sliding window)."""
+    for read in (
+        progress,
+        fetch_windows,
+        share_prompt,
+        routed_experts,
+        window_rings,
+        decode_row_ops,
+        pin_mode,
+        host_attention_threads,
+    ):
+        read()
 
 
 def smollm2_gguf() -> str | None:

@@ -1482,9 +1482,8 @@ def test_eager_compiled_use_cache_and_what_is_refused_by_name() -> None:
     """HF's own options, honoured or refused by name: attn_implementation="eager" (HF's
     fallback, registered nowhere) gives HF's tokens; a torch.compile'd model (no generate of its
     own) runs the module it wraps; use_cache=False gives the same tokens (the manager's cache is
-    what bounds memory); an empty DynamicCache for the call to fill, and a model whose dtype
-    changed after wrapping, are refused naming what to do."""
-    from transformers import DynamicCache
+    what bounds memory; test_use_cache_false_returns_no_cache_as_hf); a model whose dtype
+    changed after wrapping is refused naming what to do."""
 
     ids = torch.randint(1, 211, (1, 30), generator=torch.Generator().manual_seed(23))
     kw = dict(max_new_tokens=6, do_sample=False)
@@ -1498,11 +1497,69 @@ def test_eager_compiled_use_cache_and_what_is_refused_by_name() -> None:
     assert torch.equal(RevivaManager(compiled).generate(ids, **kw), ref)
     manager = RevivaManager(copy.deepcopy(model))
     assert torch.equal(manager.generate(ids, use_cache=False, **kw), ref)
-    with pytest.raises(ValueError, match="an empty DynamicCache passed as past_key_values"):
-        manager.generate(ids, past_key_values=DynamicCache(), **kw)
     manager.model.half()
     with pytest.raises(ValueError, match="parameters are torch.float16 now, torch.float32 when"):
         manager.generate(ids, **kw)
+
+
+def test_use_cache_false_returns_no_cache_as_hf() -> None:
+    """use_cache=False (in the call, or in the model's generation_config) runs with the manager's
+    cache (what bounds its memory: the same tokens) and returns what HF's generate returns: with
+    return_dict_in_generate=True an output without past_key_values (None; nothing parked in
+    pinned host memory), its other fields HF's; inputs_embeds, where HF caches anyway, returns
+    the cache as HF does."""
+    model = tiny_model("llama", seed=26)
+    ids = torch.randint(1, 211, (2, 30), generator=torch.Generator().manual_seed(27))
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 2, 30, 6, 2)))
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    ref = model.generate(ids, use_cache=False, **kw)
+    got = manager.generate(ids, use_cache=False, **kw)
+    assert ref.past_key_values is None and "past_key_values" not in ref
+    assert type(got) is type(ref) and list(got.keys()) == list(ref.keys()), got.keys()
+    assert got.past_key_values is None
+    assert torch.equal(got.sequences, ref.sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got.scores, ref.scores, strict=True))
+    assert manager.get_memory_stats().returned_cache_host_bytes == 0
+    assert torch.equal(manager.generate(ids, use_cache=False, max_new_tokens=6), ref.sequences)
+    # the model's own generation_config saying it
+    model.generation_config.use_cache = False
+    try:
+        ref = model.generate(ids, **kw)
+        got = manager.generate(ids, **kw)
+        assert got.past_key_values is None and list(got.keys()) == list(ref.keys())
+        assert torch.equal(got.sequences, ref.sequences)
+        got = manager.generate(ids, use_cache=True, **kw)  # (the call's word over the model's)
+        assert got.past_key_values.get_seq_length() == 35
+    finally:
+        model.generation_config.use_cache = True
+    embeds = model.get_input_embeddings()(ids)
+    ref = model.generate(inputs_embeds=embeds, use_cache=False, **kw)
+    got = manager.generate(inputs_embeds=embeds, use_cache=False, **kw)
+    assert list(got.keys()) == list(ref.keys()) and torch.equal(got.sequences, ref.sequences)
+    assert got.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()
+
+
+def test_an_empty_hf_cache_is_no_cache_as_in_hf() -> None:
+    """An empty DynamicCache passed as past_key_values (the pattern of HF's docs: a cache made
+    before the first turn) is the same as none for the prompt: HF's tokens, and the returned
+    cache continues the chat."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", seed=28)
+    ids = torch.randint(1, 211, (2, 30), generator=torch.Generator().manual_seed(29))
+    manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 2, 48, 6, 2)))
+    kw = dict(max_new_tokens=6, do_sample=False)
+    ref = model.generate(ids, past_key_values=DynamicCache(), return_dict_in_generate=True, **kw)
+    got = manager.generate(ids, past_key_values=DynamicCache(), return_dict_in_generate=True, **kw)
+    assert torch.equal(got.sequences, ref.sequences)
+    assert list(got.keys()) == list(ref.keys())
+    assert got.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length() == 35
+    assert torch.equal(manager.generate(ids, past_key_values=DynamicCache(), **kw), ref.sequences)
+    empty = DynamicCache(config=model.config)  # (its layers made, none holding a token)
+    assert torch.equal(manager.generate(ids, past_key_values=empty, **kw), ref.sequences)
+    turn = torch.cat([got.sequences, ids[:, :7]], dim=1)
+    hf = model.generate(turn, past_key_values=ref.past_key_values, **kw)
+    assert torch.equal(manager.generate(turn, past_key_values=got.past_key_values, **kw), hf)
 
 
 def test_a_peft_model_on_inference_and_training() -> None:

@@ -617,3 +617,130 @@ def test_transfers_measures_the_cards_rate_that_plan_takes(
         capsys, "--context", "128k", "--card", "24GB", "--pcie-gbps", hint.group(1)
     )
     assert f"PCIe stated: {rate:g} GB/s" in measured["forecast"]["calibration"]
+
+
+# Bases for the cases below: every key the plan needs given (a small shape of each family).
+_SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+)
+_BASES = {
+    "mistral": dict(_SMALL, architectures=["MistralForCausalLM"], model_type="mistral"),
+    "qwen2": dict(
+        _SMALL, architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True
+    ),
+    "mixtral": dict(
+        _SMALL, architectures=["MixtralForCausalLM"], model_type="mixtral", sliding_window=None
+    ),
+    "qwen3_moe": dict(
+        _SMALL,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=16,
+        moe_intermediate_size=32,
+        use_sliding_window=False,
+    ),
+}
+_WINDOW = dict(sliding_window=16, max_window_layers=1)
+_EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)
+_QWEN_EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
+OUT_OF_RANGE = {
+    "window_zero": ("mistral", dict(sliding_window=0), "sliding_window must be an integer in [1"),
+    "window_negative": ("mistral", dict(sliding_window=-5), "sliding_window must be"),
+    "positions_negative": (
+        "mistral",
+        dict(sliding_window=16, max_position_embeddings=-3),
+        "max_position_embeddings must be an integer in [1",
+    ),
+    "window_layers_negative": (
+        "qwen2",
+        dict(sliding_window=16, max_window_layers=-4),
+        "max_window_layers must be an integer in [0",
+    ),
+    "experts_zero": ("mixtral", dict(_EXPERTS, num_local_experts=0), "num_local_experts must"),
+    "routed_beyond_experts": (
+        "mixtral",
+        dict(_EXPERTS, num_experts_per_tok=9),
+        "num_experts_per_tok 9 is more than the model's 4 experts",
+    ),
+    "qwen_experts_negative": ("qwen3_moe", dict(_QWEN_EXPERTS, num_experts=-1), "num_experts must"),
+    "expert_width_zero": (
+        "qwen3_moe",
+        dict(_QWEN_EXPERTS, moe_intermediate_size=0),
+        "moe_intermediate_size must be an integer in [1",
+    ),
+}
+
+
+def _plan_config(tmp_path: Path, fields: dict) -> tuple[int, str]:
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # (as test_a_bad_config_is_refused_by_name)
+    try:
+        (tmp_path / "config.json").write_text(json.dumps(fields))
+        return main(["plan", "--model", str(tmp_path), "--context", "8k"]), ""
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+@pytest.mark.parametrize("case", sorted(OUT_OF_RANGE))
+def test_a_config_number_out_of_range_is_refused_naming_it(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A window, a count of layers or of experts out of range in a config.json (a sliding window
+    of 0 planned "rings of 8191 tokens", -5 of 8186) exits 2 naming the key and its value; the
+    same config with the number in range plans."""
+    base, fields, why = OUT_OF_RANGE[case]
+    rc, _ = _plan_config(tmp_path, {**_BASES[base], **fields})
+    err = capsys.readouterr().err
+    assert rc == 2 and why in err and "Traceback" not in err, err
+    key = why.split()[0]  # (the key, named as the file spells it, and its value)
+    assert f"got {fields[key]}" in err or f"{key} {fields[key]} " in err, err
+    good = {**_BASES[base], **(_WINDOW if base in ("mistral", "qwen2") else {})}
+    good.update(_EXPERTS if base == "mixtral" else _QWEN_EXPERTS if base == "qwen3_moe" else {})
+    assert _plan_config(tmp_path, good)[0] == 0, capsys.readouterr().err
+
+
+MISSING = {
+    "type_alone": (
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+        ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
+    ),
+    "mistral_without_window": (_BASES["mistral"], ["sliding_window"]),
+    "mistral_without_kv_heads": (
+        {k: v for k, v in _BASES["mistral"].items() if k != "num_key_value_heads"},
+        ["num_key_value_heads"],
+    ),
+    "qwen2_sliding_without_layers": (
+        dict(_BASES["qwen2"], sliding_window=16),
+        ["max_window_layers"],
+    ),
+    "mixtral_without_experts": (_BASES["mixtral"], ["num_local_experts", "num_experts_per_tok"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSING))
+def test_a_config_without_the_plans_keys_is_refused_naming_them(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config.json that leaves out keys the plan's sizes come from (a model_type alone planned
+    transformers' Llama-7B defaults) exits 2 naming each one; given, even as null where the
+    model may lack it (Mistral's sliding_window), it plans; keys HF derives (num_key_value_heads
+    of Llama: the heads; head_dim) are not asked for."""
+    fields, keys = MISSING[case]
+    rc, _ = _plan_config(tmp_path, fields)
+    err = capsys.readouterr().err
+    assert rc == 2 and "the config does not give" in err and "Traceback" not in err, err
+    for key in keys:
+        assert key in err, (key, err)
+    assert "head_dim" not in err
+    if case == "type_alone":
+        assert "num_key_value_heads" not in err  # (Llama's: the heads, derived)
+    if case == "mistral_without_window":
+        assert _plan_config(tmp_path, {**fields, "sliding_window": None})[0] == 0
+        assert _plan_config(tmp_path, {**fields, "sliding_window": 16})[0] == 0
