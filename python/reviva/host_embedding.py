@@ -52,6 +52,7 @@ def _on_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
                 "shape": (nbytes,),
                 "typestr": "|u1",
                 "data": (t.data_ptr(), False),
+                "strides": None,
                 "version": 2,
             }
 
