@@ -61,6 +61,7 @@ from reviva.finetune_step import FinetuneStepPlan, _run_directly
 from reviva.hf_versions import check_transformers
 from reviva.host_checkpoints import _Checkpoints
 from reviva.host_embedding import HostEmbedding
+from reviva.placement import Placement
 from reviva.resources import device_resources
 from reviva.sizes import format_bytes, parse_bytes
 from reviva.train_plan import TrainDims, TrainPlan, describe
@@ -174,6 +175,9 @@ class Finetune(FinetuneForwards, FinetuneStepPlan):
         self.softcap = getattr(causal.config, "final_logit_softcapping", None)
         self.resources = device_resources(self.device)
         self._cuda = self.device.type == "cuda"
+        # where each of the model's tensors was before anything moved: close() puts it back
+        self._placement = Placement(model)
+        self._closed = False
         self._move_the_rest()
         self.weights = StreamedWeights(
             self.layers,
@@ -195,7 +199,11 @@ class Finetune(FinetuneForwards, FinetuneStepPlan):
             and embed.weight is not head.weight
         ):
             self.host_embedding = HostEmbedding(
-                embed, self.resources.pool, self.resources.runtime, self.device
+                embed,
+                self.resources.pool,
+                self.resources.runtime,
+                self.device,
+                self._placement.origin(embed.weight),
             )
         if self._cuda:
             torch.cuda.empty_cache()  # (the layers' device memory, if they were there)
@@ -285,9 +293,21 @@ class Finetune(FinetuneForwards, FinetuneStepPlan):
         self._patched.append((module, "forward" in module.__dict__ and module.__dict__["forward"]))
         module.forward = forward
 
+    def sync(self) -> None:
+        """Writes to the frozen weights since the last step reach their host copies (Note [The
+        user's streamed parameters] in weight_writes.py; Note [Embedding on the host])."""
+        self.weights.sync()
+        if self.host_embedding is not None:
+            self.host_embedding.sync()
+
     def close(self) -> None:
-        """The model's own forwards again. Its frozen layer weights stay in pinned host memory
-        (the parameters view it); the model is for this process's CPU or a new finetune()."""
+        """The model as it was: its own forwards, every parameter and buffer where it was before
+        finetune() (the same Parameter objects, with the values they have now: the frozen
+        weights' from their pinned host copies, the trained ones as trained; Note [The user's
+        streamed parameters] in weight_writes.py). Closing twice does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -306,6 +326,12 @@ class Finetune(FinetuneForwards, FinetuneStepPlan):
         self._hf_checkpointing.clear()
         self.causal.__dict__.pop(_FINETUNED, None)
         self.causal.__dict__.pop("hf_device_map", None)
+        self.weights.close()
+        if self.host_embedding is not None:
+            self.host_embedding.close()
+        self._placement.restore()
+        if self._cuda:
+            torch.cuda.empty_cache()
 
     def _out_of_memory(self, e: torch.OutOfMemoryError, where: str) -> FinetuneOutOfMemoryError:
         plan = self._plan

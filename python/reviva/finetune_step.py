@@ -38,6 +38,7 @@ class FinetuneStepPlan:
         measured (CUDA), this one's planned (which layers' weights stay), and its checkpoints
         start afresh."""
         self._serve_hf_checkpointing()
+        self.sync()  # (the user's writes to the frozen weights since the last step)
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         shape = ids.shape if isinstance(ids, torch.Tensor) else getattr(embeds, "shape", None)

@@ -206,6 +206,9 @@ class GenerateCall:
         weights move."""
         weights_before = None
         if self.weights is not None:
+            # (writes to the parameters since the last call reach the host copy and the device
+            # copies: Note [The user's streamed parameters] in weight_writes.py)
+            self.weights.sync()
             # (before set_residency: the call's bytes include the resident layers' first
             # fills and the first streamed layers it starts bringing in)
             weights_before = self.weights.stats()

@@ -232,4 +232,5 @@ def _generate_through(model: nn.Module, manager: Any) -> None:
             return type(model).generate(model, *args, **kwargs)
         return manager.generate(*args, **kwargs)
 
+    generate._reviva_manager = manager  # type: ignore[attr-defined]  (its close() removes it)
     model.generate = generate

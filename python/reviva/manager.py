@@ -43,6 +43,7 @@ from reviva.host_copies import _reserve_host_copies
 from reviva.host_embedding import HostEmbedding
 from reviva.kv_cache import RevivaCache
 from reviva.llama_layer import LlamaLayerPath
+from reviva.placement import Placement
 from reviva.planner import (
     Plan,
     budget_for,
@@ -114,6 +115,9 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
         self.pool = self.resources.pool
         self.engine = self.resources.engine
         self.arena = self.resources.arena
+        # where each of the model's tensors was before anything moved: close() puts it back
+        self._placement = Placement(model)
+        self._closed = False
         # Note [Streamed weights] (reviva/weights.py): the decoder layers' weights in pinned host
         # memory, streamed to the device by each call's plan; None: they stay where they are.
         self.weights: StreamedWeights | None = self._take_weights(config, fill_layer)
@@ -132,7 +136,9 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
             if isinstance(earlier, HostEmbedding):
                 self.host_embedding = earlier
             else:
-                self.host_embedding = HostEmbedding(embed, self.pool, self.runtime, device)
+                self.host_embedding = HostEmbedding(
+                    embed, self.pool, self.runtime, device, self._placement.origin(embed.weight)
+                )
         self.layers = LlamaLayerPath(self.layout)
         # Note [Prefill attention kernel] (block_attention.py): "flash", "cudnn" or "reference"
         # for the device; each call's (call_kernel) in _call_kernel.
@@ -282,6 +288,7 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
     # --- enabling and restoring ------------------------------------------------------------------
 
     def __enter__(self) -> RevivaManager:
+        self._check_open()
         me = threading.get_ident()
         if self._entered and self._owner != me:
             raise RuntimeError(
@@ -395,7 +402,43 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
         byte of device memory the call took (K/V) is given back before it returns, also when it
         raises. Calls from several threads on one manager run one at a time."""
         with self._generate_lock:
+            self._check_open()
             return self._generate(inputs, kwargs)
+
+    def close(self) -> None:
+        """Gives the model back as it was: every parameter and buffer where it was before this
+        manager (its values now: a streamed layer's from its pinned host copy, the input
+        embedding's from its host table; Note [The user's streamed parameters] in
+        weight_writes.py), the same Parameter objects, HF's own forwards and generate. The
+        manager cannot be used after; closing twice does nothing."""
+        if self._closed:
+            return
+        if self._entered:
+            raise RuntimeError("RevivaManager.close: inside its with-block; leave it first")
+        with self._generate_lock:
+            self._closed = True
+            model = self.layout.model
+            if self.weights is not None:
+                self.weights.close()
+                if model.__dict__.get(_WEIGHTS_OF) is not None:
+                    del model.__dict__[_WEIGHTS_OF]
+            if self.host_embedding is not None:
+                self.host_embedding.close()
+            self._placement.restore()
+            self.weights, self.host_embedding = None, None
+            for m in {id(model): model, id(self.model): self.model}.values():
+                generate = m.__dict__.get("generate")
+                if getattr(generate, "_reviva_manager", None) is self:  # (reviva.from_pretrained's)
+                    del m.__dict__["generate"]
+                    m.__dict__.pop("reviva", None)
+            if self.layout.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "RevivaManager: closed (close() gave the model back); make a new manager"
+            )
 
     def trace(self, path: str | os.PathLike[str]) -> str:
         """Writes the last generate call as a Chrome/Perfetto trace (JSON) at `path`: compute

@@ -53,6 +53,7 @@ from reviva.routed_experts import (  # noqa: F401  (routed_expert_sizes re-expor
     routed_expert_sizes,
     routed_experts,
 )
+from reviva.weight_writes import WeightWrites
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ DECODE_ROOMS = 2
 HOST_DECODE_ROOMS = 3
 
 
-class StreamedWeights(RoutedExpertsForward):
+class StreamedWeights(RoutedExpertsForward, WeightWrites):
     """The parameters of `layers` in a WeightStore; see the module docstring."""
 
     def __init__(
@@ -91,6 +92,7 @@ class StreamedWeights(RoutedExpertsForward):
         self.device = device
         seen: dict[int, int] = {}
         self._slots: list[list[_Slot]] = []  # per block (a layer's parts, in order)
+        self._slot_names: list[list[str]] = []  # per block: its parameters' names, for errors
         self._parts: list[list[int]] = []  # per layer: its blocks
         for i, layer in enumerate(layers):
             parts = _pack(layer, int(arena.granularity), frozen_only)
@@ -107,6 +109,9 @@ class StreamedWeights(RoutedExpertsForward):
                 raise ValueError(f"StreamedWeights: decoder layer {i} has no parameters")
             self._parts.append(list(range(len(self._slots), len(self._slots) + len(parts))))
             self._slots.extend([slot for _, slot in part] for part in parts)
+            self._slot_names.extend(
+                [f"{name} of decoder layer {i}" for name, _ in part] for part in parts
+            )
         if fill_layer is None:  # (before anything moves: a model is never left half packed)
             for i, blocks in enumerate(self._parts):
                 if any(slot.param.is_meta for b in blocks for slot in self._slots[b]):
@@ -149,6 +154,8 @@ class StreamedWeights(RoutedExpertsForward):
         )
         self.origin_host = time.perf_counter()  # (its timeline's origin: Note [Traces])
         self._host_views: list[list[torch.Tensor]] = []  # per block
+        # per block, per slot: where the parameter was when packed (close() puts it back there)
+        self._origins = [[slot.param.device for slot in slots] for slots in self._slots]
         self._resident_blocks: set[int] = set()  # the blocks set_residency keeps on the device
         # resident blocks' device copies, from their first acquire (their fill's issue) on
         self._device_views: dict[int, torch.Tensor] = {}
@@ -193,6 +200,10 @@ class StreamedWeights(RoutedExpertsForward):
                     fill_layer(i, layer)
         if meta:
             log.info("reviva: %d decoder layers filled by fill_layer", len(meta))
+        # Note [The user's streamed parameters]: each parameter as pointed, to find writes by
+        self._seen: list[list[tuple[nn.Parameter, int, int]]] = [[] for _ in self._slots]
+        for b in range(len(self._slots)):
+            self._mark(b)
         self._acquired: dict[int, torch.Tensor] = {}  # streamed blocks acquired, by block
         self._held: dict[int, list[int]] = {}  # acquired layers: their blocks acquired now
         # layers taken one block at a time in this use (a decode step): the blocks still to come
@@ -301,6 +312,7 @@ class StreamedWeights(RoutedExpertsForward):
                 p.data = host
             else:
                 p.data = block[slot.offset : slot.offset + slot.nbytes].view(p.dtype).view(p.shape)
+        self._mark(b)
 
     def set_residency(self, resident: list[int], slots: int, prefetch_layers: int) -> None:
         """Which layers' weights stay on the device from now on, and the streamed ones' room (in
@@ -455,8 +467,13 @@ class StreamedWeights(RoutedExpertsForward):
             self._release_block(b)
 
     def __del__(self) -> None:
+        self.remove_hooks()
+
+    def remove_hooks(self) -> None:
+        """The layers' hooks and the experts' forwards gone: HF's own modules again."""
         for h in getattr(self, "_hooks", ()):
             h.remove()
+        self._hooks = []
         for experts, _, _ in getattr(self, "_routed", {}).values():
             experts.__dict__.pop("forward", None)  # (HF's own forward again)
 
