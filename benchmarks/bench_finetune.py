@@ -166,7 +166,8 @@ def worker(args: argparse.Namespace) -> None:
             batch = data(tokens, vocab, device)
             tuner = None
             if name.startswith("reviva_"):
-                tuner = reviva.finetune(model, budget=CARD if cuda else None)
+                # (the loss alone is read: no [tokens, vocab] logits beside it, 32 GB at 128k)
+                tuner = reviva.finetune(model, budget=CARD if cuda else None, return_logits=False)
                 if not cuda:
                     stream_some(tuner, tokens)
 
@@ -249,7 +250,7 @@ def grads(args: argparse.Namespace, tokens: int, vocab: int, device: str, cuda: 
         torch.cuda.empty_cache()
     model.base_model.model.gradient_checkpointing_disable()
     # (a budget that streams about half the layers at 4k tokens: the streamed path is checked)
-    tuner = reviva.finetune(model, budget=GRADS_BUDGET if cuda else None)
+    tuner = reviva.finetune(model, budget=GRADS_BUDGET if cuda else None, return_logits=False)
     if not cuda:
         stream_some(tuner, tokens)
     ours = lora_grads(model)

@@ -78,7 +78,9 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     row: dict[str, Any] = {"tokens": args.tokens, "steps": args.steps}
     checks: dict[str, Any] = {}
-    info, ballast, _probe, _counted = prepare_device(reviva.parse_bytes(CARD) if cuda else None, cuda)
+    info, ballast, _probe, _counted = prepare_device(
+        reviva.parse_bytes(CARD) if cuda else None, cuda
+    )
     row["device"] = info
     vocab = (DRY_SHAPE if args.dry_run else SHAPE)["vocab_size"]
     t0 = time.perf_counter()

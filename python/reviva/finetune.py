@@ -30,7 +30,8 @@ offload alone cannot reach long sequences. A step here holds on the device only:
   back-propagates through it at once), whose token-wise parts (its norms and its MLP) run by
   chunks of tokens saving only their inputs (token_chunks.TokenChunked), as the final norm does;
 - the loss by chunks of tokens, forward and backward (token_chunks.ChunkedHeadLoss): no
-  [tokens, vocab] logits.
+  [tokens, vocab] logits for the loss; the logits HF returns beside it are made after it, or
+  not at all with return_logits=False (Note [Logits with labels] in finetune_forwards.py).
 The parameters inside a layer that need gradients get them from the recompute's backward
 (accumulated in .grad, as a plain backward does); a tensor that needs a gradient (`_anchor`) is
 each _LayerStep's input so that its backward runs where the layer's input needs none (a frozen
@@ -127,9 +128,12 @@ class Finetune(FinetuneForwards, FinetuneStepPlan):
         chunk_tokens: int = 4096,
         loss_chunk_tokens: int | None = None,
         prefetch_layers: int = 1,
+        return_logits: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"reviva.finetune wraps an nn.Module, got {type(model).__name__}")
+        if not isinstance(return_logits, bool):
+            raise TypeError(f"reviva.finetune: return_logits must be a bool, got {return_logits!r}")
         for name, value, least in (
             ("chunk_tokens", chunk_tokens, 1),
             ("loss_chunk_tokens", loss_chunk_tokens, 1),
@@ -172,6 +176,7 @@ class Finetune(FinetuneForwards, FinetuneStepPlan):
         vocab = layout.vocab_size
         self.loss_chunk_tokens = loss_chunk_tokens or max(128, (512 << 20) // (4 * vocab))
         self.prefetch_layers = prefetch_layers
+        self.return_logits = return_logits  # (Note [Logits with labels] in finetune_forwards.py)
         self.softcap = getattr(causal.config, "final_logit_softcapping", None)
         self.resources = device_resources(self.device)
         self._cuda = self.device.type == "cuda"
@@ -372,6 +377,7 @@ def finetune(
     chunk_tokens: int = 4096,
     loss_chunk_tokens: int | None = None,
     prefetch_layers: int = 1,
+    return_logits: bool = True,
 ) -> Finetune:
     """Sets `model` (a causal LM with the Llama decoder layout, or a PEFT model of one) up for
     fine-tuning with its frozen base weights streamed from pinned host memory, each layer
@@ -383,6 +389,9 @@ def finetune(
     compute runs (default: where the trainable parameters are, else CUDA if there is one).
     chunk_tokens: the token-wise parts' chunk; loss_chunk_tokens: the loss's (default: 512 MiB
     of fp32 logits). prefetch_layers: how far ahead weights and checkpoints come back.
+    return_logits: a forward with labels returns the logits beside the loss, as HF does (their
+    [tokens, vocab] bytes counted in the plan); False returns the loss alone, and the output's
+    `logits` raises naming this option (Note [Logits with labels] in finetune_forwards.py).
 
     Train as usual afterwards (plain PyTorch, HF's Trainer, TRL's SFTTrainer): the model's
     forwards are Reviva's until close()."""
@@ -395,6 +404,7 @@ def finetune(
         chunk_tokens=chunk_tokens,
         loss_chunk_tokens=loss_chunk_tokens,
         prefetch_layers=prefetch_layers,
+        return_logits=return_logits,
     )
     log.info(
         "reviva.finetune: %d layers' frozen weights (%s) in pinned host memory in %.1f s",

@@ -4,8 +4,9 @@ on the host, recomputed and back-propagated in its backward), the token-wise par
 tokens (Note [Outputs nobody reads]), the causal LM's loss by chunks of tokens.
 
 FinetuneForwards is a mixin of Finetune (finetune.py). State it reads: the tuner's layers,
-_original forwards, weights, checkpoints, causal, chunk_tokens, loss_chunk_tokens, softcap and
-_anchor. State it writes: _recomputed (the layer being recomputed in its backward).
+_original forwards, weights, checkpoints, causal, chunk_tokens, loss_chunk_tokens, softcap,
+return_logits and _anchor. State it writes: _recomputed (the layer being recomputed in its
+backward).
 
 Note [Outputs nobody reads]
 A layer's recompute in backward exists for its graph: its output's values are never read (the
@@ -17,17 +18,37 @@ runs each chunk once, with autograd, in its backward: the MLP's forward runs twi
 a plain run with checkpointing, not three times (a third of 14336-wide GEMMs is ~1.4 s of a 64k
 step of the 8B shape on the H200). Where something reads the MLP's output (Gemma's
 post_feedforward_layernorm) or its dropout draws random numbers, it is computed as usual.
+
+Note [Logits with labels]
+HF's causal LM returns its logits with the loss ([batch, tokens, vocab], the head's dtype,
+after Gemma 2's final softcapping, differentiable: an auxiliary term on them back-propagates;
+the Trainer's evaluation hands them to compute_metrics). The loss here never needs them (it runs
+by chunks, ChunkedHeadLoss), but a forward with labels still returns them by default
+(Finetune's return_logits=True), computed once the loss is, by the head run as HF runs it: the
+[tokens, vocab] tensor is not held while the loss's chunks run, and beside HF's path the fp32
+copy and the cross-entropy's [tokens, vocab] gradient never exist. Their bytes are real at long
+context (64k tokens of a 128k vocabulary in bf16: 16 GB, alive through backward where the caller
+keeps the output), so the step's plan counts them (train_plan.working_set's `logits`) and its
+out-of-memory error names the option. return_logits=False returns the loss alone: the output's
+`logits` then raises a ValueError naming the option (a None there would read as "no logits" and
+silently differ from HF). Dict-style reads (items(), to_tuple(), HF's Trainer's prediction_step)
+skip it as they skip every field that is None: evaluation with compute_metrics wants the
+default. logits_to_keep with labels (a loss over some positions' logits, which HF's own loss
+refuses by shape) is refused by name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from reviva.finetune_step import with_hf_packing
 from reviva.hf_versions import layer_cache
 from reviva.host_checkpoints import _Checkpoint
 from reviva.token_chunks import (
@@ -197,6 +218,13 @@ class FinetuneForwards:
     def _loss_forward(self, causal: nn.Module, labels: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        keep = kwargs.pop("logits_to_keep", 0)
+        if not (isinstance(keep, int) and keep == 0):
+            raise ValueError(
+                f"reviva.finetune: labels with logits_to_keep={keep!r}: the loss is over every "
+                "position (HF's loss of some positions' logits against every label fails on its "
+                "shapes); pass logits_to_keep=0 with labels"
+            )
         if layer_cache(kwargs) is not None:
             raise ValueError(
                 "reviva.finetune: labels with past_key_values: a loss over a cached prefix is not "
@@ -207,8 +235,10 @@ class FinetuneForwards:
         ignore = kwargs.pop("ignore_index", -100)
         if ignore != -100:
             raise ValueError(f"reviva.finetune: ignore_index={ignore!r}; the loss ignores -100")
-        kwargs.pop("logits_to_keep", None)
         kwargs.pop("return_dict", None)
+        # (HF's masks of packed position_ids follow the caller's use_cache: Note [Packed
+        # sequences] in finetune_step.py)
+        kwargs = with_hf_packing(causal.model, kwargs)
         kwargs["use_cache"] = False
         outputs = causal.model(**kwargs)
         hidden = outputs.last_hidden_state
@@ -224,10 +254,48 @@ class FinetuneForwards:
             )
         except torch.OutOfMemoryError as e:
             raise self._out_of_memory(e, "the loss") from e
-        return CausalLMOutputWithPast(
+        fields = dict(
             loss=loss,
-            logits=None,
             past_key_values=None,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+        if not self.return_logits:  # (Note [Logits with labels])
+            return _loss_only_output()(**fields)
+        try:
+            logits = causal.lm_head(hidden)  # (after the loss's chunks: not held beside them)
+            if self.softcap is not None:  # (as HF's Gemma 2 returns them)
+                logits = logits / self.softcap
+                logits = torch.tanh(logits)
+                logits = logits * self.softcap
+        except torch.OutOfMemoryError as e:
+            raise self._out_of_memory(e, "the logits returned beside the loss") from e
+        return CausalLMOutputWithPast(logits=logits, **fields)
+
+
+@functools.cache
+def _loss_only_output() -> type:
+    """The output of a forward with labels under return_logits=False (Note [Logits with
+    labels]): HF's CausalLMOutputWithPast whose `logits` raises, naming the option. Made on
+    first use (transformers is not needed to import reviva)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    @dataclasses.dataclass
+    class LossOnlyOutput(CausalLMOutputWithPast):
+        """A causal LM's loss without its logits (reviva.finetune(..., return_logits=False))."""
+
+        @property
+        def logits(self) -> torch.Tensor:
+            raise ValueError(
+                "reviva.finetune(..., return_logits=False): this forward returned the loss "
+                "without the logits (their [tokens, vocab] bytes never existed); make the "
+                "Finetune with return_logits=True (the default, as HF) to have them"
+            )
+
+        @logits.setter
+        def logits(self, value: torch.Tensor | None) -> None:
+            if value is not None:
+                raise ValueError("LossOnlyOutput holds no logits")
+            self.__dict__["logits"] = None  # (what ModelOutput's checks read)
+
+    return LossOnlyOutput

@@ -1,12 +1,14 @@
 """A streamed fine-tuning step's beginning: when the decoder's forward starts, the last step's
 working set is measured (CUDA), this step planned (train_plan.plan_step: which layers' frozen
 weights stay on the device) and the plan applied to the weights, its checkpoints started afresh;
-HF's gradient checkpointing is served by Reviva's own (_run_directly).
+HF's gradient checkpointing is served by Reviva's own (_run_directly); packed sequences get HF's
+masks (Note [Packed sequences]).
 
 FinetuneStepPlan is a mixin of Finetune (finetune.py). State it reads: the tuner's dims, layers,
-weights, model, budget, device, chunk_tokens, loss_chunk_tokens and prefetch_layers. State it
-writes: _plan, _held, _measured, _step_tokens, _hf_checkpointing, stats_ (steps, tokens, plan,
-layers), the weights' residency, and the checkpoints' step (begin_step).
+weights, model, budget, device, chunk_tokens, loss_chunk_tokens, prefetch_layers and
+return_logits. State it writes: _plan, _held, _measured, _step_tokens, _hf_checkpointing,
+stats_ (steps, tokens, plan, layers), the weights' residency, and the checkpoints' step
+(begin_step).
 """
 
 from __future__ import annotations
@@ -18,10 +20,67 @@ from typing import Any
 import torch
 from torch import nn
 
+from reviva.hf_versions import layer_cache
 from reviva.train_plan import TrainPlan, describe, plan_step
 
 # (the finetune's logger: what a user filters on stays reviva.finetune's)
 log = logging.getLogger("reviva.finetune")
+
+
+# Note [Packed sequences]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Packed rows (TRL's packing, DataCollatorWithFlattening: position_ids restarting inside a row,
+# no attention_mask) are one sequence or several by HF's create_causal_mask, which looks for
+# restarts (find_packed_sequence_indices) only where attention_mask and past_key_values are both
+# None. A training step here runs without a cache (use_cache=False, as HF's gradient
+# checkpointing does), so the decoder sees no cache; but HF's own forward with use_cache on (the
+# config's default, unless gradient checkpointing turns it off in training) builds a
+# DynamicCache first, and then attends across the restarts: one causal mask over the row. So
+# where HF would have built that cache, the step passes the all-ones attention_mask, which gives
+# HF's mask for that case exactly (the causal mask; flash attention's is None, as without a
+# mask); where HF would not (use_cache=False, gradient checkpointing in training), the decoder
+# gets position_ids alone and HF's block-diagonal masks, one sequence per restart. Either way
+# the loss and gradients are the plain model's; for separate sequences pass use_cache=False
+# (or turn on gradient checkpointing), as without Reviva.
+
+
+def _hf_caches(module: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether HF's forward of the decoder `module` would build a DynamicCache of its own for
+    this call (transformers' merge_with_config_defaults: use_cache as given, else the config's,
+    off in training under gradient checkpointing; then `use_cache and past_key_values is
+    None`, `cache` from transformers 5.25 on)."""
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(getattr(module, "config", None), "use_cache", None)
+    if use_cache and getattr(module, "gradient_checkpointing", False) and module.training:
+        use_cache = False
+    return bool(use_cache) and layer_cache(kwargs) is None
+
+
+def with_hf_packing(decoder: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's keyword arguments `kwargs` (the caller's use_cache still in them), with
+    the all-ones attention_mask where HF's forward would read packed position_ids as one
+    sequence (Note [Packed sequences]): no attention_mask, HF's own cache, and restarts that
+    find_packed_sequence_indices finds. Changes `kwargs` in place and returns it."""
+    positions = kwargs.get("position_ids")
+    if kwargs.get("attention_mask") is not None or not isinstance(positions, torch.Tensor):
+        return kwargs
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    source = ids if isinstance(ids, torch.Tensor) else embeds
+    if not isinstance(source, torch.Tensor) or source.dim() < 2 or positions.dim() != 2:
+        return kwargs
+    if not _hf_caches(decoder, kwargs):
+        return kwargs
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    rows, tokens = source.shape[:2]
+    if positions.shape[0] != rows:  # (unsqueezed, not expanded: as HF reads it)
+        positions = positions.expand(rows, -1)
+    if find_packed_sequence_indices(positions) is not None:
+        kwargs["attention_mask"] = torch.ones(
+            (rows, tokens), dtype=torch.long, device=positions.device
+        )
+    return kwargs
 
 
 def _run_directly(fn: Callable[..., Any], *args: Any) -> Any:
@@ -55,7 +114,7 @@ class FinetuneStepPlan:
             self.stats_.tokens = tokens
             self._step_tokens = tokens
             if kwargs.get("use_cache") is not False:  # (None: the config's, True by default)
-                kwargs = dict(kwargs)
+                kwargs = with_hf_packing(module, dict(kwargs))  # (Note [Packed sequences])
                 kwargs["use_cache"] = False  # (as HF's gradient checkpointing does)
                 return args, kwargs
         return None
@@ -135,6 +194,7 @@ class FinetuneStepPlan:
             self.chunk_tokens,
             self.loss_chunk_tokens,
             self._measured.get(tokens),
+            logits=self.return_logits,  # (Note [Logits with labels] in finetune_forwards.py)
         )
 
     def _apply_plan(self, tokens: int) -> None:

@@ -1,8 +1,9 @@
 """The saved-tensor hooks of an activation offload (training.py): `_pack` adopts each eligible
 storage saved for backward as a block of the offload's OffloadManager and offloads it at once
 (a storage saved several times is copied once; an fp32 cast from 16 bits moves at 16 bits:
-_cast_from), `_unpack` brings its block back and rebuilds the saved view on it; saved tensors'
-versions are checked as autograd checks them (Note [Saved tensors' versions]).
+_cast_from), `_unpack` brings its block back and rebuilds the saved view on it; every saved
+tensor, offloaded or kept, carries its version counter to unpack, where it is checked as
+autograd checks it (Note [Saved tensors' versions]).
 
 SavedTensorHooks is a mixin of ActivationOffload. State it reads: the offload's device,
 min_bytes, _param_ptrs, _input_ptrs, _layer, _regions, _in_backward, _offload_layers, _in_use
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 class _Stored:
     """One offloaded storage: its block, and while it is back, a tensor viewing the block."""
 
-    __slots__ = ("block", "nbytes", "layer", "restored", "widen", "owner", "changed", "__weakref__")
+    __slots__ = ("block", "nbytes", "layer", "restored", "widen", "owner", "__weakref__")
 
     def __init__(
         self, owner: ActivationOffload, block: int, nbytes: int, layer: int, widen: bool
@@ -40,9 +41,6 @@ class _Stored:
         # A tensor on the block's device memory (a lease: the block stays there while it lives),
         # or after widening, torch's fp32 copy of it.
         self.restored: torch.Tensor | None = None
-        # Note [Saved tensors' versions]: the storage was saved again at another version after
-        # this copy: changed in place since the saves this copy serves
-        self.changed = False
 
     def __del__(self) -> None:
         # Autograd dropped the saved tensor: the block is dead. Its tensor goes first (ending
@@ -60,8 +58,18 @@ class _Packed:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
-    # Note [Saved tensors' versions]: the saved tensor (weakly) and its version when saved
-    source: weakref.ref
+    # Note [Saved tensors' versions]: a tensor of no storage sharing the saved tensor's version
+    # counter, and the version when saved
+    counter: torch.Tensor
+    version: int
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A saved tensor left where it is (a parameter, an input, a small tensor...), detached (its
+    storage and version counter), with its version when saved (Note [Saved tensors' versions])."""
+
+    tensor: torch.Tensor
     version: int
 
 
@@ -69,16 +77,39 @@ class _Packed:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Autograd keeps a saved tensor's version (its view family's count of in-place changes) and
 # refuses backward if it changed: the values saved are gone. With pack hooks it keeps the hook's
-# object instead and checks nothing; offload copies the values when they are saved, and shares
-# one copy among the saves of a storage (views, a tensor saved by several ops). Both need the
-# version: a storage changed in place between two saves is copied again at the second (sharing
-# the first copy gave the second save the old values: a wrong gradient, silently), and a saved
-# tensor whose version moved after its save is refused at unpack as autograd refuses it (its
-# copy holds the values of the save, but what autograd would raise on, offload raises on too).
-# The version is read at unpack where the saved tensor still lives (a weak reference), and a
-# copy is marked changed where its storage is saved again at another version; a tensor changed
-# after its save that dies before backward without a later save goes unseen: its copy holds
-# the values the graph used.
+# object instead and checks nothing (saved_variable.cpp: "Only check version counter in the case
+# without hooks"), so the hooks check for it: every pack returns the saved tensor's version
+# counter beside the version it had, and unpack raises autograd's error (RuntimeError, its
+# words) where the counter moved, whatever the tensor is:
+# - kept (a parameter changed under torch.no_grad(), the caller's input_ids changed, a small
+#   tensor...): the detached tensor returned shares the counter;
+# - offloaded: `_counter_of` makes a tensor of no storage that shares the counter (a detached
+#   tensor set_ to an empty storage; its own set_ is not counted), so the check holds after the
+#   saved tensor and its views died, without holding the storage the offload freed.
+# Offload copies the values when they are saved and shares one copy among the saves of a
+# storage (views, a tensor saved by several ops): a storage saved again at another version is
+# copied again (sharing the first copy gave the second save the old values: a wrong gradient,
+# silently), and the saves of the first copy are refused by their own counter, as autograd
+# refuses them. A storage changed through a tensor of another counter (`.data`, `set_`) is
+# unseen, as it is by autograd.
+
+
+def _counter_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares `t`'s version counter and holds none of its storage."""
+    stub = t.detach()  # (shares the storage and the version counter)
+    with torch.autograd._unsafe_preserve_version_counter(stub):
+        stub.set_()  # an empty storage of its own; the version this bumped is put back
+    return stub
+
+
+def _refuse(dtype: torch.dtype, size: tuple[int, ...], saved: int, now: int) -> None:
+    """Autograd's version error (torch/csrc/autograd/saved_variable.cpp), raised the same way."""
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{dtype} {list(size)}] is at version {now}; expected version {saved} "
+        "instead (autograd's version check, made by reviva's activation offload on the saved "
+        "tensors its hooks hold: Note [Saved tensors' versions])"
+    )
 
 
 class SavedTensorHooks:
@@ -106,14 +137,13 @@ class SavedTensorHooks:
             # as its own output would hold its node through the hook's object, a cycle through
             # C++ that Python's collector cannot see; a graph never run backward (stopped part
             # way, or dropped) then stayed alive for good with every block it held.
-            return t.detach()
+            return _Kept(t.detach(), t._version)
         key = (storage.data_ptr(), nbytes)
         entry = self._by_storage.get(key)
         stored = entry[1]() if entry is not None and not entry[0].expired() else None
         if stored is not None and entry[2] != t._version:
-            # (Note [Saved tensors' versions]: changed in place since its copy: copied again,
-            # and the saves of the old copy refused at unpack)
-            stored.changed = True
+            # (Note [Saved tensors' versions]: changed in place since its copy: copied again;
+            # the saves of the old copy are refused at unpack by their counter)
             stored = None
         if stored is None:
             narrow = _cast_from(t)
@@ -148,7 +178,7 @@ class SavedTensorHooks:
             tuple(t.size()),
             tuple(t.stride()),
             t.storage_offset(),
-            weakref.ref(t),
+            _counter_of(t),
             t._version,
         )
 
@@ -165,18 +195,14 @@ class SavedTensorHooks:
         saved[self._layer] = saved.get(self._layer, 0) + nbytes
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
-            return packed
-        source = packed.source()  # (Note [Saved tensors' versions])
-        now = None if source is None else source._version
-        if packed.stored.changed or (now is not None and now != packed.version):
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{packed.dtype} {list(packed.size)}] saved at version "
-                f"{packed.version}, changed in place since"
-                + (f" (version {now})" if now is not None else "")
-                + " (reviva's activation offload checks saved tensors' versions as autograd does)"
-            )
+        if isinstance(packed, _Kept):  # (Note [Saved tensors' versions])
+            now = packed.tensor._version
+            if now != packed.version:
+                _refuse(packed.tensor.dtype, tuple(packed.tensor.size()), packed.version, now)
+            return packed.tensor
+        now = packed.counter._version
+        if now != packed.version:
+            _refuse(packed.dtype, packed.size, packed.version, now)
         stored = packed.stored
         if stored.restored is None:
             if not self._in_backward:  # no layer boundary seen yet (no hook fired)

@@ -112,14 +112,18 @@ def working_set(
     chunk_tokens: int,
     loss_chunk_tokens: int,
     model: TrainMemoryModel = MODEL,
+    logits: bool = False,
 ) -> int:
     """The step's device bytes beside the weights and what is held before it (the module
-    docstring's working set and chunks)."""
+    docstring's working set and chunks); `logits`: the [tokens, vocab] logits returned beside
+    the loss (Finetune's return_logits, Note [Logits with labels] in finetune_forwards.py), in
+    the model's dtype, alive through the backward where the caller keeps the output."""
     row = dims.hidden_size * dims.dtype_bytes
     rows = model.layer_rows + model.loss_rows
     mlp = min(chunk_tokens, tokens) * dims.intermediate_size * dims.dtype_bytes
     loss = min(loss_chunk_tokens, tokens) * dims.vocab_size * model.loss_bytes_per_vocab
-    return int(rows * tokens * row) + model.mlp_wide_tensors * mlp + loss
+    returned = tokens * dims.vocab_size * dims.dtype_bytes if logits else 0
+    return int(rows * tokens * row) + model.mlp_wide_tensors * mlp + loss + returned
 
 
 def preference(num_layers: int) -> list[int]:
@@ -140,6 +144,7 @@ def plan_step(
     loss_chunk_tokens: int = 1024,
     measured_working: int | None = None,
     model: TrainMemoryModel = MODEL,
+    logits: bool = False,
 ) -> TrainPlan:
     """The layers whose weights stay on the device for a step of `tokens` tokens: as many as
     fit beside `held`, the working set (`measured_working` where a step of this length ran,
@@ -150,20 +155,29 @@ def plan_step(
     work = (
         measured_working
         if measured_working is not None
-        else working_set(dims, tokens, chunk_tokens, loss_chunk_tokens, model)
+        else working_set(dims, tokens, chunk_tokens, loss_chunk_tokens, model, logits)
     )
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     slots = model.weight_slots * dims.largest_layer
     room = budget - held - work - margin
     if room < slots:
-        longest = longest_tokens(dims, budget, held, chunk_tokens, loss_chunk_tokens, model)
+        longest = longest_tokens(
+            dims, budget, held, chunk_tokens, loss_chunk_tokens, model, logits=logits
+        )
+        returned = tokens * dims.vocab_size * dims.dtype_bytes
+        dropped = (
+            f"; return_logits=False drops the {format_bytes(returned)} of [tokens, vocab] "
+            "logits returned beside the loss"
+            if logits
+            else ""
+        )
         raise RevivaOutOfMemoryError(
             f"fine-tuning {tokens} tokens does not fit a budget of {format_bytes(budget)}: "
             f"{format_bytes(held)} held before the step, a working set of {format_bytes(work)}"
             f"{' (measured)' if measured_working is not None else ''}, "
             f"{format_bytes(margin)} of margin and {format_bytes(slots)} of weight slots "
             f"(every layer's weights streamed); the longest sequence this budget holds is "
-            f"about {longest} tokens"
+            f"about {longest} tokens{dropped}"
         )
     resident: list[int] = []
     used = 0
@@ -199,12 +213,14 @@ def longest_tokens(
     loss_chunk_tokens: int = 1024,
     model: TrainMemoryModel = MODEL,
     multiple: int = 1024,
+    logits: bool = False,
 ) -> int:
     """The longest sequence (a multiple of `multiple` tokens, or of 64 under `multiple`) whose
     step fits `budget` with every layer's weights streamed; 0 when none does."""
-    found = _longest(dims, budget, held, chunk_tokens, loss_chunk_tokens, model, multiple)
+    args = (dims, budget, held, chunk_tokens, loss_chunk_tokens, model)
+    found = _longest(*args, multiple, logits)
     if found == 0 and multiple > 64:
-        return _longest(dims, budget, held, chunk_tokens, loss_chunk_tokens, model, 64)
+        return _longest(*args, 64, logits)
     return found
 
 
@@ -216,15 +232,16 @@ def _longest(
     loss_chunk_tokens: int,
     model: TrainMemoryModel,
     multiple: int,
+    logits: bool,
 ) -> int:
     margin = model.margin_fixed + int(budget * model.margin_fraction)
     room = budget - held - margin - model.weight_slots * dims.largest_layer
     lo, hi = 0, multiple
-    while working_set(dims, hi, chunk_tokens, loss_chunk_tokens, model) <= room:
+    while working_set(dims, hi, chunk_tokens, loss_chunk_tokens, model, logits) <= room:
         lo, hi = hi, hi * 2
     while hi - lo > multiple:
         mid = (lo + hi) // 2 // multiple * multiple
-        if working_set(dims, mid, chunk_tokens, loss_chunk_tokens, model) <= room:
+        if working_set(dims, mid, chunk_tokens, loss_chunk_tokens, model, logits) <= room:
             lo = mid
         else:
             hi = mid

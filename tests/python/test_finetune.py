@@ -136,7 +136,13 @@ def layer_budget(model: nn.Module, tokens: int, resident: int, **kw: Any) -> int
         for budget in range(1 << 20, 1 << 34, 1 << 14):
             try:
                 plan = plan_step(
-                    dims, tokens, budget, held, probe.chunk_tokens, probe.loss_chunk_tokens
+                    dims,
+                    tokens,
+                    budget,
+                    held,
+                    probe.chunk_tokens,
+                    probe.loss_chunk_tokens,
+                    logits=probe.return_logits,
                 )
             except reviva.RevivaOutOfMemoryError:
                 continue

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import reviva
 from reviva import ActivationOffload, offload_activations
+from reviva.saved_tensors import _Packed
 
 
 def tiny_llama(seed: int = 0, device: str = "cpu", attention: str = "sdpa") -> nn.Module:
@@ -374,7 +375,7 @@ def test_model_inputs_are_kept_not_offloaded() -> None:
 
     def spy(t: torch.Tensor) -> object:
         packed = pack(t)
-        if not isinstance(packed, torch.Tensor):
+        if isinstance(packed, _Packed):
             moved.append(t.untyped_storage().data_ptr())
         return packed
 
