@@ -110,7 +110,7 @@ def assert_close(ref: dict, got: dict, rtol: float, atol: float, what: str) -> N
 
 
 def assert_as_close_as_plain(
-    exact: list[dict], plain: list[dict], got: list[dict], what: str
+    exact: list[dict], plain: list[dict], got: list[dict], what: str, factor: float = 1.5
 ) -> None:
     """Every gradient of `got` no further from an fp64 run's (`exact`) than 1.5 times the plain
     fp32 run's distance (plus fp32's rounding of the largest): where the gradients cancel over
@@ -122,7 +122,7 @@ def assert_as_close_as_plain(
             plain_err = (p[n].double() - ref).abs().max().item()
             err = (g[n].double() - ref).abs().max().item()
             scale = ref.abs().max().item()
-            assert err <= 1.5 * plain_err + 1e-6 * scale, (
+            assert err <= factor * plain_err + 1e-6 * scale, (
                 f"{what}, step {s}: {n} is {err:.3g} from fp64, plain fp32 {plain_err:.3g}"
             )
 
@@ -512,11 +512,26 @@ def test_trl_sft_trainer_with_finetune(tmp_path: Path) -> None:
     model = lora(tiny_llama(seed=8))
     exact = train(sft(copy.deepcopy(model).double(), tmp_path / "x"))
     ref = train(sft(copy.deepcopy(model), tmp_path / "p"))
+    # In fp64 the arithmetic is the plain model's up to fp64's rounding: the exact check. In
+    # fp32 the chunked loss and recompute sum in other orders than HF's; where the padded
+    # batches' gradients cancel, that noise is of the plain run's own size (1.55x of it on one
+    # of 16 LoRA tensors with datasets 5.2, where 1.46x was the largest before): 2x.
+    model64 = copy.deepcopy(model).double()
+    tuner = reviva.finetune(model64, device="cpu", chunk_tokens=16)
+    try:
+        got64 = train(sft(model64, tmp_path / "r64"))
+    finally:
+        tuner.close()
+    assert len(got64) == len(exact) == 2
+    for s in range(2):
+        assert exact[s].keys() == got64[s].keys()
+        for n, e in exact[s].items():
+            torch.testing.assert_close(got64[s][n], e, rtol=1e-12, atol=1e-15, msg=f"fp64 {s} {n}")
     tuner = reviva.finetune(model, device="cpu", chunk_tokens=16)
     try:
         got = train(sft(model, tmp_path / "r"))
         assert len(got) == len(ref) == 2
-        assert_as_close_as_plain(exact, ref, got, "SFTTrainer")
+        assert_as_close_as_plain(exact, ref, got, "SFTTrainer", factor=2.0)
         assert tuner.stats().steps == 4
         assert tuner.stats().checkpoint_bytes_to_host > 0
     finally:
