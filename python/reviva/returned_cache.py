@@ -39,7 +39,8 @@ def without_cache(out: Any) -> Any:
     """HF's generate output `out` as HF returns it from a call without a cache (use_cache=False):
     its past_key_values None, no key for it (a ModelOutput keeps a key set to None in its
     items, so the output is made again from its other fields)."""
-    return type(out)(**{k: v for k, v in out.items() if k != "past_key_values"})
+    # (the field is `cache` from transformers 5.25 on, `past_key_values` before)
+    return type(out)(**{k: v for k, v in out.items() if k not in ("cache", "past_key_values")})
 
 
 class ReturnedCache:
