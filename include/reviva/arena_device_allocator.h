@@ -54,7 +54,8 @@ class REVIVA_API ArenaDeviceAllocator final : public DeviceAllocator {
                           bool fresh = false) override;
   bool grow(void* ptr, std::size_t bytes) override;
   // The buffer behind a live allocation (null when `ptr` is not one): holding it keeps the memory
-  // mapped after deallocate, e.g. while a view of it lives.
+  // mapped after deallocate, e.g. while a view of it lives, and keeps it from the next allocation
+  // (a buffer freed while held is never cached: Note [Memory held by views] in the .cpp).
   std::shared_ptr<ArenaBuffer> buffer_of(void* ptr) const;
 
   // Allocations (not growable ones) of fewer bytes map this many from now on (0: each its own

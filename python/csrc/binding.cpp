@@ -25,6 +25,20 @@ namespace {
 
 // --- OffloadedTensor: a tensor's bytes in a pinned block, and how to rebuild it ------------
 
+// Note [Offload reads its source later]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// offload() returns before its copy has read the tensor (that is the point: compute goes on),
+// so a write to the tensor before the copy completes (x.fill_() right after offload, on any
+// stream or on the CPU) may land in part of the copy: restore() then gave back a mixture of the
+// old and new values, silently. Snapshotting the source first would double the copy on the hot
+// path, and making torch's stream wait for the copy would undo the overlap. Instead the source's
+// version counter (the one autograd uses: every in-place op on it or on any view of it bumps
+// it, on the host, when the op is issued) is read at offload and again when the copy is first
+// seen complete (ready(), wait(), host_tensor(), or a restore, which all observe the copy): a
+// change in between is a write the copy may have raced, and host_tensor() and restore() refuse
+// the offload by name. A write after the copy was seen complete is the caller's own business. A
+// write that bypasses torch (numpy, DLPack, a kernel of one's own) bumps no version and is not
+// seen, nor is one to an inference-mode tensor (torch keeps no version for those).
 struct OffloadedTensor {
   PinnedBlock block;
   Transfer d2h;
@@ -33,6 +47,30 @@ struct OffloadedTensor {
   torch::Device device{torch::kCPU};
   // Host runtime only: the source stays alive until its asynchronous copy has read it.
   torch::Tensor keepalive;
+  // The source's version counter until the copy is seen complete (Note [Offload reads its
+  // source later]); empty for a source without one.
+  std::optional<c10::VariableVersion> source_version;
+  uint32_t version_at_offload = 0;
+  std::optional<uint32_t> written_at;  // the source's version when seen changed
+
+  // The copy is complete now: a write to the source issued before this may be in it.
+  void copy_seen_complete() {
+    if (!source_version) return;
+    const uint32_t now = source_version->current_version();
+    if (now != version_at_offload) written_at = now;
+    source_version.reset();  // (later writes are after the copy)
+  }
+
+  // Refuses the offload if its source was written before its copy was seen complete.
+  void check_not_torn(const char* what) const {
+    REVIVA_CHECK_ARG(!written_at, what, ": the offloaded tensor (shape ", c10::IntArrayRef(shape),
+                     ", dtype ", c10::toString(dtype),
+                     ") was written in place after TransferEngine.offload() and before its copy "
+                     "was complete (its version went from ",
+                     version_at_offload, " to ", written_at.value_or(0),
+                     "): the copy may hold part of the old values and part of the new; wait for "
+                     "the offload (wait() or ready()) before writing to the tensor");
+  }
 
   OffloadedTensor() = default;
   OffloadedTensor(const OffloadedTensor&) = delete;
@@ -56,12 +94,16 @@ struct OffloadedTensor {
       py::gil_scoped_release release;
       d2h.wait();
     }
+    copy_seen_complete();
     keepalive =
         torch::Tensor();  // with the GIL held: dropping a tensor may touch its Python object
   }
   bool ready() {
     const bool r = d2h.ready();
-    if (r) keepalive = torch::Tensor();
+    if (r) {
+      copy_seen_complete();
+      keepalive = torch::Tensor();
+    }
     return r;
   }
 };
@@ -70,6 +112,7 @@ using OffloadedPtr = std::shared_ptr<OffloadedTensor>;
 // A CPU tensor viewing the pinned block (zero copy); keeps the block alive.
 torch::Tensor host_view(const OffloadedPtr& h) {
   h->wait();
+  h->check_not_torn("OffloadedTensor.host_tensor");
   OffloadedPtr keep = h;
   return torch::from_blob(
       h->block.data(), h->shape, [keep](void*) {},
@@ -136,6 +179,12 @@ class PyTransferEngine {
       h->dtype = t.scalar_type();
       h->device = t.device();
       if (!rt_->is_cuda()) h->keepalive = t;
+      // (Note [Offload reads its source later])
+      const c10::VariableVersion& version = t.unsafeGetTensorImpl()->version_counter();
+      if (version.enabled()) {
+        h->source_version = version;
+        h->version_at_offload = version.current_version();
+      }
       requests.push_back({h->block.data(), t.data_ptr(), t.nbytes()});
       out.push_back(std::move(h));
     }
@@ -159,7 +208,10 @@ class PyTransferEngine {
                                            bool wait) {
     auto [results, transfer] = submit_restore(handles, std::move(outs), true);
     // Rule 3. The host runtime always waits: torch computes on the CPU synchronously.
-    if (wait || !rt_->current_stream()) wait_for(transfer);
+    if (wait || !rt_->current_stream()) {
+      wait_for(transfer);
+      for (const OffloadedPtr& h : handles) h->copy_seen_complete();  // (the H2D came after it)
+    }
     return results;
   }
 
@@ -192,6 +244,17 @@ class PyTransferEngine {
     REVIVA_CHECK_ARG(!handles.empty(), "restore_batch: no tensors given");
     REVIVA_CHECK_ARG(outs.empty() || outs.size() == handles.size(),
                      "restore_batch: ", handles.size(), " tensors but ", outs.size(), " outputs");
+    // Every source written since its offload refuses the call before anything is queued (a
+    // write issued by now may be in a copy that completes later: Note [Offload reads its source
+    // later]).
+    for (std::size_t i = 0; i < handles.size(); ++i) {
+      const OffloadedPtr& h = handles[i];
+      if (!h) continue;  // (refused below)
+      if (h->d2h.valid() && h->d2h.ready()) h->copy_seen_complete();
+      if (h->source_version && h->source_version->current_version() != h->version_at_offload)
+        h->written_at = h->source_version->current_version();
+      h->check_not_torn(("restore: tensor " + std::to_string(i)).c_str());
+    }
     const Stream& h2d = engine_->stream(Direction::HostToDevice);
     std::vector<torch::Tensor> results;
     std::vector<CopyRequest> requests;
@@ -200,6 +263,7 @@ class PyTransferEngine {
       REVIVA_CHECK_ARG(h && h->block, "restore: tensor ", i, " holds no data");
       REVIVA_CHECK_ARG(h->device == rt_->device(), "restore: tensor ", i, " was offloaded from ",
                        h->device.str(), ", this engine restores to ", rt_->device().str());
+
       torch::Tensor dst;
       if (!outs.empty() && outs[i].has_value()) {
         dst = *outs[i];
@@ -551,9 +615,12 @@ PYBIND11_MODULE(_C, m) {
            "Copies a device tensor into a pinned block (D2H stream, after the current stream's "
            "work). The copy is asynchronous: it reads the tensor when the D2H stream gets to "
            "it, so the tensor must not be written (in place, by any stream or the host) until "
-           "the result is ready(); a write before that may or may not be in the copy. "
-           "record_stream=False: the caller keeps the tensor alive until the result is "
-           "ready(); its memory then returns to torch's allocator without events.")
+           "the result is ready() or wait() returned; a write through torch before that is "
+           "seen by the tensor's version counter, and restore() and host_tensor() then raise "
+           "ValueError instead of returning a copy that may be torn (a write bypassing torch, "
+           "or to an inference-mode tensor, is not seen). record_stream=False: the caller keeps "
+           "the tensor alive until the result is ready(); its memory then returns to torch's "
+           "allocator without events.")
       .def("offload_batch", &PyTransferEngine::offload_batch, py::arg("tensors"), py::kw_only(),
            py::arg("record_stream") = true)
       .def("restore", &PyTransferEngine::restore, py::arg("offloaded"), py::arg("out") = py::none(),

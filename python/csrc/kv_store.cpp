@@ -5,7 +5,8 @@
 // outside torch's allocator. view() returns a tensor over the first tokens of an acquired
 // layer's buffer; the tensor keeps that memory mapped while it lives (its deleter holds the arena
 // buffer), so no view can outlive the memory it reads, and release(layer) revokes it (Note
-// [Revoked views] in leases.h): the memory may hold another layer's K/V from then on.
+// [Revoked views] in leases.h): the slot may hold another layer's K/V from then on, in other
+// memory while a numpy array or DLPack capsule of the view still holds the old one.
 // Compute is torch's current stream on CUDA; on the host runtime acquire() waits for the fill
 // before returning, since torch computes on the CPU synchronously.
 #include "leases.h"
@@ -650,7 +651,8 @@ void bind_kv_store(py::module_& m) {
       .def("end_prefill_order", [](PyKVStore& s) { s.store().end_prefill_order(); })
       .def("page_kv", &PyKVStore::page_kv, py::arg("layer"), py::arg("page"), py::arg("tokens"),
            "K and V of an acquired page, until release_page(layer, page): used after it, they "
-           "raise")
+           "raise; a numpy array or DLPack capsule taken from them before keeps the bytes it "
+           "was lent (their memory kept from reuse, counted in the arena) until it is dropped")
       .def(
           "release_page",
           [](PyKVStore& s, int layer, std::size_t page) { s.release_page(layer, page); },
@@ -677,12 +679,16 @@ void bind_kv_store(py::module_& m) {
       .def("host_kv", &PyKVStore::host_kv, py::arg("layer"), py::arg("tokens"))
       .def("view", &PyKVStore::view, py::arg("layer"), py::arg("tokens"),
            "[tokens, 2, batch, kv_heads, head_dim] over the acquired layer's rows, until "
-           "release(layer): used after it, the tensor and its views raise (clone() to keep them)")
+           "release(layer): used after it, the tensor and its views raise (clone() to keep them); "
+           "a numpy array or DLPack capsule taken from it before keeps the bytes it was lent "
+           "(their memory kept from reuse, counted in the arena) until it is dropped")
       .def("write", &PyKVStore::write, py::arg("layer"), py::arg("first"), py::arg("key"),
            py::arg("value"))
       .def("kv", &PyKVStore::kv, py::arg("layer"), py::arg("tokens"),
            "K and V, [batch, kv_heads, tokens, head_dim] views of the acquired layer's rows, until "
-           "release(layer): used after it, they raise (clone() to keep them)")
+           "release(layer): used after it, they raise (clone() to keep them); a numpy array or "
+           "DLPack capsule taken from them before keeps the bytes it was lent (their memory kept "
+           "from reuse, counted in the arena) until it is dropped")
       .def("wrote", &PyKVStore::wrote, py::arg("layer"), py::arg("first"), py::arg("count"))
       .def("attend_fp8_decode", &PyKVStore::attend_fp8_decode, py::arg("layer"), py::arg("first"),
            py::arg("q"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("first_key"),

@@ -8,9 +8,21 @@
 // A tensor over a streamed layer's slot stays a valid pointer after release (its deleter holds
 // the arena buffer mapped), but the slot is then filled with the next layer: a tensor kept past
 // release read another layer's K/V or weights without an error. Revoking reaches every view of
-// the tensor, since views share one StorageImpl: its data pointer is dropped (giving the buffer
-// back) and its size set to 0, and torch's check on storage access (the one fake tensors use)
-// raises our message on any read or write of its data; shapes, dtypes and devices still read.
+// the tensor, since views share one StorageImpl: its size is set to 0 and torch's check on
+// storage access (the one fake tensors use) raises our message on any read or write of its
+// data, through torch or through the storage; shapes, dtypes and devices still read.
+// The storage keeps its DataPtr, and so its arena buffer, until the StorageImpl itself dies: a
+// numpy array (`.numpy()`, `np.asarray`), a DLPack capsule (`to_dlpack`, `np.from_dlpack`,
+// `torch.from_dlpack`) or a tensor made from either took the raw address before the release,
+// bypasses torch's check, and holds the StorageImpl (numpy's base is the tensor, a capsule holds
+// an at::Tensor). Dropping the DataPtr at revoke, as this did first, let the store reuse the
+// memory under such a view (it read the next layer) and the arena unmap it once the store was
+// gone (it segfaulted). With the buffer held, the store's allocator never hands it to another
+// block while a view lives, and the arena gives it back only when the last view is gone (Note
+// [Memory held by views] in src/arena_device_allocator.cpp, which also says how that memory is
+// counted against the arena's limit): such a view reads the bytes it was lent, never another
+// layer's, and never freed memory. A tensor that is dropped before release costs nothing; one
+// kept past it keeps its block's memory from reuse until it is dropped.
 // A weak reference per tensor handed out is kept until the next revoke of its key, so a tensor
 // dropped before release costs nothing there. The GIL guards the table (every caller holds it).
 #pragma once
@@ -65,8 +77,8 @@ class Leases {
   static void revoke_one(c10::weak_intrusive_ptr<c10::StorageImpl>& weak, const std::string& why) {
     c10::intrusive_ptr<c10::StorageImpl> impl = weak.lock();
     if (!impl) return;
-    const c10::Device device = impl->device();
-    impl->set_data_ptr_noswap(at::DataPtr(nullptr, device));  // (its deleter gives the buffer back)
+    // (the DataPtr stays: a numpy array or DLPack capsule may hold its address; the buffer goes
+    // back when the StorageImpl dies)
     impl->set_nbytes(0);
     impl->release_data_and_set_meta_custom_data_ptr_error_msg_(why);
   }

@@ -6,9 +6,10 @@
 // the store and every such tensor are gone), a device tensor holds the arena buffer (its memory
 // stays mapped while the tensor lives) and is revoked (Note [Revoked views] in leases.h) at
 // release(layer), or for a resident_view when set_residency drops the layer: a streamed slot holds
-// the next layer from then on. Compute is torch's current stream on CUDA; on the host
-// runtime acquire() waits for the fill before returning, since torch computes on the CPU
-// synchronously.
+// the next layer from then on, in memory of its own while a numpy array or DLPack capsule of the
+// old tensor still holds the old memory (Note [Memory held by views]). Compute is torch's current
+// stream on CUDA; on the host runtime acquire() waits for the fill before returning, since torch
+// computes on the CPU synchronously.
 //
 // The core's WeightStore is single-threaded, and the binding lets the GIL go inside its longer
 // calls: every call into the store takes the object's turn (turn(): the GIL let go first, then a
@@ -191,7 +192,9 @@ void bind_weight_store(py::module_& m) {
            "The layer's pinned host copy as a uint8 tensor, to fill before its first use")
       .def("acquire", &PyWeightStore::acquire, py::arg("layer"),
            "The layer's weights on the device (uint8) for compute on torch's current stream, "
-           "until release(layer): used after it, the tensor and its views raise")
+           "until release(layer): used after it, the tensor and its views raise; a numpy array or "
+           "DLPack capsule taken from it before keeps the bytes it was lent (their memory kept "
+           "from reuse, counted in the arena) until it is dropped")
       .def("resident_view", &PyWeightStore::resident_view, py::arg("layer"),
            "A resident layer's device copy (uint8), its fill perhaps still in flight: to lay "
            "parameters out over it; compute reads it only after acquire(layer). Used after "

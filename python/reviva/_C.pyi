@@ -135,7 +135,7 @@ class TransferEngine:
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer: ...
     def offload(self, tensor: torch.Tensor, *, record_stream: bool = True) -> OffloadedTensor:
         """
-        Copies a device tensor into a pinned block (D2H stream, after the current stream's work). record_stream=False: the caller keeps the tensor alive until the result is ready(); its memory then returns to torch's allocator without events.
+        Copies a device tensor into a pinned block (D2H stream, after the current stream's work). The copy is asynchronous: it reads the tensor when the D2H stream gets to it, so the tensor must not be written (in place, by any stream or the host) until the result is ready() or wait() returned; a write through torch before that is seen by the tensor's version counter, and restore() and host_tensor() then raise ValueError instead of returning a copy that may be torn (a write bypassing torch, or to an inference-mode tensor, is not seen). record_stream=False: the caller keeps the tensor alive until the result is ready(); its memory then returns to torch's allocator without events.
         """
     def offload_batch(
         self, tensors: collections.abc.Sequence[torch.Tensor], *, record_stream: bool = True
@@ -361,7 +361,7 @@ class KVStore:
         self, layer: typing.SupportsInt, tokens: typing.SupportsInt
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """
-        K and V, [batch, kv_heads, tokens, head_dim] views of the acquired layer's rows, until release(layer): used after it, they raise (clone() to keep them)
+        K and V, [batch, kv_heads, tokens, head_dim] views of the acquired layer's rows, until release(layer): used after it, they raise (clone() to keep them); a numpy array or DLPack capsule taken from them before keeps the bytes it was lent (their memory kept from reuse, counted in the arena) until it is dropped
         """
     def length(self, arg0: typing.SupportsInt) -> int: ...
     def make_resident(self, arg0: typing.SupportsInt) -> None: ...
@@ -369,7 +369,7 @@ class KVStore:
         self, layer: typing.SupportsInt, page: typing.SupportsInt, tokens: typing.SupportsInt
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """
-        K and V of an acquired page, until release_page(layer, page): used after it, they raise
+        K and V of an acquired page, until release_page(layer, page): used after it, they raise; a numpy array or DLPack capsule taken from them before keeps the bytes it was lent (their memory kept from reuse, counted in the arena) until it is dropped
         """
     def paged(self, layer: typing.SupportsInt) -> bool: ...
     def pages(self, layer: typing.SupportsInt) -> int: ...
@@ -390,7 +390,7 @@ class KVStore:
     def truncate(self, layer: typing.SupportsInt, tokens: typing.SupportsInt) -> None: ...
     def view(self, layer: typing.SupportsInt, tokens: typing.SupportsInt) -> torch.Tensor:
         """
-        [tokens, 2, batch, kv_heads, head_dim] over the acquired layer's rows, until release(layer): used after it, the tensor and its views raise (clone() to keep them)
+        [tokens, 2, batch, kv_heads, head_dim] over the acquired layer's rows, until release(layer): used after it, the tensor and its views raise (clone() to keep them); a numpy array or DLPack capsule taken from it before keeps the bytes it was lent (their memory kept from reuse, counted in the arena) until it is dropped
         """
     def write(
         self,
@@ -429,7 +429,7 @@ class WeightStore:
         """
     def acquire(self, layer: typing.SupportsInt) -> torch.Tensor:
         """
-        The layer's weights on the device (uint8) for compute on torch's current stream, until release(layer): used after it, the tensor and its views raise
+        The layer's weights on the device (uint8) for compute on torch's current stream, until release(layer): used after it, the tensor and its views raise; a numpy array or DLPack capsule taken from it before keeps the bytes it was lent (their memory kept from reuse, counted in the arena) until it is dropped
         """
     def acquired(self, arg0: typing.SupportsInt) -> bool: ...
     def host(self, layer: typing.SupportsInt) -> torch.Tensor:

@@ -125,6 +125,37 @@ TEST_P(ArenaAllocatorTest, AFullArenaGivesTheCacheBackBeforeFailing) {
   EXPECT_LE(arena_->stats().peak_bytes, 6 * g_);
 }
 
+// Note [Memory held by views]: a buffer someone holds past its free (a view's buffer_of) is
+// never handed to the next allocation; it counts against the arena's limit until its holder
+// drops it, and an allocation that cannot fit beside it says so.
+TEST_P(ArenaAllocatorTest, ABufferHeldPastItsFreeIsNotReusedUntilItsHolderDropsIt) {
+  arena_->set_limit_bytes(2 * g_);
+  Stream s(backend_);
+  void* p = alloc_->allocate(g_, s.handle());
+  std::shared_ptr<ArenaBuffer> view = alloc_->buffer_of(p);
+  ASSERT_NE(view, nullptr);
+  alloc_->deallocate(p, g_, s.handle());
+  void* q = alloc_->allocate(g_, s.handle());
+  EXPECT_NE(q, p) << "the memory a view still holds went to the next allocation";
+  alloc_->deallocate(q, g_, s.handle());  // (cached: the next one takes it)
+  void* r = alloc_->allocate(g_, s.handle());
+  EXPECT_EQ(r, q);
+  try {
+    alloc_->allocate(g_, s.handle());  // (2 granules mapped: p's, held, and r's)
+    ADD_FAILURE() << "mapped beyond the arena's limit";
+  } catch (const OutOfMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("still held by views"), std::string::npos) << e.what();
+  }
+  view.reset();  // (p's memory goes back to the arena now)
+  s.synchronize();
+  arena_->reclaim(/*wait=*/true);
+  void* t = alloc_->allocate(g_, s.handle());
+  EXPECT_NE(t, nullptr);
+  alloc_->deallocate(r, g_, s.handle());
+  alloc_->deallocate(t, g_, s.handle());
+  EXPECT_LE(arena_->stats().peak_bytes, 2 * g_);
+}
+
 TEST_P(ArenaAllocatorTest, ManyThreadsAllocateAndFree) {
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
