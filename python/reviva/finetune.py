@@ -331,6 +331,8 @@ class Finetune(FinetuneForwards, FinetuneStepPlan):
         self._hf_checkpointing.clear()
         self.causal.__dict__.pop(_FINETUNED, None)
         self.causal.__dict__.pop("hf_device_map", None)
+        if self._cuda:  # (the steps' cached blocks: room for the weights coming back)
+            torch.cuda.empty_cache()
         self.weights.close()
         if self.host_embedding is not None:
             self.host_embedding.close()

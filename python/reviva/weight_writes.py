@@ -113,14 +113,20 @@ class WeightWrites:
         for i in list(self._held):
             self.release(i)  # type: ignore[attr-defined]
         self.sync()
-        for b, slots in enumerate(self._slots):
+        for b in range(len(self._slots)):
             self._point(b, None)
-            origins = self._origins[b]
-            for slot, host, origin in zip(slots, self._host_views[b], origins, strict=True):
-                if origin.type not in ("cpu", "meta"):
-                    slot.param.data = host.to(origin)
+        # The store's device copies go back, and are unmapped, before any parameter is copied
+        # back: on a card the model's own weights just fit, both at once do not (the H100 at
+        # d5ad330, the 8B shape on a 24 GB card: out of memory in close() with 8 resident layers)
         self._device_views.clear()
         self._resident_blocks = set()
         self.store.set_residency([], 1, 0)  # type: ignore[attr-defined]
         self.store.trim()  # type: ignore[attr-defined]
+        self.arena.reclaim(True)  # type: ignore[attr-defined]
+        for b, slots in enumerate(self._slots):
+            origins = self._origins[b]
+            for slot, host, origin in zip(slots, self._host_views[b], origins, strict=True):
+                if origin.type not in ("cpu", "meta"):
+                    slot.param.data = host.to(origin)
+            self._mark(b)
         self.remove_hooks()  # type: ignore[attr-defined]

@@ -90,6 +90,7 @@ class StreamedWeights(RoutedExpertsForward, WeightWrites):
         """frozen_only: only the parameters that need no gradient stream (a fine-tune's base
         weights); the others (LoRA's, a norm being trained) stay where they are."""
         self.device = device
+        self.arena = arena  # (close() unmaps the store's memory before parameters go back)
         seen: dict[int, int] = {}
         self._slots: list[list[_Slot]] = []  # per block (a layer's parts, in order)
         self._slot_names: list[list[str]] = []  # per block: its parameters' names, for errors
