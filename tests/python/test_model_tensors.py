@@ -199,11 +199,18 @@ def test_a_write_of_another_shape_is_refused_by_name() -> None:
     manager = RevivaManager(model, RevivaConfig(stream_weights=True))
     ids = torch.randint(1, 211, (1, 12), generator=torch.Generator().manual_seed(4))
     p = model.model.layers[2].mlp.down_proj.weight
+    kept = p.data.clone()
+    ref = manager.generate(ids, max_new_tokens=2)
     p.data = torch.zeros(3, 3)
     with pytest.raises(
         ValueError, match=r"mlp\.down_proj.*decoder layer 2 was replaced by a \(3, 3\)"
     ):
         manager.generate(ids, max_new_tokens=2)
+    # the refused call left nothing held or wrapped: put right, the next calls are as before
+    assert "forward" not in model.model.layers[2].__dict__
+    p.data = kept
+    for _ in range(2):
+        assert torch.equal(manager.generate(ids, max_new_tokens=2), ref)
     model.model.embed_tokens.weight.data = torch.zeros(5, 64)
     with pytest.raises(ValueError, match=r"input embedding's weight was replaced by a \(5, 64\)"):
         manager.host_embedding.sync()
