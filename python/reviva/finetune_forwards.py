@@ -57,6 +57,7 @@ from reviva.token_chunks import (
     head_loss,
     rng_restored,
     rng_state,
+    soft_capped,
 )
 
 if TYPE_CHECKING:
@@ -263,11 +264,8 @@ class FinetuneForwards:
         if not self.return_logits:  # (Note [Logits with labels])
             return _loss_only_output()(**fields)
         try:
-            logits = causal.lm_head(hidden)  # (after the loss's chunks: not held beside them)
-            if self.softcap is not None:  # (as HF's Gemma 2 returns them)
-                logits = logits / self.softcap
-                logits = torch.tanh(logits)
-                logits = logits * self.softcap
+            # (after the loss's chunks: not held beside them; capped as HF's Gemma 2 returns them)
+            logits = soft_capped(causal.lm_head(hidden), self.softcap)
         except torch.OutOfMemoryError as e:
             raise self._out_of_memory(e, "the logits returned beside the loss") from e
         return CausalLMOutputWithPast(logits=logits, **fields)

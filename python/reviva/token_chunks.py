@@ -159,6 +159,13 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
 
 
+def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's final_logit_softcapping as HF applies it (none where `softcap` is None)."""
+    if softcap is None:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
+
+
 def _chunk_loss(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -168,9 +175,7 @@ def _chunk_loss(
 ) -> torch.Tensor:
     """Summed cross-entropy of one chunk, in the plain path's dtypes: the head's logits in the
     model's dtype, then fp32 (ForCausalLMLoss's logits.float())."""
-    logits = F.linear(h, weight, bias).float()
-    if softcap is not None:  # Gemma 2's final_logit_softcapping, applied before the loss
-        logits = torch.tanh(logits / softcap) * softcap
+    logits = soft_capped(F.linear(h, weight, bias).float(), softcap)  # (before the loss)
     return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
