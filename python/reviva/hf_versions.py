@@ -28,20 +28,10 @@ TRANSFORMERS_REQUIREMENT = f"transformers>={TRANSFORMERS_LOWEST},<{TRANSFORMERS_
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """A release's numbers (5.25.0 -> (5, 25, 0)); pre-release and local tags cut off."""
-    numbers = []
-    for part in version.split("+")[0].split("."):
-        digits = ""
-        for ch in part:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) < len(part):  # (5.26.0rc1: a pre-release of 5.26.0)
-            break
-    return tuple(numbers)
+    """A release's numbers (5.25.0 -> (5, 25, 0); a pre-release 5.26.0rc1 -> (5, 26, 0))."""
+    from packaging.version import Version  # (transformers' own dependency)
+
+    return Version(version).release
 
 
 def transformers_supported(version: str) -> bool:
