@@ -110,7 +110,9 @@ def test_logits_with_labels_are_hfs() -> None:
         assert got_out.logits.dtype == ref_out.logits.dtype
         assert torch.allclose(got_out.logits, ref_out.logits, rtol=1e-5, atol=1e-6)
         # (what the Trainer reads; a training step here keeps no K/V cache to return)
-        assert list(got_out.keys()) == [k for k in ref_out.keys() if k != "past_key_values"]
+        assert list(got_out.keys()) == [
+            k for k in ref_out.keys() if k not in ("past_key_values", "cache")
+        ]
         for out in (ref_out, got_out):
             (out.loss + 1e-2 * out.logits.logsumexp(-1).square().mean()).backward()
         ref = {n: p.grad for n, p in trained(plain).items()}
