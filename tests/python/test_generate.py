@@ -33,6 +33,7 @@ from transformers.generation.streamers import BaseStreamer
 import reviva
 from reviva import RevivaConfig, RevivaManager, offload_activations
 from reviva.adapters import sliding_window
+from reviva.kv_cache import RevivaCache
 from reviva.planner import Plan, device_state, smallest_budget
 
 TINY = dict(
@@ -1718,14 +1719,36 @@ def gpu_mistral_512() -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
+def poison_stale_windows(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Note [Fetch tails]: from here on, every acquire of a layer fetched as its window fills the
+    bytes before the window on the device with NaN (a read of them, masked or not, makes NaN).
+    Returns the (layer, length) of each acquire poisoned."""
+    acquire = RevivaCache.acquire
+    poisoned: list[tuple[int, int]] = []
+
+    def poisoning(self: RevivaCache, i: int) -> None:
+        acquire(self, i)
+        w = self.fetch_windows.get(i)
+        on_device = w is not None and not self.paged(i) and i not in self._host_layers
+        n = self.store.length(i) if on_device else 0
+        if on_device and n > w:
+            for part in self.store.kv(i, n):
+                part[:, :, : n - w].fill_(float("nan"))
+            poisoned.append((i, n))
+
+    monkeypatch.setattr(RevivaCache, "acquire", poisoning)
+    return poisoned
+
+
 @pytest.mark.gpu
 def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [Fetch tails] on CUDA: a Mistral-shaped model (1B widths, 8 layers, a 512-token
     window) in bf16 with a 4k prompt and most layers' K/V streamed: fetching each streamed
-    sliding layer's window alone gives the same logits, bit for bit, as whole fetches
-    (REVIVA_FETCH_WINDOWS=0: the stale bytes before the window are never read), and moves fewer
-    bytes; a turn continued from the returned cache too. Without rings (REVIVA_WINDOW_RINGS=0:
-    a ring is its window already; test_gpu_window_rings_same_logits_as_whole_layers)."""
+    sliding layer's window alone never reads the stale bytes before the window (they are NaN
+    here: poison_stale_windows), gives the logits of whole fetches (REVIVA_FETCH_WINDOWS=0) and
+    moves fewer bytes; a turn continued from the returned cache too. Without rings
+    (REVIVA_WINDOW_RINGS=0: a ring is its window already;
+    test_gpu_window_rings_same_logits_as_whole_layers)."""
     monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
     model = gpu_mistral_512()
     ids = torch.randint(1, 32000, (1, 4096), device="cuda")
@@ -1753,8 +1776,11 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
         lambda p: not p.residual_on_host and len(p.resident_layers) + p.promotable_layers() >= 4,
     ) + (16 << 20)  # (the first call's outputs stay on the device through the second)
     runs = {}
-    for windowed in (True, False):
+    poisoned: list[tuple[int, int]] = []
+    for windowed in (False, True):
         monkeypatch.setenv("REVIVA_FETCH_WINDOWS", "1" if windowed else "0")
+        if windowed:
+            poisoned = poison_stale_windows(monkeypatch)
         torch.cuda.empty_cache()
         manager = RevivaManager(model, RevivaConfig(vram_budget=budget))
         out = manager.generate(ids, **kw)
@@ -1764,8 +1790,11 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
         # (what the comparison reads, on the host; the manager and the parked caches go before
         # the next run plans on the device's state)
         out = SimpleNamespace(sequences=out.sequences.cpu(), logits=[x.cpu() for x in out.logits])
-        runs[windowed] = (out, st, SimpleNamespace(sequences=cont.sequences.cpu()))
-        del manager, cont
+        cont = SimpleNamespace(
+            sequences=cont.sequences.cpu(), logits=[x.cpu() for x in cont.logits]
+        )
+        runs[windowed] = (out, st, cont)
+        del manager
         gc.collect()
     (out, st, cont), (out0, st0, cont0) = runs[True], runs[False]
     assert st["fetch_window_layers"] == 8 and st0["fetch_window_layers"] == 0
@@ -1773,20 +1802,24 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
     # room left after prefill decides the promotions; on the H200 at f7329b6 the whole-fetch run
     # promoted every layer. The windowed run is the one under test: it must stream some.)
     assert st.streamed_layer_ids and st.decode.kv_streamed_layers > 0, st
+    streamed = {i for i, _ in poisoned}
+    assert set(st.streamed_layer_ids) <= streamed and max(n for _, n in poisoned) > 4096, poisoned
+    for logits in (out.logits, cont.logits):
+        assert all(torch.isfinite(x).all() for x in logits)  # (no stale byte was read)
     assert torch.equal(out.sequences, out0.sequences)
-    # Within bf16 rounding, not bit for bit: on the H200 at f7329b6 two runs streaming the same
-    # layers ([1, 5]) gave equal logits in one process and logits one bf16 step apart (max
-    # 0.0156, and 0.039 in a later step) in the next; at 846f904 too. Not explained; plausibly
-    # which decode steps replay a graph and which run eagerly (captures ahead of decode depend
-    # on the host's timing), with different matmul algorithms. A stale byte before the window,
-    # if it were read, would be far outside this.
+    assert torch.equal(cont.sequences, cont0.sequences)
+    # Within bf16 rounding, not bit for bit: two runs of one call in one process can differ,
+    # windowed or not. On the H100 at 108a154, five runs in one process (graphs off): the
+    # windowed, the whole-fetch and the poisoned windowed runs gave bit-identical logits, and the
+    # second run (windowed) differed from them from decode step 6 on (relative 0.0082, then
+    # ~0.007); with graphs, the second run from step 5 (0.0128). Which step, and whether, varies
+    # between processes: tracked as a finding (the run's cause is not known yet).
     print(
         "streamed layers, windowed and whole:", st["streamed_layer_ids"], st0["streamed_layer_ids"]
     )
     for j, (a, b) in enumerate(zip(out.logits, out0.logits, strict=True)):
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
-        assert rel < 1e-2, (j, rel)  # (f7329b6: up to 0.039 apart in 157 of 32000 logits)
-    assert torch.equal(cont.sequences, cont0.sequences)
+        assert rel < 2e-2, (j, rel)
     # Fewer bytes: a streamed layer's decode fetch is its window, not the whole layer's K/V
     # (what the whole-fetch run moved, when it streamed layers too; else what whole fetches of
     # the windowed run's streamed layers would have moved in its decode steps).
