@@ -49,7 +49,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ from torch import nn
 from reviva._C import RevivaOutOfMemoryError
 from reviva.adapters import inspect_model
 from reviva.finetune_forwards import _MLP_LAST, _TOKEN_WISE, FinetuneForwards
+from reviva.finetune_retry import FinetuneRetry
 from reviva.finetune_step import FinetuneStepPlan, _run_directly
 from reviva.hf_versions import check_transformers
 from reviva.host_checkpoints import _Checkpoints
@@ -94,6 +95,10 @@ class FinetuneStats:
     checkpoint_host_wait_s: float = 0.0  # the host waiting for checkpoints' copies (forward)
     working_set_bytes: int | None = None  # measured (CUDA): the last step's peak beside `held`
     plan: TrainPlan | None = None
+    # Note [Out of memory inside a step] (finetune_retry.py): the work run again after an
+    # out-of-memory, and where each was ("layer 5's backward", ...)
+    oom_retries: int = 0
+    retried_in: list[str] = field(default_factory=list)
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -115,7 +120,7 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     )
 
 
-class Finetune(FinetuneForwards, FinetuneStepPlan):
+class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
     """A model set up for streamed fine-tuning (the module docstring; Note [Streamed
     fine-tuning]). Made by `reviva.finetune`; `close()` puts the model's own forwards back."""
 
@@ -235,6 +240,9 @@ class Finetune(FinetuneForwards, FinetuneStepPlan):
         self._hf_checkpointing: dict[int, tuple[nn.Module, Any]] = {}
         self._plan: TrainPlan | None = None
         self._measured: dict[int, int] = {}  # tokens -> the working set measured (CUDA)
+        # tokens -> the most layers resident after an out-of-memory at that length (Note [Out of
+        # memory inside a step] in finetune_retry.py)
+        self._caps: dict[int, int] = {}
         self._step_tokens: int | None = None  # the training step in progress (to measure)
         self._held = 0
         self._recomputed: int | None = None  # the layer being recomputed in its backward

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from reviva.finetune_retry import grad_snapshot, restore_grads, set_rng
 from reviva.finetune_step import with_hf_packing
 from reviva.hf_versions import layer_cache
 from reviva.host_checkpoints import _Checkpoint
@@ -119,8 +120,16 @@ class _LayerStep(torch.autograd.Function):
         i = ctx.i
         record: _Checkpoint = ctx.checkpoint
         device = dy.device
+        where = f"layer {i}'s backward"
         try:
-            x = tuner.checkpoints.restore(record)
+            inputs = [tuner.checkpoints.restore(record)]  # (dropped before retire: a view of it)
+        except torch.OutOfMemoryError as e:
+            raise tuner._out_of_memory(e, where) from e
+        # (what a failed attempt accumulated is put back before the next: Note [Out of memory
+        # inside a step] in finetune_retry.py)
+        before = grad_snapshot(tuner.layers[i].parameters())
+
+        def attempt() -> torch.Tensor | None:
             with (
                 tuner._weights_of(i),
                 rng_restored(ctx.rng, device),
@@ -128,14 +137,20 @@ class _LayerStep(torch.autograd.Function):
                 torch.enable_grad(),
                 tuner._recomputing(i),
             ):
-                xg = x.detach().requires_grad_(bool(ctx.needs_input_grad[0]))
+                xg = inputs[0].detach().requires_grad_(bool(ctx.needs_input_grad[0]))
                 y = tuner._original[i](xg, *ctx.args, **ctx.kwargs)
                 if y.requires_grad:
                     torch.autograd.backward(y, dy)
-                dx = xg.grad
-            del x, xg, y
-        except torch.OutOfMemoryError as e:
-            raise tuner._out_of_memory(e, f"layer {i}'s backward") from e
+                return xg.grad
+
+        def undo() -> bool:
+            if before is None:
+                return False
+            restore_grads(before)
+            return True
+
+        dx = tuner._retrying(where, attempt, undo)
+        inputs.clear()
         tuner.checkpoints.retire(record)
         ctx.checkpoint = None
         return dx, None, None, None, None, None
@@ -157,11 +172,19 @@ class FinetuneForwards:
             self.weights.release(i)
 
     def _run_layer(self, i: int, x: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> Any:
-        try:
+        # (run again after an out-of-memory from the same generators' state: Note [Out of
+        # memory inside a step] in finetune_retry.py)
+        state = rng_state(x.device) if self._random(self.layers[i]) else None
+
+        def attempt() -> Any:
             with self._weights_of(i):
                 return self._original[i](x, *args, **kwargs)
-        except torch.OutOfMemoryError as e:
-            raise self._out_of_memory(e, f"layer {i}'s forward") from e
+
+        def undo() -> bool:
+            set_rng(state, x.device)
+            return True
+
+        return self._retrying(f"layer {i}'s forward", attempt, undo)
 
     def _layer_forward(self, i: int) -> Callable[..., Any]:
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -243,8 +266,9 @@ class FinetuneForwards:
         kwargs["use_cache"] = False
         outputs = causal.model(**kwargs)
         hidden = outputs.last_hidden_state
-        try:
-            loss = head_loss(
+        loss = self._retrying(
+            "the loss",
+            lambda: head_loss(
                 hidden,
                 causal.lm_head,
                 labels,
@@ -252,9 +276,8 @@ class FinetuneForwards:
                 num_items,
                 self.softcap,
                 shifted,
-            )
-        except torch.OutOfMemoryError as e:
-            raise self._out_of_memory(e, "the loss") from e
+            ),
+        )
         fields = dict(
             loss=loss,
             past_key_values=None,
@@ -263,11 +286,11 @@ class FinetuneForwards:
         )
         if not self.return_logits:  # (Note [Logits with labels])
             return _loss_only_output()(**fields)
-        try:
-            # (after the loss's chunks: not held beside them; capped as HF's Gemma 2 returns them)
-            logits = soft_capped(causal.lm_head(hidden), self.softcap)
-        except torch.OutOfMemoryError as e:
-            raise self._out_of_memory(e, "the logits returned beside the loss") from e
+        # (after the loss's chunks: not held beside them; capped as HF's Gemma 2 returns them)
+        logits = self._retrying(
+            "the logits returned beside the loss",
+            lambda: soft_capped(causal.lm_head(hidden), self.softcap),
+        )
         return CausalLMOutputWithPast(logits=logits, **fields)
 
 

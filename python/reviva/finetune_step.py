@@ -181,12 +181,13 @@ class FinetuneStepPlan:
 
     def plan(self, tokens: int) -> TrainPlan:
         """The plan a step of `tokens` tokens would run with now (train_plan.plan_step), with the
-        working set measured by the last step of that length where one ran (CUDA)."""
+        working set measured by the last step of that length where one ran (CUDA), settled
+        against the residency in place (Note [Residency across lengths])."""
         self._collect()
         budget, held = self._budget_now()
         # (the resident weights live in the arena, outside torch's `held`: the plan places them
         # in the room the budget leaves beside held, the working set and the margin)
-        return plan_step(
+        plan = plan_step(
             self.dims,
             tokens,
             budget,
@@ -196,6 +197,7 @@ class FinetuneStepPlan:
             self._measured.get(tokens),
             logits=self.return_logits,  # (Note [Logits with labels] in finetune_forwards.py)
         )
+        return self._settled(plan)  # (Note [Residency across lengths] in finetune_retry.py)
 
     def _apply_plan(self, tokens: int) -> None:
         plan = self.plan(tokens)

@@ -1,0 +1,273 @@
+"""Note [Out of memory inside a step] and Note [Residency across lengths] (reviva/finetune_retry.py)
+on the host backend: a torch out-of-memory injected once into a layer's forward, a layer's
+backward (after some LoRA gradients were accumulated) or the loss makes the tuner stream more
+layers and run that work again: the step completes, its loss and gradients are a plain run's,
+stats() counts the retry, and the next steps keep the smaller residency; where nothing can be
+given up the error names the plan. Steps of different lengths keep the residency in place."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_finetune import TOKENS, assert_close, batch, layer_budget, lora, step, tiny_llama
+from torch import nn
+
+import reviva
+from reviva import finetune_forwards, finetune_retry
+from reviva.finetune_retry import layers_to_give_up, requested_bytes
+from reviva.train_plan import plan_step
+
+peft = pytest.importorskip("peft", reason="peft (a dev requirement) is needed for LoRA models")
+
+# (300 KiB: a bit more than one of the tiny model's layers, 192 KiB: two are given up)
+OOM = "CUDA out of memory. Tried to allocate 300.00 KiB. GPU 0 has a total capacity of 24 GiB"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def fail_once(tuner: Any, i: int, when: Callable[[torch.Tensor], bool], late: bool) -> dict:
+    """Layer i's forward (the tuner's original) raises torch's out-of-memory the first time
+    `when(x)` holds: before it runs (late=False), or after it ran and drew its random numbers
+    (late=True). Returns the count of raises."""
+    original = tuner._original[i]
+    raised = {"n": 0}
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        hit = raised["n"] == 0 and when(x)
+        if hit and not late:
+            raised["n"] += 1
+            raise torch.OutOfMemoryError(OOM)
+        y = original(x, *args, **kwargs)
+        if hit:
+            raised["n"] += 1
+            raise torch.OutOfMemoryError(OOM)
+        return y
+
+    tuner._original[i] = forward
+    return raised
+
+
+def fail_in_backward_once(tuner: Any, i: int) -> dict:
+    """Layer i's recompute registers a hook on its input that raises torch's out-of-memory, the
+    first time: the input's gradient comes last, after the layer's LoRA gradients accumulated."""
+    original = tuner._original[i]
+    raised = {"n": 0}
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raised["n"] += 1
+        raise torch.OutOfMemoryError(OOM)
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if raised["n"] == 0 and torch.is_grad_enabled() and x.requires_grad:
+            x.register_hook(boom)
+        return original(x, *args, **kwargs)
+
+    tuner._original[i] = forward
+    return raised
+
+
+def pair(dropout: float = 0.0, resident: int = 3) -> tuple[nn.Module, nn.Module, Any]:
+    base = tiny_llama(seed=1)
+    plain = lora(copy.deepcopy(base), dropout=dropout)
+    ours = lora(copy.deepcopy(base), dropout=dropout)
+    kw = dict(chunk_tokens=16, loss_chunk_tokens=8)
+    budget = layer_budget(ours, TOKENS * 2, resident, **kw)
+    return plain, ours, reviva.finetune(ours, budget=budget, device="cpu", **kw)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_an_out_of_memory_in_a_layers_forward_is_retried(dropout: float) -> None:
+    """Layer 1's forward runs out of memory once, after drawing its dropout masks: the tuner
+    streams layers (300 KiB asked: the two layers it would give up first, so one stays), runs
+    the forward again from the same generators' state, and the step's loss and gradients are
+    a plain run's; the next step keeps one layer resident and retries nothing."""
+    plain, ours, tuner = pair(dropout)
+    try:
+        raised = fail_once(tuner, 1, lambda x: not torch.is_grad_enabled(), late=True)
+        for s in range(2):
+            data = batch(seed=10 + s, rows=2)
+            torch.manual_seed(100 + s)
+            ref_loss, ref = step(plain, data)
+            torch.manual_seed(100 + s)
+            got_loss, got = step(ours, data)
+            assert got_loss == pytest.approx(ref_loss, rel=1e-6)
+            assert_close(ref, got, rtol=1e-5, atol=1e-7, what=f"step {s}")
+            st = tuner.stats()
+            assert raised["n"] == 1
+            assert st.oom_retries == 1 and st.retried_in == ["layer 1's forward"]
+            assert st.resident_layers == 1 and st.streamed_layers == 2, st
+            assert st.plan.resident_layers == (1,)
+        assert tuner.weights.resident(1) and not tuner.weights.resident(0)
+    finally:
+        tuner.close()
+
+
+@pytest.mark.parametrize("accumulated", [False, True])
+def test_an_out_of_memory_in_a_layers_backward_counts_no_gradient_twice(accumulated: bool) -> None:
+    """Layer 2's backward runs out of memory once after its LoRA gradients were accumulated
+    (a hook on its input raises): the gradients are put back as they were before it (None, or
+    the last micro-batch's under gradient accumulation) and the backward runs again; the
+    accumulated gradients are a plain run's."""
+    plain, ours, tuner = pair()
+    try:
+        raised = fail_in_backward_once(tuner, 2)
+        batches = [batch(seed=30 + k, rows=2) for k in range(2 if accumulated else 1)]
+        for model in (plain, ours):
+            for data in batches:
+                model(**data).loss.backward()
+        ref = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+        got = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+        assert raised["n"] == 1
+        assert_close(ref, got, rtol=1e-5, atol=1e-7, what="accumulated gradients")
+        st = tuner.stats()
+        assert st.oom_retries == 1 and st.retried_in == ["layer 2's backward"]
+        assert st.streamed_layers == 2
+    finally:
+        tuner.close()
+
+
+@pytest.mark.parametrize("where", ["the loss", "the logits returned beside the loss"])
+def test_an_out_of_memory_in_the_loss_or_the_logits_is_retried(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, ours, tuner = pair()
+    try:
+        calls = {"n": 0}
+
+        def once(run: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    raise torch.OutOfMemoryError(OOM)
+                return run(*args, **kwargs)
+
+            return wrapped
+
+        if where == "the loss":
+            monkeypatch.setattr(finetune_forwards, "head_loss", once(finetune_forwards.head_loss))
+        else:
+            head = tuner.causal.lm_head
+            monkeypatch.setattr(head, "forward", once(head.forward))
+        data = batch(seed=40, rows=2)
+        ref_loss, ref = step(plain, data)
+        got_loss, got = step(ours, data)
+        assert calls["n"] == 2
+        assert got_loss == pytest.approx(ref_loss, rel=1e-6)
+        assert_close(ref, got, rtol=1e-5, atol=1e-7, what=f"after {where}'s retry")
+        assert tuner.stats().retried_in == [where]
+    finally:
+        tuner.close()
+
+
+def test_nothing_left_to_give_up_raises_naming_the_plan() -> None:
+    """Every layer streamed already: the out-of-memory is FinetuneOutOfMemoryError naming where
+    and the plan, nothing retried; the next step runs."""
+    plain, ours, tuner = pair(resident=0)
+    try:
+        fail_once(tuner, 0, lambda x: not torch.is_grad_enabled(), late=False)
+        with pytest.raises(reviva.FinetuneOutOfMemoryError, match="layer 0's forward.*0 of 3"):
+            ours(**batch(seed=50, rows=2)).loss.backward()
+        assert tuner.stats().oom_retries == 0
+        data = batch(seed=51, rows=2)
+        _, ref = step(plain, data)
+        _, got = step(ours, data)
+        assert_close(ref, got, rtol=1e-5, atol=1e-7, what="after the error")
+    finally:
+        tuner.close()
+
+
+def test_gradients_too_large_to_copy_are_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under gradient accumulation with trained gradients over RETRY_GRAD_COPY_BYTES, a backward
+    that ran out of memory cannot be put back: the error is raised, nothing retried."""
+    monkeypatch.setattr(finetune_retry, "RETRY_GRAD_COPY_BYTES", 0)
+    _, ours, tuner = pair()
+    try:
+        ours(**batch(seed=60, rows=2)).loss.backward()
+        fail_in_backward_once(tuner, 1)
+        with pytest.raises(reviva.FinetuneOutOfMemoryError, match="layer 1's backward"):
+            ours(**batch(seed=61, rows=2)).loss.backward()
+        assert tuner.stats().oom_retries == 0
+    finally:
+        tuner.close()
+
+
+def two_length_budget(model: nn.Module, short: int, long: int) -> int:
+    """A budget whose plan keeps every layer resident at `short` tokens and one at `long`."""
+    probe = reviva.finetune(copy.deepcopy(model), budget="1TB", device="cpu", chunk_tokens=16)
+    try:
+        dims, held = probe.dims, probe.plan(short).held
+
+        def resident(budget: int, tokens: int) -> int:
+            try:
+                plan = plan_step(
+                    dims,
+                    tokens,
+                    budget,
+                    held,
+                    16,
+                    probe.loss_chunk_tokens,
+                    logits=probe.return_logits,
+                )
+            except reviva.RevivaOutOfMemoryError:
+                return -1
+            return len(plan.resident_layers)
+
+        for budget in range(1 << 20, 1 << 34, 1 << 12):
+            if resident(budget, short) == 3 and resident(budget, long) == 1:
+                return budget
+    finally:
+        probe.close()
+    raise AssertionError("no budget keeps 3 layers at the short length and 1 at the long")
+
+
+def test_steps_of_other_lengths_keep_the_residency_in_place() -> None:
+    """Steps of 16, 160, 16 and 160 tokens: the long one gives up two layers, the short one after
+    it keeps the one left (its working set was never measured: the host backend measures none),
+    so no layer is filled again; with a measured working set the short one takes them back.
+    Gradients as a plain run's throughout."""
+    base = tiny_llama(seed=2)
+    plain, ours = lora(copy.deepcopy(base)), lora(copy.deepcopy(base))
+    short, long = 16, 160
+    tuner = reviva.finetune(
+        ours, budget=two_length_budget(ours, short, long), device="cpu", chunk_tokens=16
+    )
+    try:
+        seen = []
+        for s, tokens in enumerate([short, long, short, long]):
+            data = batch(seed=70 + s, tokens=tokens)
+            _, ref = step(plain, data)
+            _, got = step(ours, data)
+            assert_close(ref, got, rtol=1e-5, atol=1e-7, what=f"step {s} ({tokens} tokens)")
+            seen.append(tuner.stats().resident_layers)
+        assert seen == [3, 1, 1, 1]
+        filled = tuner.weights.store.stats()["bytes_to_device"]
+        # a measured working set at the short length: its plan is trusted, the layers come back
+        tuner._measured[short] = 0
+        step(ours, batch(seed=80, tokens=short))
+        assert tuner.stats().resident_layers == 3
+        assert tuner.weights.store.stats()["bytes_to_device"] > filled
+    finally:
+        tuner.close()
+
+
+def test_requested_bytes_and_the_layers_given_up() -> None:
+    assert requested_bytes(OOM) == 300 << 10
+    assert requested_bytes("Tried to allocate 1.50 GiB") == int(1.5 * (1 << 30))
+    assert requested_bytes("out of memory") is None
+    sizes = (10, 10, 10, 10, 10)  # preference: 1, 2, 3, then 0 and 4 (given up first)
+    assert layers_to_give_up((0, 1, 2, 3, 4), sizes, 25) == [4, 0, 3]
+    assert layers_to_give_up((1, 2, 3), sizes, None) == [3, 2]  # (at least half their bytes)
+    assert layers_to_give_up((1, 2), sizes, 1) == [2]
+    assert layers_to_give_up((), sizes, 5) == []
