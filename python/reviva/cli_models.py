@@ -269,7 +269,8 @@ def _given_keys(model: str) -> dict:
 
 def _dtype_of(cfg: object) -> torch.dtype:
     """The model's dtype as its config gives it (bf16 where it gives none, or not a float)."""
-    given = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    # (torch_dtype only where the config holds one: transformers 5 warns at every read of it)
+    given = getattr(cfg, "dtype", None) or vars(cfg).get("torch_dtype")
     if isinstance(given, str):
         given = getattr(torch, given, None)
     return given if given in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16

@@ -22,7 +22,14 @@ def _plan_training(args: argparse.Namespace) -> int:
     from reviva.adapters import inspect_model
     from reviva.forecast import CUDA_CONTEXT_BYTES
     from reviva.layer_packing import layer_weight_bytes
-    from reviva.train_plan import TrainDims, forecast_step, longest_tokens, plan_step
+    from reviva.train_plan import (
+        TrainDims,
+        forecast_step,
+        host_shortfall,
+        longest_host_tokens,
+        longest_tokens,
+        plan_step,
+    )
 
     cfg = _config(args)
     if cfg is None:
@@ -94,6 +101,18 @@ def _plan_training(args: argparse.Namespace) -> int:
         else:
             print(f"reviva plan --train: {shape}\n  {args.context}-token step: does not fit\n  {e}")
         return 1
+    host = reviva.parse_bytes(args.host_memory) if args.host_memory else None
+    if host is not None:  # (checkpoints and weights pinned: Note [Checkpoints on the host])
+        out["longest_host_tokens"] = longest_host_tokens(dims, host)
+        short = host_shortfall(plan, dims, host, weights_pinned=False)
+        if short:
+            out.update(fits=False, error=f"{short} (--host-memory {args.host_memory})")
+            if args.json:
+                print(json.dumps(out, indent=1))
+            else:
+                print(f"reviva plan --train: {shape}\n  {args.context}-token step: does not fit")
+                print(f"  {out['error']}")
+            return 1
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
     f = forecast_step(dims, args.context, plan.streamed_layers, pcie)
     out.update(fits=True, plan=plan.to_dict(), forecast=f.to_dict())
@@ -114,6 +133,11 @@ def _plan_training(args: argparse.Namespace) -> int:
         f"{plan.weight_host_bytes / gb:.2f} GB for the frozen weights"
     )
     print(f"  longest sequence on this card: {longest} tokens (every layer's weights streamed)")
+    if host is not None:
+        print(
+            f"  longest sequence this host's {args.host_memory} pins: "
+            f"{out['longest_host_tokens']} tokens"
+        )
     print(
         f"  estimate ({f.calibration}): {f.step_s:.1f} s a step ({f.bound}-bound: linear "
         f"{f.linear_s:.1f} s, attention {f.attention_s:.1f} s; copies {f.copies_s:.1f} s under "

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from reviva.hf_versions import layer_cache
-from reviva.train_plan import TrainPlan, describe, plan_step
+from reviva.memory_state import host_state
+from reviva.sizes import format_bytes
+from reviva.train_plan import TrainPlan, describe, host_shortfall, plan_step
 
 # (the finetune's logger: what a user filters on stays reviva.finetune's)
 log = logging.getLogger("reviva.finetune")
@@ -107,7 +109,7 @@ class FinetuneStepPlan:
         self._measure()
         training = torch.is_grad_enabled()
         if training or self._plan is None:
-            self._apply_plan(tokens)
+            self._apply_plan(tokens, training)
         self.checkpoints.begin_step()
         if training:
             self.stats_.steps += 1
@@ -199,8 +201,22 @@ class FinetuneStepPlan:
         )
         return self._settled(plan)  # (Note [Residency across lengths] in finetune_retry.py)
 
-    def _apply_plan(self, tokens: int) -> None:
+    def _apply_plan(self, tokens: int, training: bool = False) -> None:
         plan = self.plan(tokens)
+        if training:  # (before any work: the checkpoints' pinned memory, Note [Checkpoints on
+            # the host]; pinned memory cannot be paged out: past what the host can give, the
+            # step would push the machine into swap or the OOM killer instead)
+            host = host_state(self.resources.pool)
+            short = "" if host is None else host_shortfall(plan, self.dims, host.available, True)
+            if short:
+                from reviva.finetune import FinetuneOutOfMemoryError
+
+                raise FinetuneOutOfMemoryError(
+                    f"reviva.finetune: {short} ({format_bytes(host.system_available)} available "
+                    f"to the system less {format_bytes(host.reserve)} kept for the process, plus "
+                    f"{format_bytes(host.pool_cached)} pinned and unused in Reviva's pool). "
+                    "Shorten the sequence, or free host memory"
+                )
         self._held = plan.held
         before = self._plan
         if before is None or plan.resident_layers != before.resident_layers:

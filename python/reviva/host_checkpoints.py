@@ -11,7 +11,11 @@ first, each brought back `prefetch_layers` ahead while the layer before computes
 given up (its block unregistered) as soon as its layer's backward is done, and whatever else
 ends it (an exception, a graph dropped without backward) ends it when autograd lets go of the
 layer's context. At 64k tokens of the 8B shape a checkpoint is 512 MiB; the host holds the
-step's 32 (16 GiB, pinned, pooled from step to step).
+step's 32 (16 GiB, pinned, pooled from step to step). Pinned memory cannot be paged out, so a
+training step's start checks that the host can give them (train_plan.host_shortfall against
+memory_state.host_state: MemAvailable less a reserve, plus the pool's unused pinned bytes) and
+refuses before any work, naming the bytes and the longest sequence the host holds; `plan --train
+--host-memory` says the same ahead of time.
 """
 
 from __future__ import annotations

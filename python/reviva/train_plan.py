@@ -248,6 +248,30 @@ def _longest(
     return lo
 
 
+def longest_host_tokens(dims: TrainDims, host_bytes: int) -> int:
+    """The longest sequence whose checkpoints (each layer's input) fit `host_bytes` of pinned
+    host memory beside every layer's frozen weights; 0 when the weights alone do not."""
+    per_token = dims.num_layers * dims.hidden_size * dims.dtype_bytes
+    return max(host_bytes - sum(dims.layer_bytes), 0) // per_token
+
+
+def host_shortfall(plan: TrainPlan, dims: TrainDims, can_give: int, weights_pinned: bool) -> str:
+    """Why a step's pinned host memory does not fit (Note [Checkpoints on the host]): "" when
+    it fits. `can_give`: what the host can still pin; `weights_pinned`: the frozen weights are
+    pinned already (a running Finetune), not asked of `can_give` again."""
+    need = plan.checkpoint_host_bytes + (0 if weights_pinned else plan.weight_host_bytes)
+    if need <= can_give:
+        return ""
+    room = can_give + (plan.weight_host_bytes if weights_pinned else 0)
+    return (
+        f"a {plan.tokens}-token step pins {format_bytes(plan.checkpoint_host_bytes)} of host "
+        f"memory for its {dims.num_layers} layers' checkpoints"
+        + ("" if weights_pinned else f" beside {format_bytes(plan.weight_host_bytes)} of weights")
+        + f", over the {format_bytes(can_give)} the host can give; the longest sequence it holds "
+        f"is about {longest_host_tokens(dims, room)} tokens"
+    )
+
+
 @dataclass(frozen=True)
 class StepForecast:
     """A step's estimated time (seconds) and what sets it."""

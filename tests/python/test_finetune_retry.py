@@ -308,3 +308,40 @@ def test_gpu_an_out_of_memory_in_a_backward_streams_more_and_the_step_completes(
         tuner.close()
         runs.clear()
         gc.collect()
+
+
+def test_a_step_past_the_hosts_pinned_memory_is_refused_before_any_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The checkpoints' pinned host memory checked at a training step's start (Note
+    [Checkpoints on the host]): where the host cannot give them, FinetuneOutOfMemoryError names
+    the bytes and the longest sequence the host holds, before any layer ran or any checkpoint
+    was saved; evaluation (no checkpoints) still runs, and with the host's room the step does."""
+    from reviva import finetune_step
+    from reviva.memory_state import HostState
+
+    plain, ours, tuner = pair()
+    try:
+        data = batch(seed=95, rows=2)
+        need = tuner.plan(TOKENS * 2).checkpoint_host_bytes
+        tight = HostState(need - 1, need + (1 << 30), 1 << 30, 0)
+        monkeypatch.setattr(finetune_step, "host_state", lambda pool: tight)
+        calls = {"n": 0}
+        handle = tuner.layers[0].register_forward_pre_hook(lambda m, a: calls.update(n=1))
+        # (96 tokens x 3 layers x 64 fp32: one token short of them is 95 tokens)
+        with pytest.raises(
+            reviva.FinetuneOutOfMemoryError,
+            match="a 96-token step pins .* 3 layers' checkpoints.* about 95 tokens",
+        ):
+            ours(**data).loss.backward()
+        assert calls["n"] == 0 and tuner.checkpoints.manager.blocks == []
+        with torch.no_grad():
+            ours(**data)  # (no checkpoints: not refused)
+        handle.remove()
+        room = HostState(need, need + (1 << 30), 1 << 30, 0)
+        monkeypatch.setattr(finetune_step, "host_state", lambda pool: room)
+        _, ref = step(plain, data)
+        _, got = step(ours, data)
+        assert_close(ref, got, rtol=1e-5, atol=1e-7, what="with the host's room")
+    finally:
+        tuner.close()

@@ -596,6 +596,27 @@ def test_train_plan_text_and_bad_input(capsys: pytest.CaptureFixture[str]) -> No
     assert len(small["plan"]["resident_layers"]) < len(big["plan"]["resident_layers"]) == 32
 
 
+def test_train_plan_says_the_host_memory_a_length_pins(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --train --host-memory`: the longest sequence whose checkpoints and weights that
+    host pins (32 layers x 4096 x 2 bytes a token beside the 8B shape's 14.03 GB of frozen
+    weights), and a step past it refused, naming the bytes and that longest sequence."""
+    out = plan_json(capsys, "--train", "--context", "96k", "--host-memory", "48GiB")
+    per_token = 32 * 4096 * 2
+    weights = out["plan"]["weight_host_bytes"]
+    assert out["longest_host_tokens"] == ((48 << 30) - weights) // per_token == 143104
+    assert out["fits"]
+    refused = plan_json(capsys, "--train", "--context", "144k", "--host-memory", "48GiB")
+    assert not refused["fits"]
+    assert (
+        "a 147456-token step pins 38.65 GB of host memory for its 32 layers' checkpoints"
+        in refused["error"]
+    )
+    assert "longest sequence it holds is about 143104 tokens" in refused["error"]
+    assert main(["plan", "--train", "--context", "144k", "--host-memory", "48GiB"]) == 1
+    assert "--host-memory 48GiB" in capsys.readouterr().out
+    assert "torch_dtype" not in capsys.readouterr().err
+
+
 def test_transfers_measures_the_cards_rate_that_plan_takes(
     device: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
