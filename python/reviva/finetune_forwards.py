@@ -228,6 +228,10 @@ class FinetuneForwards:
     def _causal_forward(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         causal = self.causal
 
+        # (the model's own signature, through __wrapped__: HF's Trainer keeps the dataset's
+        # columns it names, remove_unused_columns; generate reads it to pass attention_mask,
+        # position_ids and logits_to_keep)
+        @functools.wraps(inner)
         def forward(*args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
             if labels is None or kwargs.get("fused_lm_head") or args:
                 # (no loss, or a loss computed by whoever patched the forward before: TRL's

@@ -2,17 +2,31 @@
 inside a row, as TRL's packing and DataCollatorWithFlattening send them: Note [Packed
 sequences] in reviva/finetune_step.py) give the plain model's loss and gradients whatever HF's
 masks make of them, and a forward with labels returns HF's logits (Note [Logits with labels] in
-reviva/finetune_forwards.py), or, with return_logits=False, refuses `logits` by name. CPU."""
+reviva/finetune_forwards.py), or, with return_logits=False, refuses `logits` by name; the
+Trainer's default remove_unused_columns reads the model's own forward signature. CPU."""
 
 from __future__ import annotations
 
 import copy
+import inspect
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_finetune import VOCAB, assert_close, lora, one_thread, step, tiny_llama, trained
-from transformers import DataCollatorWithFlattening
+from test_finetune import (
+    VOCAB,
+    assert_close,
+    dataset,
+    lora,
+    one_thread,
+    step,
+    tiny_llama,
+    trained,
+)
+from test_finetune import train as train_recording
+from test_trainer_hook import TRAINING
+from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 import reviva
 from reviva.train_plan import working_set
@@ -152,3 +166,37 @@ def test_return_logits_false_refuses_logits_by_name_and_the_plan_counts_them() -
     logits = 4096 * dims.vocab_size * dims.dtype_bytes
     assert working_set(dims, 4096, 16, 8, logits=True) == working_set(dims, 4096, 16, 8) + logits
     assert without == working_set(dims, 4096, 16, 8)
+
+
+def test_trainer_keeps_the_forwards_arguments_by_its_signature(tmp_path: Path) -> None:
+    """HF's Trainer with its default remove_unused_columns=True keeps the dataset's columns
+    that the model's forward names (inspect.signature of the PEFT model's base model): under
+    finetune the forward's signature is the model's own, so input_ids stay and the LoRA
+    gradients are the plain Trainer's. The patched forward's (*args, labels, **kwargs) made the
+    Trainer drop input_ids: the model ran without them and failed."""
+    base = tiny_llama(seed=8)
+    model = lora(copy.deepcopy(base))
+    own = inspect.signature(model.get_base_model().forward)
+    args = dict(max_steps=2, **TRAINING)
+    ref = train_recording(
+        Trainer(
+            model=lora(copy.deepcopy(base)),
+            train_dataset=dataset(50),
+            args=TrainingArguments(output_dir=str(tmp_path / "p"), **args),
+        )
+    )
+    tuner = reviva.finetune(model, device="cpu", **KW)
+    try:
+        assert inspect.signature(model.get_base_model().forward) == own
+        got = train_recording(
+            Trainer(
+                model=model,
+                train_dataset=dataset(50),
+                args=TrainingArguments(output_dir=str(tmp_path / "r"), **args),
+            )
+        )
+        assert len(got) == len(ref) == 2 and tuner.stats().steps == 4
+        for s in range(2):
+            assert_close(ref[s], got[s], rtol=1e-5, atol=1e-7, what=f"Trainer step {s}")
+    finally:
+        tuner.close()
