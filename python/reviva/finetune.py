@@ -28,7 +28,9 @@ offload alone cannot reach long sequences. A step here holds on the device only:
 - one layer's recompute and backward (_LayerStep, as torch's reentrant checkpoint: the layer
   runs without autograd in forward; its backward runs it again with autograd and
   back-propagates through it at once), whose token-wise parts (its norms and its MLP) run by
-  chunks of tokens saving only their inputs (token_chunks.TokenChunked), as the final norm does;
+  chunks of tokens saving only their inputs (token_chunks.TokenChunked), as the final norm does,
+  and with attention_chunk_tokens its attention by chunks of query tokens (Note [Chunked
+  attention] in chunked_attention.py);
 - the loss by chunks of tokens, forward and backward (token_chunks.ChunkedHeadLoss): no
   [tokens, vocab] logits for the loss; the logits HF returns beside it are made after it, or
   not at all with return_logits=False (Note [Logits with labels] in finetune_forwards.py).
@@ -134,6 +136,7 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         loss_chunk_tokens: int | None = None,
         prefetch_layers: int = 1,
         return_logits: bool = True,
+        attention_chunk_tokens: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"reviva.finetune wraps an nn.Module, got {type(model).__name__}")
@@ -143,8 +146,9 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
             ("chunk_tokens", chunk_tokens, 1),
             ("loss_chunk_tokens", loss_chunk_tokens, 1),
             ("prefetch_layers", prefetch_layers, 1),
+            ("attention_chunk_tokens", attention_chunk_tokens, 1),
         ):
-            if value is None and name == "loss_chunk_tokens":
+            if value is None and name in ("loss_chunk_tokens", "attention_chunk_tokens"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(
@@ -178,6 +182,9 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         self.layout = layout
         self.layers: list[nn.Module] = list(layout.layers)
         self.chunk_tokens = chunk_tokens
+        # (Note [Chunked attention] in chunked_attention.py; None: HF's attention, whole)
+        self.attention_chunk_tokens = attention_chunk_tokens
+        self._attention_refusals: set[str] = set()  # (each reason logged once)
         vocab = layout.vocab_size
         self.loss_chunk_tokens = loss_chunk_tokens or max(128, (512 << 20) // (4 * vocab))
         self.prefetch_layers = prefetch_layers
@@ -246,6 +253,7 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         self._step_tokens: int | None = None  # the training step in progress (to measure)
         self._held = 0
         self._recomputed: int | None = None  # the layer being recomputed in its backward
+        self._stepped: int | None = None  # the layer whose training step's forward runs
         self.stats_ = FinetuneStats()
         self._install()
         causal.__dict__[_FINETUNED] = weakref.ref(self)
@@ -296,6 +304,9 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
                 if isinstance(child, nn.Module):
                     unread = name == "mlp" and type(layer).__name__ in _MLP_LAST
                     self._patch(child, self._token_wise(child, i if unread else None))
+            attn = getattr(layer, "self_attn", None)
+            if self.attention_chunk_tokens is not None and isinstance(attn, nn.Module):
+                self._patch(attn, self._attention(attn, i))
         self._patch(self.layout.final_norm, self._token_wise(self.layout.final_norm))
         self._patch(self.causal, self._causal_forward(self.causal.forward))
         self._hooks.append(
@@ -388,6 +399,7 @@ def finetune(
     loss_chunk_tokens: int | None = None,
     prefetch_layers: int = 1,
     return_logits: bool = True,
+    attention_chunk_tokens: int | None = None,
 ) -> Finetune:
     """Sets `model` (a causal LM with the Llama decoder layout, or a PEFT model of one) up for
     fine-tuning with its frozen base weights streamed from pinned host memory, each layer
@@ -402,6 +414,11 @@ def finetune(
     return_logits: a forward with labels returns the logits beside the loss, as HF does (their
     [tokens, vocab] bytes counted in the plan); False returns the loss alone, and the output's
     `logits` raises naming this option (Note [Logits with labels] in finetune_forwards.py).
+    attention_chunk_tokens: each layer's attention in a training step by chunks of that many
+    query tokens, saving only its input, K and V (Note [Chunked attention] in
+    chunked_attention.py), where that computes what HF's attention computes (a plain causal
+    mask, no sliding window shorter than the sequence, no attention dropout; else HF's, said
+    once in the log); None (the default for now): HF's attention, whole.
 
     Train as usual afterwards (plain PyTorch, HF's Trainer, TRL's SFTTrainer): the model's
     forwards are Reviva's until close()."""
@@ -415,6 +432,7 @@ def finetune(
         loss_chunk_tokens=loss_chunk_tokens,
         prefetch_layers=prefetch_layers,
         return_logits=return_logits,
+        attention_chunk_tokens=attention_chunk_tokens,
     )
     log.info(
         "reviva.finetune: %d layers' frozen weights (%s) in pinned host memory in %.1f s",

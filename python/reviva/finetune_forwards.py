@@ -4,9 +4,10 @@ on the host, recomputed and back-propagated in its backward), the token-wise par
 tokens (Note [Outputs nobody reads]), the causal LM's loss by chunks of tokens.
 
 FinetuneForwards is a mixin of Finetune (finetune.py). State it reads: the tuner's layers,
-_original forwards, weights, checkpoints, causal, chunk_tokens, loss_chunk_tokens, softcap,
-return_logits and _anchor. State it writes: _recomputed (the layer being recomputed in its
-backward).
+_original forwards, weights, checkpoints, causal, chunk_tokens, loss_chunk_tokens,
+attention_chunk_tokens, softcap, return_logits and _anchor. State it writes: _recomputed (the
+layer being recomputed in its backward), _stepped (the layer whose step's forward runs: both
+chunk its attention, Note [Chunked attention] in chunked_attention.py) and _attention_refusals.
 
 Note [Outputs nobody reads]
 A layer's recompute in backward exists for its graph: its output's values are never read (the
@@ -42,12 +43,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from reviva.chunked_attention import chunked_attention, refusal
 from reviva.finetune_retry import grad_snapshot, restore_grads, set_rng
 from reviva.finetune_step import with_hf_packing
 from reviva.hf_versions import layer_cache
@@ -63,6 +66,9 @@ from reviva.token_chunks import (
 
 if TYPE_CHECKING:
     from reviva.finetune import Finetune
+
+# (the finetune's logger: what a user filters on stays reviva.finetune's)
+log = logging.getLogger("reviva.finetune")
 
 # Decoder layers whose MLP output only enters the layer's output through the residual's addition
 # (Note [Outputs nobody reads]).
@@ -110,7 +116,8 @@ class _LayerStep(torch.autograd.Function):
         ctx.tuner, ctx.i, ctx.args, ctx.kwargs = tuner, i, args, kwargs
         ctx.rng = rng_state(x.device) if tuner._random(layer) else None
         ctx.autocast = _autocast_state(x.device)
-        y = tuner._run_layer(i, x, args, kwargs)
+        with tuner._stepping(i):  # (its attention by chunks: Note [Chunked attention])
+            y = tuner._run_layer(i, x, args, kwargs)
         ctx.checkpoint = tuner.checkpoints.save(x)
         return y
 
@@ -213,6 +220,69 @@ class FinetuneForwards:
             random = module.training and draws_random(module)
             unread = unread_in is not None and self._recomputed == unread_in
             return chunked(own, x, self.chunk_tokens, self._anchor, random, unread)
+
+        return forward
+
+    @contextlib.contextmanager
+    def _stepping(self, i: int) -> Iterator[None]:
+        """Layer i's forward in a training step (its _LayerStep's)."""
+        before, self._stepped = self._stepped, i
+        try:
+            yield
+        finally:
+            self._stepped = before
+
+    def _attention(self, attn: nn.Module, i: int) -> Callable[..., Any]:
+        """Layer i's attention module: by chunks of attention_chunk_tokens query tokens in
+        a training step's forward and recompute of the layer where that computes what HF's
+        forward computes (chunked_attention.refusal), HF's own forward otherwise (Note [Chunked
+        attention] in chunked_attention.py)."""
+        own = attn.forward
+
+        def forward(
+            hidden_states: Any = None,
+            position_embeddings: Any = None,
+            attention_mask: Any = None,
+            past_key_values: Any = None,
+            **kwargs: Any,
+        ) -> Any:
+            chunk = self.attention_chunk_tokens
+            stepping = i in (self._stepped, self._recomputed)
+            if (
+                chunk is not None
+                and stepping
+                and isinstance(hidden_states, torch.Tensor)
+                and hidden_states.dim() == 3
+                and hidden_states.shape[1] > chunk
+            ):
+                why = refusal(
+                    attn,
+                    hidden_states,
+                    position_embeddings,
+                    attention_mask,
+                    past_key_values,
+                    kwargs,
+                )
+                if why is None:
+                    cos, sin = position_embeddings
+                    out = chunked_attention(attn, hidden_states, cos, sin, chunk, self._anchor)
+                    return out, None
+                if why not in self._attention_refusals:  # (said once: not a silent fallback)
+                    self._attention_refusals.add(why)
+                    log.info(
+                        "reviva.finetune: attention of layer %d runs as HF runs it, not by "
+                        "chunks of %d tokens: %s",
+                        i,
+                        chunk,
+                        why,
+                    )
+            return own(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
 
         return forward
 

@@ -48,6 +48,7 @@ SPLIT_MODULES = (
     "finetune.py",
     "finetune_forwards.py",
     "finetune_step.py",
+    "chunked_attention.py",
     "host_checkpoints.py",
     "training.py",
     "saved_tensors.py",
