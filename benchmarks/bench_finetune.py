@@ -14,6 +14,14 @@ Contenders, each in a fresh worker process (torch's allocator at its defaults):
     grads_<T>         the whole card: the LoRA gradients of one step in fp32, plain bf16 and
                       reviva.finetune(budget="10GB") bf16 (about half the layers streamed), at T
                       tokens (the plain runs with HF's gradient checkpointing)
+    chunked_<T>       reviva_<T> with attention_chunk_tokens=ATTN_CHUNK (Note [Chunked attention])
+    reviva_lengths, chunked_lengths   one process, one step at each of LENGTHS in turn (16k,
+                      64k, 128k, 64k, 16k): variable lengths keep their residency
+A reviva/chunked run reports `layer_rows_measured`: the working set it measured, less the chunks,
+in rows of the hidden size per token (train_plan.TrainMemoryModel.layer_rows, what a fit needs);
+--layer-rows R plans its steps with that coefficient instead of the model's (fitting a setting
+the model was not fitted on: an out-of-memory inside a step is retried, Note [Out of memory
+inside a step]).
 Each step is timed with the device synchronized (the first step is a warm-up; the rest are
 reported, their median is the step time); card_peak_used_gb from a thread polling free memory.
 
@@ -21,6 +29,12 @@ Checks (the JSON's `checks`):
     train_lora_8b_64k    reviva_65536 fits (its steps ran) and its step <= 1.3x plain_ckpt_65536's
                          (or plain_ckpt_chunked_65536's where HF's loss does not fit the whole card)
     train_lora_8b_128k   reviva_131072 fits; its step time reported
+    train_lora_8b_128k_first_step   the same, its first step (a fresh process's), retries named
+    train_lora_8b_256k   reviva_262144 or chunked_262144 fits; step time beside the forecast
+    train_lora_8b_lengths   every step of a *_lengths run fits, and a repeated length's step is
+                         no slower than its first (within REPEAT_SLACK)
+    train_lora_8b_64k_today   reviva_65536 (or chunked_65536) no slower than TODAY_64K_S of its
+                         GPU (within REPEAT_SLACK)
     train_lora_8b_grads  every LoRA gradient of the streamed bf16 run within 1.5x the plain bf16
                          run's distance from fp32 (+ 2^-8 of the gradient's largest entry)
 Reproduce: python benchmarks/bench_finetune.py --out DIR [--runs grads_4096,reviva_65536,...]
@@ -31,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -62,6 +77,13 @@ DRY_SHAPE = dict(
 RUNS = "grads_4096,reviva_65536,plain_ckpt_65536,plain_ckpt_chunked_65536,reviva_131072"
 DRY_RUNS = "grads_256,reviva_512,plain_ckpt_512,plain_ckpt_chunked_512"
 CARD = "24GB"
+ATTN_CHUNK = 4096  # chunked_<T>'s attention_chunk_tokens
+LENGTHS = (16384, 65536, 131072, 65536, 16384)
+DRY_LENGTHS = (64, 256, 512, 256, 64)
+REPEAT_SLACK = 1.05  # (step-to-step noise of one process: 2-3% at 64k on the H200)
+# A 64k step on a 24 GB card before issue 51 (the issue's figures: H100 at babfbf2, H200 at
+# 303b431), by the GPU's name
+TODAY_64K_S = {"H100": 14.5, "H200": 15.9}
 GRADS_BUDGET = "10GB"
 MAX_VS_WHOLE = 1.3
 # The whole card's plain run at long context, before this work (the issue): every contender
@@ -137,6 +159,53 @@ def timed_steps(step: Any, steps: int, cuda: bool, row: dict[str, Any]) -> None:
     row["step_s"] = statistics.median(times[1:]) if len(times) > 1 else times[0]
 
 
+def layer_rows_measured(tuner: Any, tokens: int) -> float | None:
+    """The working set measured at `tokens` (CUDA) in rows of the hidden size per token, less
+    the chunks and the loss's rows: what train_plan.TrainMemoryModel.layer_rows models."""
+    from reviva.train_plan import working_set
+
+    measured = tuner._measured.get(tokens)
+    if measured is None:
+        return None
+    d, m = tuner.dims, tuner.memory_model
+    no_rows = dataclasses.replace(m, layer_rows=0.0, loss_rows=0.0)
+    chunks = working_set(d, tokens, tuner.chunk_tokens, tuner.loss_chunk_tokens, no_rows)
+    return (measured - chunks) / (tokens * d.hidden_size * d.dtype_bytes) - m.loss_rows
+
+
+def length_steps(
+    model: Any, tuner: Any, lengths: tuple[int, ...], vocab: int, device: str, cuda: bool
+) -> dict[str, Any]:
+    """One step at each of `lengths` in turn, in this process: each one's time, plan and
+    retries (Note [Residency across lengths])."""
+    steps = []
+    for tokens in lengths:
+        batch = data(tokens, vocab, device)
+        sync(cuda)
+        t = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        sync(cuda)
+        st = tuner.stats()
+        steps.append(
+            {
+                "tokens": tokens,
+                "step_s": time.perf_counter() - t,
+                "loss": float(loss),
+                "resident_layers": st.resident_layers,
+                "oom_retries": st.oom_retries,
+                "weight_bytes_to_device": st.weight_bytes_to_device,
+            }
+        )
+        emit("PROGRESS", steps[-1])
+    tuner._collect()  # (the last step's working set)
+    return {
+        "steps": steps,
+        "finetune": {k: v for k, v in vars(tuner.stats()).items() if k != "plan"},
+    }
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -147,12 +216,15 @@ def worker(args: argparse.Namespace) -> None:
     name = args.worker
     cuda = not args.dry_run
     device = "cuda" if cuda else "cpu"
-    tokens = tokens_of(name)
-    on_card = name.startswith("reviva_") or "_card_" in name
+    lengths = (DRY_LENGTHS if args.dry_run else LENGTHS) if name.endswith("_lengths") else None
+    tokens = max(lengths) if lengths else tokens_of(name)
+    ours = name.startswith(("reviva_", "chunked_"))
+    on_card = ours or "_card_" in name
     card = reviva.parse_bytes(CARD) if on_card and cuda else None
     row: dict[str, Any] = {"run": name, "tokens": tokens}
     info, ballast, probe, counted = prepare_device(card, cuda)
     row["device"] = info
+    row["gpu"] = torch.cuda.get_device_name() if cuda else None
     if "error" in info:
         emit("WORKER", row)
         return
@@ -165,11 +237,26 @@ def worker(args: argparse.Namespace) -> None:
             model = build(args.dry_run, torch.bfloat16 if cuda else torch.float32, device)
             batch = data(tokens, vocab, device)
             tuner = None
-            if name.startswith("reviva_"):
+            if ours:
                 # (the loss alone is read: no [tokens, vocab] logits beside it, 32 GB at 128k)
-                tuner = reviva.finetune(model, budget=CARD if cuda else None, return_logits=False)
+                tuner = reviva.finetune(
+                    model,
+                    budget=CARD if cuda else None,
+                    return_logits=False,
+                    attention_chunk_tokens=ATTN_CHUNK if name.startswith("chunked_") else None,
+                )
+                if args.layer_rows is not None:
+                    tuner.memory_model = dataclasses.replace(
+                        tuner.memory_model, layer_rows=args.layer_rows
+                    )
                 if not cuda:
                     stream_some(tuner, tokens)
+                if lengths:
+                    row["lengths"] = list(lengths)
+                    row.update(length_steps(model, tuner, lengths, vocab, device, cuda))
+                    row["ok"] = True
+                    emit("WORKER", row)
+                    return
 
                 def step() -> Any:
                     loss = model(**batch).loss
@@ -208,6 +295,7 @@ def worker(args: argparse.Namespace) -> None:
                 row["plan"] = st.plan.to_dict() if st.plan else None
                 row["forecast"] = forecast_step(tuner.dims, tokens, st.streamed_layers).to_dict()
                 row["describe"] = tuner.describe()
+                row["layer_rows_measured"] = layer_rows_measured(tuner, tokens)
         row["ok"] = True
     except BaseException as e:  # noqa: BLE001
         row.update(error_fields(e))
@@ -281,6 +369,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--timeout-s", type=float, default=420.0, help="per worker")
+    p.add_argument("--layer-rows", type=float, default=None, help="plan with this layer_rows")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -288,10 +377,14 @@ def main() -> None:
         return
     names = (args.runs or (DRY_RUNS if args.dry_run else RUNS)).split(",")
     for n in names:
-        if not n.rsplit("_", 1)[-1].isdigit() or not n.startswith(
-            ("grads_", "reviva_", "plain_ckpt_")
+        sized = n.rsplit("_", 1)[-1].isdigit()
+        if n not in ("reviva_lengths", "chunked_lengths") and (
+            not sized or not n.startswith(("grads_", "reviva_", "chunked_", "plain_ckpt_"))
         ):
-            raise SystemExit(f"unknown run {n!r}: grads_<T>, reviva_<T>, plain_ckpt[_chunked]_<T>")
+            raise SystemExit(
+                f"unknown run {n!r}: grads_<T>, reviva_<T>, chunked_<T>, plain_ckpt[_chunked]_<T>, "
+                "reviva_lengths, chunked_lengths"
+            )
     env = environment(cuda=False)
     out = result_path("finetune" + ("-dry" if args.dry_run else ""), env, args.out)
     payload: dict[str, Any] = {"environment": env, "card": CARD, "shape": SHAPE, "runs": {}}
@@ -299,10 +392,13 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", n, "--steps", str(args.steps)]
         if args.dry_run:
             cmd.append("--dry-run")
+        if args.layer_rows is not None:
+            cmd += ["--layer-rows", str(args.layer_rows)]
         t = time.perf_counter()
         row = run_worker(cmd, {}, args.timeout_s)
         row["wall_s"] = time.perf_counter() - t
         payload["runs"][n] = row
+        payload["gpu"] = row.get("gpu") or payload.get("gpu")  # (the worker's: CUDA is there)
         payload["checks"] = checks(payload["runs"])
         write_json(out, payload)
     rows = []
@@ -354,6 +450,55 @@ def checks(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "step_s": big.get("step_s"),
             "card_peak_used_gb": big.get("card_peak_used_gb"),
         }
+    if big is not None:
+        first = big.get("finetune") or {}
+        out["train_lora_8b_128k_first_step"] = {
+            "pass": bool(big.get("ok")) and big.get("first_step_s") is not None,
+            "first_step_s": big.get("first_step_s"),
+            "oom_retries": first.get("oom_retries"),
+            "retried_in": first.get("retried_in"),
+        }
+    for name in ("reviva_262144", "chunked_262144"):
+        r = runs.get(name)
+        if r is not None and (r.get("ok") or "train_lora_8b_256k" not in out):
+            out["train_lora_8b_256k"] = {
+                "pass": bool(r.get("ok")),
+                "run": name,
+                "step_s": r.get("step_s"),
+                "forecast_s": (r.get("forecast") or {}).get("step_s"),
+                "oom_retries": (r.get("finetune") or {}).get("oom_retries"),
+                "error": (r.get("error") or "")[:300] or None,
+            }
+    for name in ("reviva_lengths", "chunked_lengths"):
+        r = runs.get(name)
+        if r is None:
+            continue
+        steps = r.get("steps") or []
+        first: dict[int, float] = {}
+        slower = []
+        for st in steps:
+            t0 = first.setdefault(st["tokens"], st["step_s"])
+            if st["step_s"] > REPEAT_SLACK * t0:
+                slower.append(st)
+        out[f"train_lora_8b_lengths ({name})"] = {
+            "pass": bool(r.get("ok")) and len(steps) == len(r.get("lengths") or ()) and not slower,
+            "steps": [
+                (st["tokens"], round(st["step_s"], 3), st["resident_layers"]) for st in steps
+            ],
+            "slower_than_first": slower,
+            "slack": REPEAT_SLACK,
+        }
+    for name in ("reviva_65536", "chunked_65536"):
+        r = runs.get(name)
+        gpu = (r or {}).get("gpu") or ""
+        today = next((v for k, v in TODAY_64K_S.items() if k in gpu), None)
+        if r is not None and today is not None:
+            out[f"train_lora_8b_64k_today ({name})"] = {
+                "pass": bool(r.get("ok")) and r["step_s"] <= REPEAT_SLACK * today,
+                "step_s": r.get("step_s"),
+                "today_s": today,
+                "gpu": gpu,
+            }
     for n, r in runs.items():
         if n.startswith("grads_"):
             out["train_lora_8b_grads"] = {

@@ -68,7 +68,7 @@ from reviva.host_embedding import HostEmbedding
 from reviva.placement import Placement
 from reviva.resources import device_resources
 from reviva.sizes import format_bytes, parse_bytes
-from reviva.train_plan import TrainDims, TrainPlan, describe
+from reviva.train_plan import MODEL, TrainDims, TrainMemoryModel, TrainPlan, describe
 from reviva.weights import StreamedWeights
 
 log = logging.getLogger(__name__)
@@ -189,6 +189,9 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         self.loss_chunk_tokens = loss_chunk_tokens or max(128, (512 << 20) // (4 * vocab))
         self.prefetch_layers = prefetch_layers
         self.return_logits = return_logits  # (Note [Logits with labels] in finetune_forwards.py)
+        # The step's memory model (train_plan.MODEL, fitted on the H200 without chunked
+        # attention): a benchmark fitting the coefficients of another setting sets its own.
+        self.memory_model: TrainMemoryModel = MODEL
         self.softcap = getattr(causal.config, "final_logit_softcapping", None)
         self.resources = device_resources(self.device)
         self._cuda = self.device.type == "cuda"

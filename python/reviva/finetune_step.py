@@ -5,8 +5,8 @@ HF's gradient checkpointing is served by Reviva's own (_run_directly); packed se
 masks (Note [Packed sequences]).
 
 FinetuneStepPlan is a mixin of Finetune (finetune.py). State it reads: the tuner's dims, layers,
-weights, model, budget, device, chunk_tokens, loss_chunk_tokens, prefetch_layers and
-return_logits. State it writes: _plan, _held, _measured, _step_tokens, _hf_checkpointing,
+weights, model, budget, device, chunk_tokens, loss_chunk_tokens, prefetch_layers, return_logits
+and memory_model. State it writes: _plan, _held, _measured, _step_tokens, _hf_checkpointing,
 stats_ (steps, tokens, plan, layers), the weights' residency, and the checkpoints' step
 (begin_step).
 """
@@ -197,6 +197,7 @@ class FinetuneStepPlan:
             self.chunk_tokens,
             self.loss_chunk_tokens,
             self._measured.get(tokens),
+            self.memory_model,
             logits=self.return_logits,  # (Note [Logits with labels] in finetune_forwards.py)
         )
         return self._settled(plan)  # (Note [Residency across lengths] in finetune_retry.py)
