@@ -350,6 +350,7 @@ class FinetuneForwards:
                 num_items,
                 self.softcap,
                 shifted,
+                self._retrying,  # (its backward: Note [Out of memory inside a step])
             ),
         )
         fields = dict(

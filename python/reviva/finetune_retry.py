@@ -7,26 +7,26 @@ prefetch_layers, device, _cuda and _plan. State it writes: _plan, _caps and stat
 (oom_retries, retried_in, resident_layers, streamed_layers), the weights' residency.
 
 Note [Out of memory inside a step]
-The plan's working set is a model fitted on one card (or the peak measured by the last step of
-that length): another card's allocator, cuBLAS's workspaces or its attention kernels can need
-more (the H100 ran out of memory at 128k in a layer's backward where the H200's fit said it fits).
-So a torch out-of-memory inside the work Reviva runs for a step (a layer's forward, a layer's
-recompute and backward, the loss's chunks, the logits returned beside the loss) is caught where
-it happened: resident layers' weights go back to their host copies, the freed device memory
-goes back to the device (the arena unmaps it, torch's cache empties), and that piece of work
-runs again from its own inputs: a layer's forward from its input (no autograd there; the
-generators set back where they were, so dropout draws the same masks); a layer's backward from
-its checkpoint, with the .grad of the layer's trained parameters put back as they were before it
-(the failed backward may have accumulated some): nothing is counted twice, and the step's
-gradients are the ones it would have had. The training loop never sees it; stats() counts the
-retries (oom_retries, retried_in). The layers given back are those the plan would give up first
-(train_plan.preference, read backwards), enough for the bytes torch asked for, else half the
-resident ones; the length's residency stays capped at what was left (_caps) for the next steps
-of that length and longer ones. With every layer streamed already, or a layer whose trained
-gradients are too large to keep a copy of (RETRY_GRAD_COPY_BYTES: a full fine-tune's), the error
-is raised as before (FinetuneOutOfMemoryError naming the plan). Not retried: an out-of-memory in
-autograd's own work outside these pieces (the embedding's backward), in the loss's backward, or
-in the optimizer's step.
+The plan's working set is a model fitted on one card (or the peak measured by the last step of that
+length): another card's allocator, cuBLAS's workspaces or its attention kernels can need more (the
+H100 ran out of memory at 128k in a layer's backward where the H200's fit said it fits). So a torch
+out-of-memory inside the work Reviva runs for a step (a layer's forward, a layer's recompute and
+backward, the loss's chunks and their backward, the logits returned beside the loss) is caught where
+it happened: resident layers' weights go back to their host copies, the freed device memory goes
+back to the device (the arena unmaps it, torch's cache empties), and that piece of work runs again
+from its own inputs: a layer's forward from its input (no autograd there; the generators set back
+where they were, so dropout draws the same masks); a layer's backward from its checkpoint, with the
+.grad of the layer's trained parameters put back as they were before it (the failed backward may
+have accumulated some): nothing is counted twice, and the step's gradients are the ones it would
+have had. The training loop never sees it; stats() counts the retries (oom_retries, retried_in). The
+layers given back are those the plan would give up first (train_plan.preference, read backwards),
+enough for the bytes torch asked for, else half the resident ones; the length's residency stays
+capped at what was left (_caps) for the next steps of that length and longer ones. With every layer
+streamed already, or a layer whose trained gradients are too large to keep a copy of
+(RETRY_GRAD_COPY_BYTES: a full fine-tune's), the error is raised as before (FinetuneOutOfMemoryError
+naming the plan). The loss's backward keeps the head's gradients in leaves of its own until it
+returns, so a failed run leaves nothing behind. Not retried: an out-of-memory in autograd's own work
+outside these pieces (the embedding's backward), or in the optimizer's step.
 
 Note [Residency across lengths]
 Steps of different lengths in one process (variable-length batches) each get a plan; changing

@@ -26,6 +26,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+# `retry(where, run)`: run() again after an out-of-memory where that can help (Finetune._retrying)
+Grads = tuple[torch.Tensor | None, ...]
+Retry = Callable[[str, Callable[[], Grads]], Grads]
+
 IGNORE_INDEX = -100  # transformers' ignore_index for labels
 
 
@@ -194,12 +198,13 @@ class ChunkedHeadLoss(torch.autograd.Function):
         denominator: torch.Tensor,
         chunk: int,
         softcap: float | None,
+        retry: Retry | None = None,
     ) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s, e in _spans(h.shape[0], chunk):
             total += _chunk_loss(h[s:e], weight, bias, labels[s:e], softcap)
         ctx.save_for_backward(h, weight, bias, labels, denominator)
-        ctx.chunk, ctx.softcap = chunk, softcap
+        ctx.chunk, ctx.softcap, ctx.retry = chunk, softcap, retry
         return total / denominator
 
     @staticmethod
@@ -208,21 +213,28 @@ class ChunkedHeadLoss(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         h, weight, bias, labels, denominator = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        dh = torch.empty_like(h) if need_h else None
         # d loss / d (a chunk's summed cross-entropy), in fp32 as the plain path's division
         scale = grad / denominator
-        w = weight.detach().requires_grad_(need_w)
-        b = bias.detach().requires_grad_(need_b) if bias is not None else None
-        for s, e in _spans(h.shape[0], ctx.chunk):
-            with torch.enable_grad():
-                piece = h[s:e].detach().requires_grad_(need_h)
-                loss = _chunk_loss(piece, w, b, labels[s:e], ctx.softcap)
-                torch.autograd.backward(loss, scale)
-            if dh is not None:
-                dh[s:e] = piece.grad
-        dw = w.grad if need_w else None
-        db = b.grad if need_b and b is not None else None
-        return dh, dw, db, None, None, None, None
+
+        def run() -> tuple[torch.Tensor | None, ...]:
+            # (the head's gradients go to leaves of this run's own, returned at its end: a run
+            # that fails leaves nothing behind, and the retry starts afresh)
+            dh = torch.empty_like(h) if need_h else None
+            w = weight.detach().requires_grad_(need_w)
+            b = bias.detach().requires_grad_(need_b) if bias is not None else None
+            for s, e in _spans(h.shape[0], ctx.chunk):
+                with torch.enable_grad():
+                    piece = h[s:e].detach().requires_grad_(need_h)
+                    loss = _chunk_loss(piece, w, b, labels[s:e], ctx.softcap)
+                    torch.autograd.backward(loss, scale)
+                if dh is not None:
+                    dh[s:e] = piece.grad
+            dw = w.grad if need_w else None
+            db = b.grad if need_b and b is not None else None
+            return dh, dw, db
+
+        grads = run() if ctx.retry is None else ctx.retry("the loss's backward", run)
+        return (*grads, None, None, None, None, None)
 
 
 def head_loss(
@@ -233,11 +245,13 @@ def head_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     softcap: float | None = None,
     shifted: torch.Tensor | None = None,
+    retry: Retry | None = None,
 ) -> torch.Tensor:
     """The causal LM loss of `hidden` [batch, tokens, hidden] through `head` against `labels`
     [batch, tokens] (shifted here, or `shifted` as given: transformers' shift_labels), as
     transformers' ForCausalLMLoss computes it (mean over labelled tokens, or their sum over
-    num_items_in_batch), the logits of `chunk` tokens at a time."""
+    num_items_in_batch), the logits of `chunk` tokens at a time. `retry(where, run)`: runs the
+    backward, again after an out-of-memory (a Finetune's, Note [Out of memory inside a step])."""
     targets = shift_labels(labels) if shifted is None else shifted
     targets = targets.to(hidden.device).reshape(-1)
     rows = hidden.reshape(-1, hidden.shape[-1])
@@ -249,4 +263,6 @@ def head_loss(
         denominator = (targets != IGNORE_INDEX).sum().to(torch.float32)
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=hidden.device).to(torch.float32)
-    return ChunkedHeadLoss.apply(rows, head.weight, head.bias, targets, denominator, chunk, softcap)
+    return ChunkedHeadLoss.apply(
+        rows, head.weight, head.bias, targets, denominator, chunk, softcap, retry
+    )

@@ -172,6 +172,36 @@ def test_an_out_of_memory_in_the_loss_or_the_logits_is_retried(
         tuner.close()
 
 
+def test_an_out_of_memory_in_the_losss_backward_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss's backward runs out of memory in its second chunk (after the first chunk's
+    gradients were computed): it runs again from the start, and the gradients are a plain run's."""
+    plain, ours, tuner = pair()
+    try:
+        from reviva import token_chunks
+
+        own = token_chunks._chunk_loss
+        calls = {"n": 0, "raised": 0}
+
+        def chunk_loss(h: torch.Tensor, *args: Any) -> torch.Tensor:
+            if torch.is_grad_enabled():  # (the backward's chunks)
+                calls["n"] += 1
+                if calls["n"] == 2 and not calls["raised"]:
+                    calls["raised"] = 1
+                    raise torch.OutOfMemoryError(OOM)
+            return own(h, *args)
+
+        monkeypatch.setattr(token_chunks, "_chunk_loss", chunk_loss)
+        data = batch(seed=41, rows=2)
+        ref_loss, ref = step(plain, data)
+        got_loss, got = step(ours, data)
+        assert calls["raised"] == 1
+        assert got_loss == pytest.approx(ref_loss, rel=1e-6)
+        assert_close(ref, got, rtol=1e-5, atol=1e-7, what="after the loss's backward's retry")
+        assert tuner.stats().retried_in == ["the loss's backward"]
+    finally:
+        tuner.close()
+
+
 def test_nothing_left_to_give_up_raises_naming_the_plan() -> None:
     """Every layer streamed already: the out-of-memory is FinetuneOutOfMemoryError naming where
     and the plan, nothing retried; the next step runs."""
