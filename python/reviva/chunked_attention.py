@@ -40,6 +40,7 @@ state is kept and replayed in its recompute (as token_chunks.TokenChunked does).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from reviva.token_chunks import draws_random, rng_restored, rng_state
+from reviva.token_chunks import autocast_state, chunk_spans, draws_random, rng_restored, rng_state
 
 # The attention modules whose forward is the Llama layout that ChunkedAttention recomputes
 # (q/k/v/o projections, optional q_norm/k_norm on the head dimension before RoPE, RoPE with
@@ -98,12 +99,6 @@ def _takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)))
 
 
-def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """transformers' repeat_kv: [B, kv heads, S, D] -> [B, kv heads x groups, S, D]."""
-    b, h, s, d = x.shape
-    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
-
-
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, groups: int
 ) -> torch.Tensor:
@@ -113,7 +108,9 @@ def _attend(
     if rows == keys:  # (the first chunk: the upper-left causal mask is the lower-right one)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if gqa and not _takes_gqa(q, k, v):
-        k, v, gqa = _repeat_heads(k, groups), _repeat_heads(v, groups), False
+        from transformers.models.llama.modeling_llama import repeat_kv
+
+        k, v, gqa = repeat_kv(k, groups), repeat_kv(v, groups), False
     mask = causal_lower_right(rows, keys)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
@@ -133,10 +130,6 @@ def _query_chunk(
     o = _attend(q, keys, values, attn.scaling, attn.num_key_value_groups)
     b, c = x.shape[:2]
     return attn.o_proj(o.transpose(1, 2).reshape(b, c, -1))
-
-
-def _spans(tokens: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
 
 
 _State = tuple[torch.Tensor, torch.Tensor | None] | None
@@ -178,10 +171,6 @@ def _forward(
     return out, keys, values
 
 
-def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
-    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-
-
 class ChunkedAttention(torch.autograd.Function):
     """out = attn(x) (Llama layout, causal, RoPE of cos/sin) by chunks of `chunk` query tokens,
     saving x, K and V (Note [Chunked attention]). `anchor`: a tensor that needs a gradient, so
@@ -198,14 +187,14 @@ class ChunkedAttention(torch.autograd.Function):
         attn: nn.Module,
         chunk: int,
     ) -> torch.Tensor:
-        spans = _spans(x.shape[1], chunk)
+        spans = chunk_spans(x.shape[1], chunk)
         random = attn.training and draws_random(attn)
         states: tuple[list[_State], list[_State]] = ([], [])
         out, keys, values = _forward(attn, x, cos, sin, spans, states if random else None)
         ctx.save_for_backward(x, keys, values, cos, sin)
         ctx.attn, ctx.spans = attn, spans
         ctx.states = states if random else ([None] * len(spans), [None] * len(spans))
-        ctx.autocast = _autocast_state(x.device)
+        ctx.autocast = autocast_state(x.device)
         return out
 
     @staticmethod
@@ -272,17 +261,33 @@ def chunked_attention(
     ChunkedAttention under autograd, its forward alone without (a layer's forward in a step)."""
     if torch.is_grad_enabled():
         return ChunkedAttention.apply(x, anchor, cos, sin, attn, chunk)
-    return _forward(attn, x, cos, sin, _spans(x.shape[1], chunk), None)[0]
+    return _forward(attn, x, cos, sin, chunk_spans(x.shape[1], chunk), None)[0]
+
+
+# The last mask _plain_causal read and what it found: every layer of a step gets the same mask,
+# in its forward and in its recompute (read once, not twice per layer)
+_last_mask: tuple[weakref.ReferenceType[torch.Tensor], int, int, bool] | None = None
 
 
 def _plain_causal(mask: torch.Tensor, tokens: int) -> bool:
     """Whether a 4-D mask [B, 1, T, T] is the causal mask and nothing else: bool (True: attend,
     SDPA's) or additive (0 where attended, the dtype's minimum or -inf elsewhere, eager's).
-    Read by chunks of rows: no [T, T] tensor of its own."""
+    Read by chunks of rows: no [T, T] tensor of its own; the same mask unchanged since (its
+    version counter) is not read again."""
+    global _last_mask
+    last = _last_mask
+    if last is not None and last[0]() is mask and last[1:3] == (mask._version, tokens):
+        return last[3]
+    found = _read_plain_causal(mask, tokens)
+    _last_mask = (weakref.ref(mask), mask._version, tokens, found)
+    return found
+
+
+def _read_plain_causal(mask: torch.Tensor, tokens: int) -> bool:
     if mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[-2:]) != (tokens, tokens):
         return False
     keys = torch.arange(tokens, device=mask.device)
-    for s, e in _spans(tokens, 1024):
+    for s, e in chunk_spans(tokens, 1024):
         seen = keys[None, :] <= torch.arange(s, e, device=mask.device)[:, None]  # [c, T]
         rows = mask[:, 0, s:e]
         if mask.dtype == torch.bool:

@@ -92,27 +92,26 @@ def _plan_training(args: argparse.Namespace) -> int:
         "held": held,
         "longest_tokens": longest,
     }
-    try:
-        plan = plan_step(dims, args.context, budget, held, 4096, loss_chunk)
-    except reviva.RevivaOutOfMemoryError as e:
-        out.update(fits=False, error=str(e))
+
+    def does_not_fit(error: str) -> int:
+        out.update(fits=False, error=error)
         if args.json:
             print(json.dumps(out, indent=1))
         else:
-            print(f"reviva plan --train: {shape}\n  {args.context}-token step: does not fit\n  {e}")
+            print(f"reviva plan --train: {shape}\n  {args.context}-token step: does not fit")
+            print(f"  {error}")
         return 1
+
+    try:
+        plan = plan_step(dims, args.context, budget, held, 4096, loss_chunk)
+    except reviva.RevivaOutOfMemoryError as e:
+        return does_not_fit(str(e))
     host = reviva.parse_bytes(args.host_memory) if args.host_memory else None
     if host is not None:  # (checkpoints and weights pinned: Note [Checkpoints on the host])
         out["longest_host_tokens"] = longest_host_tokens(dims, host)
         short = host_shortfall(plan, dims, host, weights_pinned=False)
         if short:
-            out.update(fits=False, error=f"{short} (--host-memory {args.host_memory})")
-            if args.json:
-                print(json.dumps(out, indent=1))
-            else:
-                print(f"reviva plan --train: {shape}\n  {args.context}-token step: does not fit")
-                print(f"  {out['error']}")
-            return 1
+            return does_not_fit(f"{short} (--host-memory {args.host_memory})")
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
     f = forecast_step(dims, args.context, plan.streamed_layers, pcie)
     out.update(fits=True, plan=plan.to_dict(), forecast=f.to_dict())

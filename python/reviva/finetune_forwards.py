@@ -56,6 +56,7 @@ from reviva.finetune_step import with_hf_packing
 from reviva.hf_versions import layer_cache
 from reviva.host_checkpoints import _Checkpoint
 from reviva.token_chunks import (
+    autocast_state,
     chunked,
     draws_random,
     head_loss,
@@ -93,11 +94,6 @@ _TOKEN_WISE = (
 )
 
 
-def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
-    kind = device.type
-    return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
-
-
 class _LayerStep(torch.autograd.Function):
     """A decoder layer without autograd in forward, recomputed and back-propagated in its
     backward (Note [Streamed fine-tuning])."""
@@ -115,7 +111,7 @@ class _LayerStep(torch.autograd.Function):
         layer = tuner.layers[i]
         ctx.tuner, ctx.i, ctx.args, ctx.kwargs = tuner, i, args, kwargs
         ctx.rng = rng_state(x.device) if tuner._random(layer) else None
-        ctx.autocast = _autocast_state(x.device)
+        ctx.autocast = autocast_state(x.device)
         with tuner._stepping(i):  # (its attention by chunks: Note [Chunked attention])
             y = tuner._run_layer(i, x, args, kwargs)
         ctx.checkpoint = tuner.checkpoints.save(x)

@@ -3,7 +3,7 @@ of memory inside a step]); the residency a step of some length settled on stays 
 steps (Note [Residency across lengths]).
 
 FinetuneRetry is a mixin of Finetune (finetune.py). State it reads: the tuner's dims, weights,
-prefetch_layers, device, _cuda and _plan. State it writes: _plan, _caps and stats_
+memory_model, device, _cuda and _plan. State it writes: _plan, _caps and stats_
 (oom_retries, retried_in, resident_layers, streamed_layers), the weights' residency.
 
 Note [Out of memory inside a step]
@@ -156,9 +156,8 @@ class FinetuneRetry:
             plan.resident_layers, self.dims.layer_bytes, requested_bytes(message)
         )
         kept = tuple(i for i in plan.resident_layers if i not in given)
-        self.weights.set_residency(list(kept), 2, self.prefetch_layers)
-        self.weights.store.trim()
-        self.weights.arena.reclaim(True)
+        self._set_resident(kept)
+        self.weights.unmap_unused()
         if self._cuda:
             torch.cuda.empty_cache()
         self._plan = self._with_resident(plan, kept)
@@ -187,7 +186,7 @@ class FinetuneRetry:
             resident_layers=tuple(sorted(kept)),
             streamed_layers=dims.num_layers - len(kept),
             resident_bytes=sum(dims.layer_bytes[i] for i in kept),
-            slot_bytes=2 * dims.largest_layer if streams else 0,
+            slot_bytes=self.memory_model.weight_slots * dims.largest_layer if streams else 0,
         )
 
     def _settled(self: Finetune, plan: TrainPlan) -> TrainPlan:

@@ -202,6 +202,16 @@ class FinetuneStepPlan:
         )
         return self._settled(plan)  # (Note [Residency across lengths] in finetune_retry.py)
 
+    def _set_resident(self, layers: tuple[int, ...]) -> None:
+        """The weights of `layers` stay on the device from now on; the others stream through
+        the plan's slots, prefetch_layers ahead."""
+        streams = len(layers) < self.dims.num_layers
+        self.weights.set_residency(
+            list(layers),
+            self.memory_model.weight_slots if streams else 0,
+            self.prefetch_layers if streams else 0,
+        )
+
     def _apply_plan(self, tokens: int, training: bool = False) -> None:
         plan = self.plan(tokens)
         if training:  # (before any work: the checkpoints' pinned memory, Note [Checkpoints on
@@ -223,12 +233,7 @@ class FinetuneStepPlan:
         if before is None or plan.resident_layers != before.resident_layers:
             if self._cuda:
                 torch.cuda.empty_cache()  # (the arena maps its own memory: torch's cache gives)
-            streams = plan.streamed_layers > 0
-            self.weights.set_residency(
-                list(plan.resident_layers),
-                2 if streams else 0,
-                self.prefetch_layers if streams else 0,
-            )
+            self._set_resident(plan.resident_layers)
             log.info("reviva.finetune: %s", describe(self.dims, plan))
         self._plan = plan
         self.stats_.plan = plan

@@ -65,8 +65,15 @@ def draws_random(module: nn.Module) -> bool:
     )
 
 
-def _spans(rows: int, chunk: int) -> list[tuple[int, int]]:
+def chunk_spans(rows: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of `chunk` rows (the last one shorter)."""
     return [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
+
+
+def autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    """Whether autocast is on for the device's type, and its dtype: a recompute's is the
+    forward's."""
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
 
 
 def run_by_chunks(
@@ -76,7 +83,7 @@ def run_by_chunks(
     autograd: the output is one tensor, filled chunk by chunk."""
     rows = x.reshape(-1, x.shape[-1])
     out: torch.Tensor | None = None
-    for s, e in _spans(rows.shape[0], chunk):
+    for s, e in chunk_spans(rows.shape[0], chunk):
         y = fn(rows[s:e])
         if out is None:
             out = torch.empty((rows.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
@@ -103,7 +110,7 @@ class TokenChunked(torch.autograd.Function):
         unread: bool = False,
     ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        spans = _spans(rows.shape[0], chunk)
+        spans = chunk_spans(rows.shape[0], chunk)
         ctx.save_for_backward(x)
         ctx.fn, ctx.spans = fn, spans
         if unread:
@@ -201,7 +208,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         retry: Retry | None = None,
     ) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s, e in _spans(h.shape[0], chunk):
+        for s, e in chunk_spans(h.shape[0], chunk):
             total += _chunk_loss(h[s:e], weight, bias, labels[s:e], softcap)
         ctx.save_for_backward(h, weight, bias, labels, denominator)
         ctx.chunk, ctx.softcap, ctx.retry = chunk, softcap, retry
@@ -222,7 +229,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
             dh = torch.empty_like(h) if need_h else None
             w = weight.detach().requires_grad_(need_w)
             b = bias.detach().requires_grad_(need_b) if bias is not None else None
-            for s, e in _spans(h.shape[0], ctx.chunk):
+            for s, e in chunk_spans(h.shape[0], ctx.chunk):
                 with torch.enable_grad():
                     piece = h[s:e].detach().requires_grad_(need_h)
                     loss = _chunk_loss(piece, w, b, labels[s:e], ctx.softcap)

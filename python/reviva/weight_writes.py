@@ -106,6 +106,13 @@ class WeightWrites:
             self.store.set_residency(sorted(self._resident_blocks - refill), slots, window)
             self.store.set_residency(sorted(self._resident_blocks), slots, window)
 
+    def unmap_unused(self) -> None:
+        """The device memory no layer uses now (streamed layers' slots, layers no longer
+        resident) goes back to the device, unmapped once its streams are past it: torch's
+        allocator can take it."""
+        self.store.trim()  # type: ignore[attr-defined]
+        self.arena.reclaim(True)  # type: ignore[attr-defined]
+
     def close(self) -> None:
         """Every parameter back where it was when packed (Note [The user's streamed
         parameters]), with the values it has now; the layers' hooks removed and the store's
@@ -121,8 +128,7 @@ class WeightWrites:
         self._device_views.clear()
         self._resident_blocks = set()
         self.store.set_residency([], 1, 0)  # type: ignore[attr-defined]
-        self.store.trim()  # type: ignore[attr-defined]
-        self.arena.reclaim(True)  # type: ignore[attr-defined]
+        self.unmap_unused()  # type: ignore[attr-defined]
         for b, slots in enumerate(self._slots):
             origins = self._origins[b]
             for slot, host, origin in zip(slots, self._host_views[b], origins, strict=True):

@@ -26,7 +26,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
 import reviva
-from reviva.chunked_attention import ChunkedAttention, _forward, _spans, refusal
+from reviva.chunked_attention import ChunkedAttention, _forward, refusal
+from reviva.token_chunks import chunk_spans
 
 peft = pytest.importorskip("peft", reason="peft (a dev requirement) is needed for LoRA models")
 
@@ -78,7 +79,7 @@ def test_lora_gradients_equal_a_plain_runs(resident: int, tokens: int) -> None:
             assert got_loss == pytest.approx(ref_loss, rel=1e-6)
             assert_close(ref, got, rtol=1e-5, atol=1e-7, what=f"step {s}")
             assert tuner.stats().resident_layers == resident
-        chunks = len(_spans(tokens, 16))
+        chunks = len(chunk_spans(tokens, 16))
         assert calls.n == [3 * 3 * chunks] * 3, calls.n
     finally:
         calls.remove()
@@ -143,7 +144,7 @@ def test_chunked_attention_equals_hf_attention_in_fp64(kind: str, chunk: int) ->
         err = (p.grad - theirs[name].grad).abs().max().item()
         assert err < 1e-10, (name, err)
     with torch.no_grad():  # (a layer's forward in a step: the same function without a graph)
-        whole = _forward(mine, x, cos, sin, _spans(37, chunk), None)[0]
+        whole = _forward(mine, x, cos, sin, chunk_spans(37, chunk), None)[0]
     assert torch.allclose(whole, ref, rtol=0, atol=1e-10)
 
 
@@ -176,7 +177,7 @@ def test_lora_dropout_masks_replayed_in_the_backward() -> None:
             anchor = torch.zeros((), dtype=torch.float64, requires_grad=True)
             y = ChunkedAttention.apply(x, anchor, cos, sin, attn, 8)
         else:
-            y = _forward(attn, x, cos, sin, _spans(29, 8), None)[0]
+            y = _forward(attn, x, cos, sin, chunk_spans(29, 8), None)[0]
         y.backward(dy)
         return y.detach(), [p.grad.clone() for p in trained]
 
@@ -401,7 +402,7 @@ def test_gpu_causal_lower_right_with_gqa_equals_the_rows_of_whole_attention() ->
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True
     )
-    for s, e in _spans(1500, 512):
+    for s, e in chunk_spans(1500, 512):
         got = _attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], 32**-0.5, 4)
         err = (got.float() - ref[:, :, s:e]).abs().max().item()
         assert err < 2e-2, (s, e, err)
