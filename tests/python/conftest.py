@@ -90,3 +90,18 @@ def _small_ring_slack(monkeypatch: pytest.MonkeyPatch) -> None:
     import reviva.window_rings
 
     monkeypatch.setattr(reviva.window_rings, "RING_SLACK_TOKENS", 8)
+
+
+# SmolLM2-135M-Instruct, a real trained model (test_real_model.py, test_finetune_real.py)
+@pytest.fixture(scope="module")
+def smollm2():  # noqa: ANN201
+    from reviva.demo import load_smollm2, smollm2_unavailable
+
+    # (REVIVA_SMOLLM2_GGUF on the GPU machine: scripts/real-model-parts; reviva/demo.py's loader)
+    reason = smollm2_unavailable()
+    if reason is not None:
+        given = os.environ.get("REVIVA_SMOLLM2_GGUF")
+        if os.environ.get("REVIVA_REAL_MODEL") == "required" or (given and "not a file" in reason):
+            pytest.fail(f"SmolLM2 cannot be loaded: {reason} (requirements-dev.txt has it)")
+        pytest.skip(f"SmolLM2 cannot be loaded: {reason}")
+    return load_smollm2("cpu", torch.float32)

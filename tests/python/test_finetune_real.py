@@ -13,19 +13,17 @@ required), so in CI a missing package fails rather than skips (test_real_model.p
 from __future__ import annotations
 
 import copy
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_finetune import one_thread  # noqa: F401  (the module's fixture: one thread)
 from torch import nn
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
-from reviva.demo import load_smollm2, smollm2_unavailable
 
 ROWS, ROW_TOKENS, BATCH = 4, 128, 1  # 4 optimizer steps an epoch
 STEPS = 12  # three epochs: the loss falls well below its start
@@ -48,18 +46,6 @@ LOSS_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def smollm2():  # noqa: ANN201
-    # (REVIVA_SMOLLM2_GGUF on the GPU machine: scripts/real-model-parts; reviva/demo.py's loader)
-    reason = smollm2_unavailable()
-    if reason is not None:
-        given = os.environ.get("REVIVA_SMOLLM2_GGUF")
-        if os.environ.get("REVIVA_REAL_MODEL") == "required" or (given and "not a file" in reason):
-            pytest.fail(f"SmolLM2 cannot be loaded: {reason} (requirements-dev.txt has it)")
-        pytest.skip(f"SmolLM2 cannot be loaded: {reason}")
-    return load_smollm2("cpu", torch.float32)
-
-
-@pytest.fixture(scope="module")
 def base(smollm2, tmp_path_factory) -> nn.Module:  # noqa: ANN001
     """SmolLM2 as a user fine-tunes it: from a safetensors checkpoint. (HF's Trainer refuses a
     model loaded from GGUF, whose quantizer stays attached: "quantized with
@@ -78,18 +64,6 @@ def base(smollm2, tmp_path_factory) -> nn.Module:  # noqa: ANN001
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert getattr(model, "hf_quantizer", None) is None
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread: the 2-core CI machine runs the two trainings in turn, each faster
-    alone than with two threads spinning against other work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def doc_rows(tok: Any) -> list[dict[str, torch.Tensor]]:

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import copy
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from test_finetune import TOKENS, assert_close, batch, layer_budget, lora, step, tiny_llama
+from test_finetune import (
+    TOKENS,
+    assert_bf16_as_close_as_plain,
+    assert_close,
+    batch,
+    layer_budget,
+    lora,
+    one_thread,  # noqa: F401  (the module's fixture: one thread)
+    step,
+    tiny_llama,
+)
 from torch import nn
 
 import reviva
@@ -26,16 +36,6 @@ peft = pytest.importorskip("peft", reason="peft (a dev requirement) is needed fo
 
 # (300 KiB: a bit more than one of the tiny model's layers, 192 KiB: two are given up)
 OOM = "CUDA out of memory. Tried to allocate 300.00 KiB. GPU 0 has a total capacity of 24 GiB"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def fail_once(tuner: Any, i: int, when: Callable[[torch.Tensor], bool], late: bool) -> dict:
@@ -324,12 +324,7 @@ def test_gpu_an_out_of_memory_in_a_backward_streams_more_and_the_step_completes(
         for s in range(3):
             data = batch(seed=90 + s, tokens=512, device="cuda")
             grads = {name: step(m, data, lr=0.0)[1] for name, m in runs.items()}
-            for n in grads["fp32"]:
-                ref = grads["fp32"][n].float()
-                plain = (grads["plain"][n].float() - ref).abs().max().item()
-                ours = (grads["ours"][n].float() - ref).abs().max().item()
-                scale = ref.abs().max().item()
-                assert ours <= 1.5 * plain + 2**-8 * scale, (s, n, ours, plain, scale)
+            assert_bf16_as_close_as_plain(grads, s)
             st = tuner.stats()
             assert raised["n"] == 1 and st.oom_retries == 1, st
             assert st.streamed_layers > 0 and st.retried_in == ["layer 2's backward"]

@@ -14,28 +14,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 
 import pytest
 import torch
 
 from reviva import RevivaConfig, RevivaManager
-from reviva.demo import load_smollm2, pass_key_text, smollm2_unavailable
+from reviva.demo import pass_key_text
 from reviva.planner import device_state, smallest_budget
 
 KEY = 68217
-
-
-@pytest.fixture(scope="module")
-def smollm2():  # noqa: ANN201
-    # (REVIVA_SMOLLM2_GGUF on the GPU machine: scripts/real-model-parts; reviva/demo.py's loader)
-    reason = smollm2_unavailable()
-    if reason is not None:
-        given = os.environ.get("REVIVA_SMOLLM2_GGUF")
-        if os.environ.get("REVIVA_REAL_MODEL") == "required" or (given and "not a file" in reason):
-            pytest.fail(f"SmolLM2 cannot be loaded: {reason} (requirements-dev.txt has it)")
-        pytest.skip(f"SmolLM2 cannot be loaded: {reason}")
-    return load_smollm2("cpu", torch.float32)
 
 
 def pass_key_prompt(tok) -> torch.Tensor:  # noqa: ANN001
