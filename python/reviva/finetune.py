@@ -29,8 +29,8 @@ offload alone cannot reach long sequences. A step here holds on the device only:
   runs without autograd in forward; its backward runs it again with autograd and
   back-propagates through it at once), whose token-wise parts (its norms and its MLP) run by
   chunks of tokens saving only their inputs (token_chunks.TokenChunked), as the final norm does,
-  and with attention_chunk_tokens its attention by chunks of query tokens (Note [Chunked
-  attention] in chunked_attention.py);
+  or, with attention_chunk_tokens, the whole layer by chunks of query tokens, saving only K
+  and V beside its input (Note [Layers by chunks of query tokens] in chunked_layer.py);
 - the loss by chunks of tokens, forward and backward (token_chunks.ChunkedHeadLoss): no
   [tokens, vocab] logits for the loss; the logits HF returns beside it are made after it, or
   not at all with return_logits=False (Note [Logits with labels] in finetune_forwards.py).
@@ -68,7 +68,7 @@ from reviva.host_embedding import HostEmbedding
 from reviva.placement import Placement
 from reviva.resources import device_resources
 from reviva.sizes import format_bytes, parse_bytes
-from reviva.train_plan import MODEL, TrainDims, TrainMemoryModel, TrainPlan, describe
+from reviva.train_plan import CHUNKED_MODEL, MODEL, TrainDims, TrainMemoryModel, TrainPlan, describe
 from reviva.weights import StreamedWeights
 
 log = logging.getLogger(__name__)
@@ -182,16 +182,19 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         self.layout = layout
         self.layers: list[nn.Module] = list(layout.layers)
         self.chunk_tokens = chunk_tokens
-        # (Note [Chunked attention] in chunked_attention.py; None: HF's attention, whole)
+        # (Note [Layers by chunks of query tokens] in chunked_layer.py; None: HF's layers, whole)
         self.attention_chunk_tokens = attention_chunk_tokens
-        self._attention_refusals: set[str] = set()  # (each reason logged once)
+        self._chunk_refusals: set[str] = set()  # (each reason logged once)
+        self._tiling = False  # (a layer runs by chunks of query tokens now)
         vocab = layout.vocab_size
         self.loss_chunk_tokens = loss_chunk_tokens or max(128, (512 << 20) // (4 * vocab))
         self.prefetch_layers = prefetch_layers
         self.return_logits = return_logits  # (Note [Logits with labels] in finetune_forwards.py)
-        # The step's memory model (train_plan.MODEL, fitted on the H200 without chunked
-        # attention): a benchmark fitting the coefficients of another setting sets its own.
-        self.memory_model: TrainMemoryModel = MODEL
+        # The step's memory model (train_plan.MODEL for HF's layers, CHUNKED_MODEL by chunks of
+        # query tokens): a benchmark fitting the coefficients of another setting sets its own.
+        self.memory_model: TrainMemoryModel = (
+            MODEL if attention_chunk_tokens is None else CHUNKED_MODEL
+        )
         self.softcap = getattr(causal.config, "final_logit_softcapping", None)
         self.resources = device_resources(self.device)
         self._cuda = self.device.type == "cuda"
@@ -307,9 +310,6 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
                 if isinstance(child, nn.Module):
                     unread = name == "mlp" and type(layer).__name__ in _MLP_LAST
                     self._patch(child, self._token_wise(child, i if unread else None))
-            attn = getattr(layer, "self_attn", None)
-            if self.attention_chunk_tokens is not None and isinstance(attn, nn.Module):
-                self._patch(attn, self._attention(attn, i))
         self._patch(self.layout.final_norm, self._token_wise(self.layout.final_norm))
         self._patch(self.causal, self._causal_forward(self.causal.forward))
         self._hooks.append(
@@ -417,11 +417,12 @@ def finetune(
     return_logits: a forward with labels returns the logits beside the loss, as HF does (their
     [tokens, vocab] bytes counted in the plan); False returns the loss alone, and the output's
     `logits` raises naming this option (Note [Logits with labels] in finetune_forwards.py).
-    attention_chunk_tokens: each layer's attention in a training step by chunks of that many
-    query tokens, saving only its input, K and V (Note [Chunked attention] in
-    chunked_attention.py), where that computes what HF's attention computes (a plain causal
-    mask, no sliding window shorter than the sequence, no attention dropout; else HF's, said
-    once in the log); None (the default for now): HF's attention, whole.
+    attention_chunk_tokens: each decoder layer of a training step by chunks of that many query
+    tokens (its norms, projections, attention, MLP and residuals), its backward holding only
+    its input, K, V and their gradients at full length (Note [Layers by chunks of query tokens]
+    in chunked_layer.py), where that computes what HF's layer computes (the Llama layout, a
+    plain causal mask, no sliding window shorter than the sequence, no attention dropout; else
+    HF's, said once in the log); None (the default for now): HF's layers, whole.
 
     Train as usual afterwards (plain PyTorch, HF's Trainer, TRL's SFTTrainer): the model's
     forwards are Reviva's until close()."""

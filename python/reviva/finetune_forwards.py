@@ -6,8 +6,10 @@ tokens (Note [Outputs nobody reads]), the causal LM's loss by chunks of tokens.
 FinetuneForwards is a mixin of Finetune (finetune.py). State it reads: the tuner's layers,
 _original forwards, weights, checkpoints, causal, chunk_tokens, loss_chunk_tokens,
 attention_chunk_tokens, softcap, return_logits and _anchor. State it writes: _recomputed (the
-layer being recomputed in its backward), _stepped (the layer whose step's forward runs: both
-chunk its attention, Note [Chunked attention] in chunked_attention.py) and _attention_refusals.
+layer being recomputed in its backward), _tiling (a layer runs by chunks of query tokens: its
+norms and MLP run their own forwards, Note [Layers by chunks of query tokens] in
+chunked_layer.py), _chunk_refusals and memory_model (HF's layer and the untiled plan after a
+refusal).
 
 Note [Outputs nobody reads]
 A layer's recompute in backward exists for its graph: its output's values are never read (the
@@ -50,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from reviva.chunked_attention import chunked_attention, refusal
+from reviva.chunked_layer import LayerChunks, refusal
 from reviva.finetune_retry import grad_snapshot, restore_grads, set_rng
 from reviva.finetune_step import with_hf_packing
 from reviva.hf_versions import layer_cache
@@ -64,6 +66,7 @@ from reviva.token_chunks import (
     rng_state,
     soft_capped,
 )
+from reviva.train_plan import MODEL
 
 if TYPE_CHECKING:
     from reviva.finetune import Finetune
@@ -112,8 +115,10 @@ class _LayerStep(torch.autograd.Function):
         ctx.tuner, ctx.i, ctx.args, ctx.kwargs = tuner, i, args, kwargs
         ctx.rng = rng_state(x.device) if tuner._random(layer) else None
         ctx.autocast = autocast_state(x.device)
-        with tuner._stepping(i):  # (its attention by chunks: Note [Chunked attention])
-            y = tuner._run_layer(i, x, args, kwargs)
+        # (by chunks of query tokens where they compute what HF's layer computes: Note [Layers by
+        # chunks of query tokens] in chunked_layer.py)
+        ctx.chunks = tuner._chunks(i, x, args, kwargs)
+        y = tuner._run_layer(i, x, args, kwargs, ctx.chunks)
         ctx.checkpoint = tuner.checkpoints.save(x)
         return y
 
@@ -132,11 +137,17 @@ class _LayerStep(torch.autograd.Function):
         # inside a step] in finetune_retry.py)
         before = grad_snapshot(tuner.layers[i].parameters())
 
+        chunks: LayerChunks | None = ctx.chunks
+
         def attempt() -> torch.Tensor | None:
+            autocast = torch.autocast(device.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0])
+            if chunks is not None:
+                with tuner._weights_of(i), autocast, tuner._tiled():
+                    return chunks.backward(inputs[0], dy, bool(ctx.needs_input_grad[0]))
             with (
                 tuner._weights_of(i),
                 rng_restored(ctx.rng, device),
-                torch.autocast(device.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]),
+                autocast,
                 torch.enable_grad(),
                 tuner._recomputing(i),
             ):
@@ -155,7 +166,7 @@ class _LayerStep(torch.autograd.Function):
         dx = tuner._retrying(where, attempt, undo)
         inputs.clear()
         tuner.checkpoints.retire(record)
-        ctx.checkpoint = None
+        ctx.checkpoint = ctx.chunks = None
         return dx, None, None, None, None, None
 
 
@@ -174,12 +185,22 @@ class FinetuneForwards:
         finally:
             self.weights.release(i)
 
-    def _run_layer(self, i: int, x: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def _run_layer(
+        self,
+        i: int,
+        x: torch.Tensor,
+        args: tuple,
+        kwargs: dict[str, Any],
+        chunks: LayerChunks | None = None,
+    ) -> Any:
         # (run again after an out-of-memory from the same generators' state: Note [Out of
         # memory inside a step] in finetune_retry.py)
         state = rng_state(x.device) if self._random(self.layers[i]) else None
 
         def attempt() -> Any:
+            if chunks is not None:
+                with self._weights_of(i), self._tiled():
+                    return chunks.forward(x)
             with self._weights_of(i):
                 return self._original[i](x, *args, **kwargs)
 
@@ -211,7 +232,7 @@ class FinetuneForwards:
         own = module.forward
 
         def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-            if args or kwargs or not isinstance(x, torch.Tensor):
+            if self._tiling or args or kwargs or not isinstance(x, torch.Tensor):
                 return own(x, *args, **kwargs)
             random = module.training and draws_random(module)
             unread = unread_in is not None and self._recomputed == unread_in
@@ -220,67 +241,40 @@ class FinetuneForwards:
         return forward
 
     @contextlib.contextmanager
-    def _stepping(self, i: int) -> Iterator[None]:
-        """Layer i's forward in a training step (its _LayerStep's)."""
-        before, self._stepped = self._stepped, i
+    def _tiled(self) -> Iterator[None]:
+        """A layer runs by chunks of query tokens: its norms and MLP run their own forwards on
+        each chunk (Note [Layers by chunks of query tokens] in chunked_layer.py)."""
+        before, self._tiling = self._tiling, True
         try:
             yield
         finally:
-            self._stepped = before
+            self._tiling = before
 
-    def _attention(self, attn: nn.Module, i: int) -> Callable[..., Any]:
-        """Layer i's attention module: by chunks of attention_chunk_tokens query tokens in
-        a training step's forward and recompute of the layer where that computes what HF's
-        forward computes (chunked_attention.refusal), HF's own forward otherwise (Note [Chunked
-        attention] in chunked_attention.py)."""
-        own = attn.forward
-
-        def forward(
-            hidden_states: Any = None,
-            position_embeddings: Any = None,
-            attention_mask: Any = None,
-            past_key_values: Any = None,
-            **kwargs: Any,
-        ) -> Any:
-            chunk = self.attention_chunk_tokens
-            stepping = i in (self._stepped, self._recomputed)
-            if (
-                chunk is not None
-                and stepping
-                and isinstance(hidden_states, torch.Tensor)
-                and hidden_states.dim() == 3
-                and hidden_states.shape[1] > chunk
-            ):
-                why = refusal(
-                    attn,
-                    hidden_states,
-                    position_embeddings,
-                    attention_mask,
-                    past_key_values,
-                    kwargs,
-                )
-                if why is None:
-                    cos, sin = position_embeddings
-                    out = chunked_attention(attn, hidden_states, cos, sin, chunk, self._anchor)
-                    return out, None
-                if why not in self._attention_refusals:  # (said once: not a silent fallback)
-                    self._attention_refusals.add(why)
-                    log.info(
-                        "reviva.finetune: attention of layer %d runs as HF runs it, not by "
-                        "chunks of %d tokens: %s",
-                        i,
-                        chunk,
-                        why,
-                    )
-            return own(
-                hidden_states,
-                position_embeddings=position_embeddings,
-                attention_mask=attention_mask,
-                past_key_values=past_key_values,
-                **kwargs,
+    def _chunks(
+        self, i: int, x: torch.Tensor, args: tuple, kwargs: dict[str, Any]
+    ) -> LayerChunks | None:
+        """Layer i's call in a training step by chunks of attention_chunk_tokens query tokens,
+        where that computes what HF's layer computes (chunked_layer.refusal); None: HF's layer,
+        whole (no chunks asked for, a sequence no longer than a chunk, or a refusal: said once
+        in the log, and the step's plan is the untiled one's from then on)."""
+        chunk = self.attention_chunk_tokens
+        if chunk is None or x.dim() != 3 or x.shape[1] <= chunk:
+            return None
+        why = refusal(self.layers[i], x, args, kwargs)
+        if why is None:
+            cos, sin = kwargs["position_embeddings"]
+            return LayerChunks(self.layers[i], cos, sin, x.shape[1], chunk)
+        if why not in self._chunk_refusals:  # (said once: not a silent fallback)
+            self._chunk_refusals.add(why)
+            log.info(
+                "reviva.finetune: layer %d runs as HF runs it, not by chunks of %d query "
+                "tokens: %s",
+                i,
+                chunk,
+                why,
             )
-
-        return forward
+        self.memory_model = MODEL  # (HF's layer: its working set)
+        return None
 
     @contextlib.contextmanager
     def _recomputing(self, i: int) -> Iterator[None]:

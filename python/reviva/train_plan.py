@@ -55,6 +55,14 @@ class TrainMemoryModel:
 
 
 MODEL = TrainMemoryModel()
+# Each layer by chunks of query tokens (Note [Layers by chunks of query tokens] in
+# chunked_layer.py): a layer's backward holds at full length its checkpoint and the next one
+# coming back, K and V, dK and dV in fp32, the output gradient and the input gradient, and the
+# last chunk's K/V gradients: ~6.5 rows for Llama-3-8B's GQA (8 K/V heads of 32), every other
+# tensor a chunk's. That peak is the step's: the loss's final hidden states and their gradient
+# are gone before the layers' backward begins (loss_rows 0). Modelled from the tensors above,
+# not yet fitted on a card.
+CHUNKED_MODEL = TrainMemoryModel(layer_rows=6.5, loss_rows=0.0)
 
 # The H200's rates for a fine-tuning step (Llama-3-8B shape, bf16, torch 2.11; forecast_step):
 # fitted to bench_finetune's steps on a 24 GB card, 64k 16.99 s (8d577a2) and 128k 53.41 s

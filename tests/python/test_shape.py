@@ -48,7 +48,7 @@ SPLIT_MODULES = (
     "finetune.py",
     "finetune_forwards.py",
     "finetune_step.py",
-    "chunked_attention.py",
+    "chunked_layer.py",
     "host_checkpoints.py",
     "training.py",
     "saved_tensors.py",
