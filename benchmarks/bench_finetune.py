@@ -14,7 +14,8 @@ Contenders, each in a fresh worker process (torch's allocator at its defaults):
     grads_<T>         the whole card: the LoRA gradients of one step in fp32, plain bf16 and
                       reviva.finetune(budget="10GB") bf16 (about half the layers streamed), at T
                       tokens (the plain runs with HF's gradient checkpointing)
-    chunked_<T>       reviva_<T> with attention_chunk_tokens=ATTN_CHUNK (Note [Chunked attention])
+    chunked_<T>       reviva_<T> with attention_chunk_tokens=ATTN_CHUNK (Note [Layers by chunks of
+                      query tokens])
     reviva_lengths, chunked_lengths   one process, one step at each of LENGTHS in turn (16k,
                       64k, 128k, 64k, 16k): variable lengths keep their residency
 A reviva/chunked run reports `layer_rows_measured`: the working set it measured, less the chunks,

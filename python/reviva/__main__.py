@@ -217,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         default="q_proj,v_proj",
         help="with --train: the projections LoRA adapts (default q_proj,v_proj)",
     )
+    pl.add_argument(
+        "--attention-chunk-tokens",
+        type=_parse_tokens,
+        default=None,
+        help="with --train: each layer by chunks of this many query tokens, as "
+        "reviva.finetune(attention_chunk_tokens=N) runs it (default: whole layers)",
+    )
     args = parser.parse_args(argv)
     if args.command == "plan" and args.train:
         return _plan_training(args)

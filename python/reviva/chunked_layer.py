@@ -34,7 +34,7 @@ gradients into dK and dV; the chunk's rows of dK and dV are then final (later qu
 done, earlier ones never see those keys), so the chunk's k/v path is recomputed and
 back-propagated at once, into the same input leaf. The full-length tensors of a layer's backward
 are thus its input (the checkpoint), K, V, dK, dV, the output gradient and the input gradient,
-plus the next checkpoint coming back: ~6 rows (TILED_MODEL in train_plan.py), every other tensor
+plus the next checkpoint coming back: ~6 rows (CHUNKED_MODEL in train_plan.py), every other tensor
 a chunk's.
 dK and dV accumulate in fp32 (fp64 for fp64 models): each query chunk's SDPA backward returns
 its partial sums rounded to the model's dtype, and a bf16 accumulator would round once more per

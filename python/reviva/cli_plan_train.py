@@ -23,6 +23,8 @@ def _plan_training(args: argparse.Namespace) -> int:
     from reviva.forecast import CUDA_CONTEXT_BYTES
     from reviva.layer_packing import layer_weight_bytes
     from reviva.train_plan import (
+        CHUNKED_MODEL,
+        MODEL,
         TrainDims,
         forecast_step,
         host_shortfall,
@@ -79,10 +81,13 @@ def _plan_training(args: argparse.Namespace) -> int:
     budget = reviva.parse_bytes(args.vram_budget) if args.vram_budget else card
     budget = min(budget, card - CUDA_CONTEXT_BYTES)
     loss_chunk = max(128, (512 << 20) // (4 * layout.vocab_size))  # (finetune's default)
-    longest = longest_tokens(dims, budget, held, 4096, loss_chunk)
+    chunk = args.attention_chunk_tokens  # (Note [Layers by chunks of query tokens])
+    memory = MODEL if chunk is None else CHUNKED_MODEL
+    longest = longest_tokens(dims, budget, held, 4096, loss_chunk, memory)
     shape = (
         f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, bf16 "
         f"({weights / 1e9:.2f} GB of weights), LoRA r={args.lora_r} on {','.join(targets)}"
+        + ("" if chunk is None else f", layers by chunks of {chunk} query tokens")
     )
     out: dict[str, object] = {
         "model": shape,
@@ -103,7 +108,7 @@ def _plan_training(args: argparse.Namespace) -> int:
         return 1
 
     try:
-        plan = plan_step(dims, args.context, budget, held, 4096, loss_chunk)
+        plan = plan_step(dims, args.context, budget, held, 4096, loss_chunk, model=memory)
     except reviva.RevivaOutOfMemoryError as e:
         return does_not_fit(str(e))
     host = reviva.parse_bytes(args.host_memory) if args.host_memory else None

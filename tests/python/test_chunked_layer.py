@@ -38,6 +38,7 @@ from reviva.chunked_layer import (
     refusal,
 )
 from reviva.token_chunks import chunk_spans
+from reviva.train_plan import CHUNKED_MODEL, MODEL
 
 peft = pytest.importorskip("peft", reason="peft (a dev requirement) is needed for LoRA models")
 
@@ -325,8 +326,8 @@ def padded(data: dict) -> dict:
 def test_where_chunks_apply_and_where_hf_runs(case: str, caplog: pytest.LogCaptureFixture) -> None:
     """A padding mask, Mistral's sliding window of 8 tokens (shorter than the sequence), eager
     with padding: HF's layer runs (q_proj once a pass), said once in the log, and the gradients
-    are a plain run's. Eager without padding (its causal [T, T] mask is recognized): by chunks,
-    the gradients a plain (eager) run's."""
+    are a plain run's, and the plan is HF's layers' from then on. Eager without padding (its
+    causal [T, T] mask is recognized): by chunks, the gradients a plain (eager) run's."""
     if case == "sliding_window":
         torch.manual_seed(8)
         cfg = MistralConfig(
@@ -360,7 +361,9 @@ def test_where_chunks_apply_and_where_hf_runs(case: str, caplog: pytest.LogCaptu
         said = [r.getMessage() for r in caplog.records if "runs as HF runs it" in r.message]
         if chunked:
             assert calls.n == [2 * 2 * 3] * 2 and not said, (calls.n, said)
+            assert tuner.memory_model is CHUNKED_MODEL
         else:
+            assert tuner.memory_model is MODEL  # (HF's layers: the plan of their working set)
             assert calls.n == [2 * 2] * 2, calls.n  # (forward and recompute, whole)
             assert len(said) == 1, said
             why = "sliding window of 8" if case == "sliding_window" else "other than the causal"

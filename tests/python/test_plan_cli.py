@@ -617,6 +617,18 @@ def test_train_plan_says_the_host_memory_a_length_pins(capsys: pytest.CaptureFix
     assert "torch_dtype" not in capsys.readouterr().err
 
 
+def test_train_plan_with_layers_by_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --train --attention-chunk-tokens`: the plan of reviva.finetune's layers by chunks of
+    query tokens (train_plan.CHUNKED_MODEL's working set): 256k, which whole layers do not fit
+    on a 24 GB card, fits, and the longest sequence grows past it."""
+    whole = plan_json(capsys, "--train", "--context", "256k")
+    chunked = plan_json(capsys, "--train", "--context", "256k", "--attention-chunk-tokens", "4k")
+    assert not whole["fits"] and chunked["fits"], (whole, chunked)
+    assert "layers by chunks of 4096 query tokens" in chunked["model"]
+    assert chunked["longest_tokens"] > 262144 > whole["longest_tokens"]
+    assert chunked["plan"]["working_set"] < 0.55 * 262144 * 4096 * 2 * 14
+
+
 def test_transfers_measures_the_cards_rate_that_plan_takes(
     device: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
