@@ -16,6 +16,7 @@ Contenders, each in a fresh worker process (torch's allocator at its defaults):
                       tokens (the plain runs with HF's gradient checkpointing)
     chunked_<T>       reviva_<T> with attention_chunk_tokens=ATTN_CHUNK (Note [Layers by chunks of
                       query tokens])
+    whole_<T>         reviva_<T> with whole layers (attention_chunk_tokens=None)
     reviva_lengths, chunked_lengths   one process, one step at each of LENGTHS in turn (16k,
                       64k, 128k, 64k, 16k): variable lengths keep their residency
 A reviva/chunked run reports `layer_rows_measured`: the working set it measured, less the chunks,
@@ -110,6 +111,16 @@ def build(dry: bool, dtype: Any, device: str) -> Any:
     return model.train()
 
 
+def chunks_of(name: str) -> dict[str, Any]:
+    """reviva.finetune's attention_chunk_tokens for a run: chunked_ ATTN_CHUNK, whole_ None
+    (whole layers), reviva_ the default."""
+    if name.startswith("chunked_"):
+        return {"attention_chunk_tokens": ATTN_CHUNK}
+    if name.startswith("whole_"):
+        return {"attention_chunk_tokens": None}
+    return {}
+
+
 def tokens_of(name: str) -> int:
     return int(name.rsplit("_", 1)[1])
 
@@ -168,7 +179,7 @@ def layer_rows_measured(tuner: Any, tokens: int) -> float | None:
     measured = tuner._measured.get(tokens)
     if measured is None:
         return None
-    d, m = tuner.dims, tuner.memory_model
+    d, m = tuner.dims, tuner._model_for(tokens)
     no_rows = dataclasses.replace(m, layer_rows=0.0, loss_rows=0.0)
     chunks = working_set(d, tokens, tuner.chunk_tokens, tuner.loss_chunk_tokens, no_rows)
     return (measured - chunks) / (tokens * d.hidden_size * d.dtype_bytes) - m.loss_rows
@@ -219,7 +230,7 @@ def worker(args: argparse.Namespace) -> None:
     device = "cuda" if cuda else "cpu"
     lengths = (DRY_LENGTHS if args.dry_run else LENGTHS) if name.endswith("_lengths") else None
     tokens = max(lengths) if lengths else tokens_of(name)
-    ours = name.startswith(("reviva_", "chunked_"))
+    ours = name.startswith(("reviva_", "chunked_", "whole_"))
     on_card = ours or "_card_" in name
     card = reviva.parse_bytes(CARD) if on_card and cuda else None
     row: dict[str, Any] = {"run": name, "tokens": tokens}
@@ -244,12 +255,12 @@ def worker(args: argparse.Namespace) -> None:
                     model,
                     budget=CARD if cuda else None,
                     return_logits=False,
-                    attention_chunk_tokens=ATTN_CHUNK if name.startswith("chunked_") else None,
+                    **chunks_of(name),
                 )
-                if args.layer_rows is not None:
-                    tuner.memory_model = dataclasses.replace(
-                        tuner.memory_model, layer_rows=args.layer_rows
-                    )
+                if args.layer_rows is not None:  # (the model of this run's layers)
+                    for attr in ("memory_model", "chunked_memory_model"):
+                        m = getattr(tuner, attr)
+                        setattr(tuner, attr, dataclasses.replace(m, layer_rows=args.layer_rows))
                 if not cuda:
                     stream_some(tuner, tokens)
                 if lengths:
@@ -380,11 +391,12 @@ def main() -> None:
     for n in names:
         sized = n.rsplit("_", 1)[-1].isdigit()
         if n not in ("reviva_lengths", "chunked_lengths") and (
-            not sized or not n.startswith(("grads_", "reviva_", "chunked_", "plain_ckpt_"))
+            not sized
+            or not n.startswith(("grads_", "reviva_", "chunked_", "whole_", "plain_ckpt_"))
         ):
             raise SystemExit(
-                f"unknown run {n!r}: grads_<T>, reviva_<T>, chunked_<T>, plain_ckpt[_chunked]_<T>, "
-                "reviva_lengths, chunked_lengths"
+                f"unknown run {n!r}: grads_<T>, reviva_<T>, chunked_<T>, whole_<T>, "
+                "plain_ckpt[_chunked]_<T>, reviva_lengths, chunked_lengths"
             )
     env = environment(cuda=False)
     out = result_path("finetune" + ("-dry" if args.dry_run else ""), env, args.out)

@@ -56,6 +56,11 @@ def _parse_tokens(text: str) -> int:
     return n
 
 
+def _parse_chunk(text: str) -> int:
+    """--attention-chunk-tokens: a token count, or 0 (whole layers)."""
+    return 0 if text.strip() == "0" else _parse_tokens(text)
+
+
 def _parse_rate(text: str) -> float:
     try:
         rate = float(text)
@@ -219,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     pl.add_argument(
         "--attention-chunk-tokens",
-        type=_parse_tokens,
+        type=_parse_chunk,
         default=None,
         help="with --train: each layer by chunks of this many query tokens, as "
-        "reviva.finetune(attention_chunk_tokens=N) runs it (default: whole layers)",
+        "reviva.finetune(attention_chunk_tokens=N) runs it (default: finetune's, 4096); 0: whole "
+        "layers",
     )
     args = parser.parse_args(argv)
     if args.command == "plan" and args.train:

@@ -20,6 +20,7 @@ def _plan_training(args: argparse.Namespace) -> int:
 
     import reviva
     from reviva.adapters import inspect_model
+    from reviva.finetune import ATTENTION_CHUNK_TOKENS
     from reviva.forecast import CUDA_CONTEXT_BYTES
     from reviva.layer_packing import layer_weight_bytes
     from reviva.train_plan import (
@@ -81,7 +82,9 @@ def _plan_training(args: argparse.Namespace) -> int:
     budget = reviva.parse_bytes(args.vram_budget) if args.vram_budget else card
     budget = min(budget, card - CUDA_CONTEXT_BYTES)
     loss_chunk = max(128, (512 << 20) // (4 * layout.vocab_size))  # (finetune's default)
-    chunk = args.attention_chunk_tokens  # (Note [Layers by chunks of query tokens])
+    # (Note [Layers by chunks of query tokens]; 0: whole layers)
+    chunk = args.attention_chunk_tokens
+    chunk = ATTENTION_CHUNK_TOKENS if chunk is None else chunk or None
     memory = MODEL if chunk is None else CHUNKED_MODEL
     longest = longest_tokens(dims, budget, held, 4096, loss_chunk, memory)
     shape = (

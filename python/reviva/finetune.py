@@ -29,8 +29,9 @@ offload alone cannot reach long sequences. A step here holds on the device only:
   runs without autograd in forward; its backward runs it again with autograd and
   back-propagates through it at once), whose token-wise parts (its norms and its MLP) run by
   chunks of tokens saving only their inputs (token_chunks.TokenChunked), as the final norm does,
-  or, with attention_chunk_tokens, the whole layer by chunks of query tokens, saving only K
-  and V beside its input (Note [Layers by chunks of query tokens] in chunked_layer.py);
+  or (attention_chunk_tokens, by default) the whole layer by chunks of query tokens, holding
+  only its input, K, V and their gradients at full length (Note [Layers by chunks of query
+  tokens] in chunked_layer.py);
 - the loss by chunks of tokens, forward and backward (token_chunks.ChunkedHeadLoss): no
   [tokens, vocab] logits for the loss; the logits HF returns beside it are made after it, or
   not at all with return_logits=False (Note [Logits with labels] in finetune_forwards.py).
@@ -74,6 +75,10 @@ from reviva.weights import StreamedWeights
 log = logging.getLogger(__name__)
 
 _FINETUNED = "_reviva_finetune"  # the CausalLM's __dict__ key: its Finetune, weakly
+# Layers by chunks of this many query tokens by default (Note [Layers by chunks of query tokens]
+# in chunked_layer.py): at 64k and 128k tokens of the 8B shape no slower than whole layers, with
+# a working set of about half (benchmarks/README.md)
+ATTENTION_CHUNK_TOKENS = 4096
 
 
 class FinetuneOutOfMemoryError(RevivaOutOfMemoryError, torch.OutOfMemoryError):
@@ -136,7 +141,7 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         loss_chunk_tokens: int | None = None,
         prefetch_layers: int = 1,
         return_logits: bool = True,
-        attention_chunk_tokens: int | None = None,
+        attention_chunk_tokens: int | None = ATTENTION_CHUNK_TOKENS,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"reviva.finetune wraps an nn.Module, got {type(model).__name__}")
@@ -190,11 +195,12 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         self.loss_chunk_tokens = loss_chunk_tokens or max(128, (512 << 20) // (4 * vocab))
         self.prefetch_layers = prefetch_layers
         self.return_logits = return_logits  # (Note [Logits with labels] in finetune_forwards.py)
-        # The step's memory model (train_plan.MODEL for HF's layers, CHUNKED_MODEL by chunks of
-        # query tokens): a benchmark fitting the coefficients of another setting sets its own.
-        self.memory_model: TrainMemoryModel = (
-            MODEL if attention_chunk_tokens is None else CHUNKED_MODEL
-        )
+        # The step's memory models: train_plan.MODEL for HF's layers, CHUNKED_MODEL by chunks of
+        # query tokens (_model_for picks; a benchmark fitting the coefficients of another setting
+        # sets its own)
+        self.memory_model: TrainMemoryModel = MODEL
+        self.chunked_memory_model: TrainMemoryModel = CHUNKED_MODEL
+        self._chunks_refused = False  # (a layer ran whole: Note [Layers by chunks of query tokens])
         self.softcap = getattr(causal.config, "final_logit_softcapping", None)
         self.resources = device_resources(self.device)
         self._cuda = self.device.type == "cuda"
@@ -402,7 +408,7 @@ def finetune(
     loss_chunk_tokens: int | None = None,
     prefetch_layers: int = 1,
     return_logits: bool = True,
-    attention_chunk_tokens: int | None = None,
+    attention_chunk_tokens: int | None = ATTENTION_CHUNK_TOKENS,
 ) -> Finetune:
     """Sets `model` (a causal LM with the Llama decoder layout, or a PEFT model of one) up for
     fine-tuning with its frozen base weights streamed from pinned host memory, each layer
@@ -422,7 +428,8 @@ def finetune(
     its input, K, V and their gradients at full length (Note [Layers by chunks of query tokens]
     in chunked_layer.py), where that computes what HF's layer computes (the Llama layout, a
     plain causal mask, no sliding window shorter than the sequence, no attention dropout; else
-    HF's, said once in the log); None (the default for now): HF's layers, whole.
+    HF's, said once in the log); None: HF's layers, whole (a sequence no longer than a chunk
+    runs them whole too).
 
     Train as usual afterwards (plain PyTorch, HF's Trainer, TRL's SFTTrainer): the model's
     forwards are Reviva's until close()."""

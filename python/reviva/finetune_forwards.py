@@ -8,7 +8,7 @@ _original forwards, weights, checkpoints, causal, chunk_tokens, loss_chunk_token
 attention_chunk_tokens, softcap, return_logits and _anchor. State it writes: _recomputed (the
 layer being recomputed in its backward), _tiling (a layer runs by chunks of query tokens: its
 norms and MLP run their own forwards, Note [Layers by chunks of query tokens] in
-chunked_layer.py), _chunk_refusals and memory_model (HF's layer and the untiled plan after a
+chunked_layer.py), _chunk_refusals and _chunks_refused (HF's layer, and its plan, after a
 refusal).
 
 Note [Outputs nobody reads]
@@ -66,7 +66,6 @@ from reviva.token_chunks import (
     rng_state,
     soft_capped,
 )
-from reviva.train_plan import MODEL
 
 if TYPE_CHECKING:
     from reviva.finetune import Finetune
@@ -273,7 +272,7 @@ class FinetuneForwards:
                 chunk,
                 why,
             )
-        self.memory_model = MODEL  # (HF's layer: its working set)
+        self._chunks_refused = True  # (HF's layer: the plan of its working set from now on)
         return None
 
     @contextlib.contextmanager

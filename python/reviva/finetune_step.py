@@ -5,10 +5,10 @@ HF's gradient checkpointing is served by Reviva's own (_run_directly); packed se
 masks (Note [Packed sequences]).
 
 FinetuneStepPlan is a mixin of Finetune (finetune.py). State it reads: the tuner's dims, layers,
-weights, model, budget, device, chunk_tokens, loss_chunk_tokens, prefetch_layers, return_logits
-and memory_model. State it writes: _plan, _held, _measured, _step_tokens, _hf_checkpointing,
-stats_ (steps, tokens, plan, layers), the weights' residency, and the checkpoints' step
-(begin_step).
+weights, model, budget, device, chunk_tokens, loss_chunk_tokens, prefetch_layers, return_logits,
+memory_model, chunked_memory_model, attention_chunk_tokens and _chunks_refused. State it writes:
+_plan, _held, _measured, _step_tokens, _hf_checkpointing, stats_ (steps, tokens, plan,
+layers), the weights' residency, and the checkpoints' step (begin_step).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from reviva.hf_versions import layer_cache
 from reviva.memory_state import host_state
 from reviva.sizes import format_bytes
-from reviva.train_plan import TrainPlan, describe, host_shortfall, plan_step
+from reviva.train_plan import TrainMemoryModel, TrainPlan, describe, host_shortfall, plan_step
 
 # (the finetune's logger: what a user filters on stays reviva.finetune's)
 log = logging.getLogger("reviva.finetune")
@@ -106,10 +106,11 @@ class FinetuneStepPlan:
         if shape is None:
             return None
         tokens = int(shape[0] * shape[1]) if len(shape) >= 2 else int(shape[0])
+        sequence = int(shape[1]) if len(shape) >= 2 else tokens
         self._measure()
         training = torch.is_grad_enabled()
         if training or self._plan is None:
-            self._apply_plan(tokens, training)
+            self._apply_plan(tokens, training, sequence)
         self.checkpoints.begin_step()
         if training:
             self.stats_.steps += 1
@@ -181,10 +182,21 @@ class FinetuneStepPlan:
         budget = self.budget if self.budget is not None else 16 << 30
         return budget, max(held, 0)
 
-    def plan(self, tokens: int) -> TrainPlan:
-        """The plan a step of `tokens` tokens would run with now (train_plan.plan_step), with the
-        working set measured by the last step of that length where one ran (CUDA), settled
-        against the residency in place (Note [Residency across lengths])."""
+    def _model_for(self, sequence: int) -> TrainMemoryModel:
+        """The memory model of a step whose rows are `sequence` tokens long: the chunked layers'
+        where they run by chunks (Note [Layers by chunks of query tokens] in chunked_layer.py),
+        HF's layers' where they run whole (no chunks asked for, a sequence no longer than a
+        chunk, or a layer that refused them)."""
+        chunk = self.attention_chunk_tokens
+        if chunk is None or sequence <= chunk or self._chunks_refused:
+            return self.memory_model
+        return self.chunked_memory_model
+
+    def plan(self, tokens: int, sequence: int | None = None) -> TrainPlan:
+        """The plan a step of `tokens` tokens (in rows of `sequence`; default one row) would run
+        with now (train_plan.plan_step), with the working set measured by the last step of that
+        length where one ran (CUDA), settled against the residency in place (Note [Residency
+        across lengths])."""
         self._collect()
         budget, held = self._budget_now()
         # (the resident weights live in the arena, outside torch's `held`: the plan places them
@@ -197,7 +209,7 @@ class FinetuneStepPlan:
             self.chunk_tokens,
             self.loss_chunk_tokens,
             self._measured.get(tokens),
-            self.memory_model,
+            self._model_for(tokens if sequence is None else sequence),
             logits=self.return_logits,  # (Note [Logits with labels] in finetune_forwards.py)
         )
         return self._settled(plan)  # (Note [Residency across lengths] in finetune_retry.py)
@@ -212,8 +224,8 @@ class FinetuneStepPlan:
             self.prefetch_layers if streams else 0,
         )
 
-    def _apply_plan(self, tokens: int, training: bool = False) -> None:
-        plan = self.plan(tokens)
+    def _apply_plan(self, tokens: int, training: bool = False, sequence: int | None = None) -> None:
+        plan = self.plan(tokens, sequence)
         if training:  # (before any work: the checkpoints' pinned memory, Note [Checkpoints on
             # the host]; pinned memory cannot be paged out: past what the host can give, the
             # step would push the machine into swap or the OOM killer instead)

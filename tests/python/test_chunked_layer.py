@@ -361,9 +361,9 @@ def test_where_chunks_apply_and_where_hf_runs(case: str, caplog: pytest.LogCaptu
         said = [r.getMessage() for r in caplog.records if "runs as HF runs it" in r.message]
         if chunked:
             assert calls.n == [2 * 2 * 3] * 2 and not said, (calls.n, said)
-            assert tuner.memory_model is CHUNKED_MODEL
+            assert tuner._model_for(48) is CHUNKED_MODEL
         else:
-            assert tuner.memory_model is MODEL  # (HF's layers: the plan of their working set)
+            assert tuner._model_for(48) is MODEL  # (HF's layers: the plan of their working set)
             assert calls.n == [2 * 2] * 2, calls.n  # (forward and recompute, whole)
             assert len(said) == 1, said
             why = "sliding window of 8" if case == "sliding_window" else "other than the causal"

@@ -564,15 +564,17 @@ MEASURED_TRAINING = [
 def test_train_plan_against_the_h200(
     capsys: pytest.CaptureFixture[str], tokens: int, step_s: float, working_gb: float, source: str
 ) -> None:
-    """`plan --train`: the step fits the card, its time within 10% of the H200's, its working set
-    no less than the one measured (the first step plans with it, before any measurement), and
+    """`plan --train` of whole layers: the step fits the card, its time within 10% of the
+    H200's, its working set no less than the one measured (the first step plans with it, before
+    any measurement), and
     the longest sequence between the longest that ran (144k) and the shortest that ran out of
     memory (160k, in its first step: finetune-2026-12-04-6e014ab6a8b9.json)."""
     results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     run = json.loads((results / source).read_text())["runs"][f"reviva_{tokens}"]
     assert run["ok"] and run["step_s"] == pytest.approx(step_s, abs=0.01)
     assert run["finetune"]["working_set_bytes"] / 1e9 == pytest.approx(working_gb, abs=0.01)
-    out = plan_json(capsys, "--train", "--context", str(tokens))
+    # (measured with whole layers: the plan of whole layers)
+    out = plan_json(capsys, "--train", "--context", str(tokens), "--attention-chunk-tokens", "0")
     assert out["fits"]
     assert abs(out["forecast"]["step_s"] / step_s - 1) <= 0.10, (out["forecast"], step_s)
     assert out["plan"]["working_set"] / 1e9 >= working_gb
@@ -584,7 +586,7 @@ def test_train_plan_text_and_bad_input(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["plan", "--train", "--context", "64k"]) == 0
     text = capsys.readouterr().out
     assert "longest sequence on this card" in text and "s a step" in text
-    assert main(["plan", "--train", "--context", "256k"]) == 1
+    assert main(["plan", "--train", "--context", "512k"]) == 1
     assert "does not fit" in capsys.readouterr().out
     assert main(["plan", "--train", "--lora-targets", "nope_proj"]) == 2
     assert "nope_proj: no such module" in capsys.readouterr().err
@@ -619,10 +621,12 @@ def test_train_plan_says_the_host_memory_a_length_pins(capsys: pytest.CaptureFix
 
 def test_train_plan_with_layers_by_chunks(capsys: pytest.CaptureFixture[str]) -> None:
     """`plan --train --attention-chunk-tokens`: the plan of reviva.finetune's layers by chunks of
-    query tokens (train_plan.CHUNKED_MODEL's working set): 256k, which whole layers do not fit
-    on a 24 GB card, fits, and the longest sequence grows past it."""
-    whole = plan_json(capsys, "--train", "--context", "256k")
+    query tokens (train_plan.CHUNKED_MODEL's working set; 4096, finetune's default, without the
+    option): 256k, which whole layers (0) do not fit on a 24 GB card, fits, and the longest
+    sequence grows past it."""
+    whole = plan_json(capsys, "--train", "--context", "256k", "--attention-chunk-tokens", "0")
     chunked = plan_json(capsys, "--train", "--context", "256k", "--attention-chunk-tokens", "4k")
+    assert plan_json(capsys, "--train", "--context", "256k") == chunked  # (finetune's default)
     assert not whole["fits"] and chunked["fits"], (whole, chunked)
     assert "layers by chunks of 4096 query tokens" in chunked["model"]
     assert chunked["longest_tokens"] > 262144 > whole["longest_tokens"]
