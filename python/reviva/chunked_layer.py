@@ -62,6 +62,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from reviva.hf_versions import layer_cache
 from reviva.token_chunks import chunk_spans, draws_random, rng_restored, rng_state
 
 # The decoder layers whose forward is the Llama layout (input_layernorm, self_attn, a residual,
@@ -358,7 +359,9 @@ def refusal(layer: nn.Module, hidden: Any, args: tuple, kwargs: dict[str, Any]) 
     rest = dict(kwargs)
     position_embeddings = rest.pop("position_embeddings", None)
     mask = rest.pop("attention_mask", None)
-    cache = rest.pop("past_key_values", None)
+    cache = layer_cache(rest)  # (`cache` from transformers 5.25, `past_key_values` before)
+    rest.pop("cache", None)
+    rest.pop("past_key_values", None)
     return _attention_refusal(layer.self_attn, hidden, position_embeddings, mask, cache, rest)
 
 

@@ -409,6 +409,7 @@ def test_attention_dropout_and_other_refusals_named() -> None:
     assert "children" in refusal(layer, x, (), call)
     del layer.extra
     assert "cache" in refusal(layer, x, (), {**call, "past_key_values": object()})
+    assert "cache" in refusal(layer, x, (), {**call, "cache": object()})  # (transformers 5.25)
 
 
 def test_attention_dropout_runs_hfs_attention() -> None:
