@@ -84,7 +84,7 @@ def _plan_training(args: argparse.Namespace) -> int:
     loss_chunk = max(128, (512 << 20) // (4 * layout.vocab_size))  # (finetune's default)
     # (Note [Layers by chunks of query tokens]; 0: whole layers)
     chunk = args.attention_chunk_tokens
-    chunk = ATTENTION_CHUNK_TOKENS if chunk is None else chunk or None
+    chunk = ATTENTION_CHUNK_TOKENS if chunk is None else chunk or None  # (0: whole layers)
     memory = MODEL if chunk is None else CHUNKED_MODEL
     longest = longest_tokens(dims, budget, held, 4096, loss_chunk, memory)
     shape = (

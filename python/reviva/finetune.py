@@ -29,7 +29,7 @@ offload alone cannot reach long sequences. A step here holds on the device only:
   runs without autograd in forward; its backward runs it again with autograd and
   back-propagates through it at once), whose token-wise parts (its norms and its MLP) run by
   chunks of tokens saving only their inputs (token_chunks.TokenChunked), as the final norm does,
-  or (attention_chunk_tokens, by default) the whole layer by chunks of query tokens, holding
+  or (with attention_chunk_tokens) the whole layer by chunks of query tokens, holding
   only its input, K, V and their gradients at full length (Note [Layers by chunks of query
   tokens] in chunked_layer.py);
 - the loss by chunks of tokens, forward and backward (token_chunks.ChunkedHeadLoss): no
@@ -76,9 +76,9 @@ log = logging.getLogger(__name__)
 
 _FINETUNED = "_reviva_finetune"  # the CausalLM's __dict__ key: its Finetune, weakly
 # Layers by chunks of this many query tokens by default (Note [Layers by chunks of query tokens]
-# in chunked_layer.py): at 64k and 128k tokens of the 8B shape no slower than whole layers, with
-# a working set of about half (benchmarks/README.md)
-ATTENTION_CHUNK_TOKENS = 4096
+# in chunked_layer.py); None: whole layers. Opt-in (attention_chunk_tokens=4096) until its CUDA
+# path and speed are measured on a GPU (benchmarks/README.md)
+ATTENTION_CHUNK_TOKENS: int | None = None
 
 
 class FinetuneOutOfMemoryError(RevivaOutOfMemoryError, torch.OutOfMemoryError):
@@ -428,8 +428,8 @@ def finetune(
     its input, K, V and their gradients at full length (Note [Layers by chunks of query tokens]
     in chunked_layer.py), where that computes what HF's layer computes (the Llama layout, a
     plain causal mask, no sliding window shorter than the sequence, no attention dropout; else
-    HF's, said once in the log); None: HF's layers, whole (a sequence no longer than a chunk
-    runs them whole too).
+    HF's, said once in the log); None (the default until measured on a GPU): HF's layers, whole
+    (a sequence no longer than a chunk runs them whole too).
 
     Train as usual afterwards (plain PyTorch, HF's Trainer, TRL's SFTTrainer): the model's
     forwards are Reviva's until close()."""
