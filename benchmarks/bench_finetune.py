@@ -305,7 +305,10 @@ def worker(args: argparse.Namespace) -> None:
                 st = tuner.stats()
                 row["finetune"] = {k: v for k, v in vars(st).items() if k != "plan"}
                 row["plan"] = st.plan.to_dict() if st.plan else None
-                row["forecast"] = forecast_step(tuner.dims, tokens, st.streamed_layers).to_dict()
+                chunked = tuner._model_for(tokens) is tuner.chunked_memory_model
+                row["forecast"] = forecast_step(
+                    tuner.dims, tokens, st.streamed_layers, chunked=chunked
+                ).to_dict()
                 row["describe"] = tuner.describe()
                 row["layer_rows_measured"] = layer_rows_measured(tuner, tokens)
         row["ok"] = True

@@ -121,7 +121,8 @@ def _plan_training(args: argparse.Namespace) -> int:
         if short:
             return does_not_fit(f"{short} (--host-memory {args.host_memory})")
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
-    f = forecast_step(dims, args.context, plan.streamed_layers, pcie)
+    chunked = chunk is not None and args.context > chunk
+    f = forecast_step(dims, args.context, plan.streamed_layers, pcie, chunked)
     out.update(fits=True, plan=plan.to_dict(), forecast=f.to_dict())
     if args.json:
         print(json.dumps(out, indent=1))

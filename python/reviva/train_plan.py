@@ -60,8 +60,10 @@ MODEL = TrainMemoryModel()
 # coming back, K and V, dK and dV in fp32, the output gradient and the input gradient, and the
 # last chunk's K/V gradients: ~6.5 rows for Llama-3-8B's GQA (8 K/V heads of 32), every other
 # tensor a chunk's. That peak is the step's: the loss's final hidden states and their gradient
-# are gone before the layers' backward begins (loss_rows 0). Modelled from the tensors above,
-# not yet fitted on a card.
+# are gone before the layers' backward begins (loss_rows 0). Modelled from the tensors above;
+# measured on the H200 (bench_finetune, 0c15a95): 3.6 rows at 64k (the working set a step
+# measured), 5.1 at 128k (torch's reserved peak less what was held and the chunks); kept at the
+# modelled 6.5 until 256k is measured.
 CHUNKED_MODEL = TrainMemoryModel(layer_rows=6.5, loss_rows=0.0)
 
 # The H200's rates for a fine-tuning step (Llama-3-8B shape, bf16, torch 2.11; forecast_step):
@@ -70,6 +72,11 @@ CHUNKED_MODEL = TrainMemoryModel(layer_rows=6.5, loss_rows=0.0)
 TRAIN_LINEAR_FLOPS = 520e12
 TRAIN_ATTENTION_FLOPS = 480e12
 PCIE_BPS = 55e9
+# Layers by chunks of query tokens (Note [Layers by chunks of query tokens] in chunked_layer.py):
+# the attention's time over whole layers', fitted to the H200's chunked steps (64k 25.19 s,
+# 128k 84.63 s, 0c15a95; one layer's attention at 64k measured 0.387-0.448 s against whole
+# causal SDPA's 0.223 s: the lower-right causal SDPA of each chunk, not the chunks' number)
+CHUNKED_ATTENTION_COST = 1.8
 CALIBRATION = "H200 (PCIe Gen5 x16), Llama-3-8B shape, bf16, torch 2.11"
 
 
@@ -297,18 +304,25 @@ class StepForecast:
 
 
 def forecast_step(
-    dims: TrainDims, tokens: int, streamed_layers: int, pcie_bps: float | None = None
+    dims: TrainDims,
+    tokens: int,
+    streamed_layers: int,
+    pcie_bps: float | None = None,
+    chunked: bool = False,
 ) -> StepForecast:
     """A step's time on the H200: the base weights are frozen, so a layer's linear work is its
     forward, its recompute and its input gradient (6 x parameters x tokens FLOPs; the head's the
     same with the loss's recompute); causal attention 2 x tokens^2 x heads x head_dim FLOPs
     forward, as many again in the recompute and 2.5 times that in backward. The copies (a
     streamed layer's weights twice, the checkpoints out and back, PCIe's two directions at
-    once) run under the compute; a step takes the longer of the two."""
+    once) run under the compute; a step takes the longer of the two. `chunked`: the layers run
+    by chunks of query tokens, their attention CHUNKED_ATTENTION_COST times as long."""
     linear = 6 * tokens * (dims.num_layers * dims.layer_params + dims.hidden_size * dims.vocab_size)
     attention_fwd = 2 * tokens * tokens * dims.num_heads * dims.head_dim * dims.num_layers
     linear_s = linear / TRAIN_LINEAR_FLOPS
     attention_s = attention_fwd * (1 + 1 + 2.5) / TRAIN_ATTENTION_FLOPS
+    if chunked:
+        attention_s *= CHUNKED_ATTENTION_COST
     rate = pcie_bps if pcie_bps is not None else PCIE_BPS
     weights_in = 2 * streamed_layers * dims.largest_layer
     checkpoints = dims.num_layers * tokens * dims.hidden_size * dims.dtype_bytes

