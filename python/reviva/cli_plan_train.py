@@ -32,6 +32,7 @@ def _plan_training(args: argparse.Namespace) -> int:
         longest_host_tokens,
         longest_tokens,
         plan_step,
+        runs_by_chunks,
     )
 
     cfg = _config(args)
@@ -84,9 +85,12 @@ def _plan_training(args: argparse.Namespace) -> int:
     loss_chunk = max(128, (512 << 20) // (4 * layout.vocab_size))  # (finetune's default)
     # (Note [Layers by chunks of query tokens]; 0: whole layers)
     chunk = args.attention_chunk_tokens
-    chunk = ATTENTION_CHUNK_TOKENS if chunk is None else chunk or None  # (0: whole layers)
-    memory = MODEL if chunk is None else CHUNKED_MODEL
-    longest = longest_tokens(dims, budget, held, 4096, loss_chunk, memory)
+    chunk = ATTENTION_CHUNK_TOKENS if chunk is None else chunk or None
+    chunked = runs_by_chunks(args.context, chunk)
+    memory = CHUNKED_MODEL if chunked else MODEL
+    # (the longest sequence is longer than a chunk: by chunks wherever chunks are asked for)
+    longest_model = MODEL if chunk is None else CHUNKED_MODEL
+    longest = longest_tokens(dims, budget, held, 4096, loss_chunk, longest_model)
     shape = (
         f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, bf16 "
         f"({weights / 1e9:.2f} GB of weights), LoRA r={args.lora_r} on {','.join(targets)}"
@@ -121,7 +125,6 @@ def _plan_training(args: argparse.Namespace) -> int:
         if short:
             return does_not_fit(f"{short} (--host-memory {args.host_memory})")
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
-    chunked = chunk is not None and args.context > chunk
     f = forecast_step(dims, args.context, plan.streamed_layers, pcie, chunked)
     out.update(fits=True, plan=plan.to_dict(), forecast=f.to_dict())
     if args.json:

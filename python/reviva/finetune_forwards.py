@@ -66,6 +66,7 @@ from reviva.token_chunks import (
     rng_state,
     soft_capped,
 )
+from reviva.train_plan import runs_by_chunks
 
 if TYPE_CHECKING:
     from reviva.finetune import Finetune
@@ -112,11 +113,11 @@ class _LayerStep(torch.autograd.Function):
     ) -> torch.Tensor:
         layer = tuner.layers[i]
         ctx.tuner, ctx.i, ctx.args, ctx.kwargs = tuner, i, args, kwargs
-        ctx.rng = rng_state(x.device) if tuner._random(layer) else None
-        ctx.autocast = autocast_state(x.device)
         # (by chunks of query tokens where they compute what HF's layer computes: Note [Layers by
-        # chunks of query tokens] in chunked_layer.py)
+        # chunks of query tokens] in chunked_layer.py; the chunks keep their own generator states)
         ctx.chunks = tuner._chunks(i, x, args, kwargs)
+        ctx.rng = rng_state(x.device) if ctx.chunks is None and tuner._random(layer) else None
+        ctx.autocast = autocast_state(x.device)
         y = tuner._run_layer(i, x, args, kwargs, ctx.chunks)
         ctx.checkpoint = tuner.checkpoints.save(x)
         return y
@@ -257,7 +258,7 @@ class FinetuneForwards:
         whole (no chunks asked for, a sequence no longer than a chunk, or a refusal: said once
         in the log, and the step's plan is the untiled one's from then on)."""
         chunk = self.attention_chunk_tokens
-        if chunk is None or x.dim() != 3 or x.shape[1] <= chunk:
+        if chunk is None or x.dim() != 3 or not runs_by_chunks(x.shape[1], chunk):
             return None
         why = refusal(self.layers[i], x, args, kwargs)
         if why is None:

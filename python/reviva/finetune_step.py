@@ -23,7 +23,14 @@ from torch import nn
 from reviva.hf_versions import layer_cache
 from reviva.memory_state import host_state
 from reviva.sizes import format_bytes
-from reviva.train_plan import TrainMemoryModel, TrainPlan, describe, host_shortfall, plan_step
+from reviva.train_plan import (
+    TrainMemoryModel,
+    TrainPlan,
+    describe,
+    host_shortfall,
+    plan_step,
+    runs_by_chunks,
+)
 
 # (the finetune's logger: what a user filters on stays reviva.finetune's)
 log = logging.getLogger("reviva.finetune")
@@ -187,8 +194,7 @@ class FinetuneStepPlan:
         where they run by chunks (Note [Layers by chunks of query tokens] in chunked_layer.py),
         HF's layers' where they run whole (no chunks asked for, a sequence no longer than a
         chunk, or a layer that refused them)."""
-        chunk = self.attention_chunk_tokens
-        if chunk is None or sequence <= chunk or self._chunks_refused:
+        if self._chunks_refused or not runs_by_chunks(sequence, self.attention_chunk_tokens):
             return self.memory_model
         return self.chunked_memory_model
 

@@ -121,6 +121,14 @@ class TrainPlan:
         return asdict(self)
 
 
+def runs_by_chunks(sequence: int, chunk: int | None) -> bool:
+    """Whether a step's layers over rows of `sequence` tokens run by chunks of `chunk` query
+    tokens (Note [Layers by chunks of query tokens] in chunked_layer.py; None: whole layers): a
+    row no longer than a chunk runs whole. The step's forwards, its plan and `plan --train`
+    decide by it."""
+    return chunk is not None and sequence > chunk
+
+
 def working_set(
     dims: TrainDims,
     tokens: int,
