@@ -55,11 +55,13 @@ token_chunks.TokenChunked does).
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import causal_lower_right
 
 from reviva.hf_versions import layer_cache
@@ -156,6 +158,180 @@ def _attend(
     )
 
 
+class _Kernel(NamedTuple):
+    """An SDPA kernel by its private ops: `forward(q, k, v, causal, scale)` -> (output, the rows'
+    log-sum-exp, what its backward needs back), `backward(dO, q, k, v, output, lse, that, causal,
+    scale)` -> (dq, dk, dv), which reads the output and log-sum-exp it is given (Note [Query
+    chunks in two kernel calls])."""
+
+    name: str
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _cpu_forward(q, k, v, causal: bool, scale: float):  # type: ignore[no-untyped-def]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+    return out, lse, ()
+
+
+def _cpu_backward(do, q, k, v, out, lse, _, causal: bool, scale: float):  # type: ignore[no-untyped-def]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def _flash_forward(q, k, v, causal: bool, scale: float):  # type: ignore[no-untyped-def]
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return r[0], r[1], tuple(r[2:8])  # cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
+
+
+def _flash_backward(do, q, k, v, out, lse, kept, causal: bool, scale: float):  # type: ignore[no-untyped-def]
+    cum_q, cum_k, max_q, max_k, rng, unused = kept
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale
+    )
+
+
+def _cudnn_forward(q, k, v, causal: bool, scale: float):  # type: ignore[no-untyped-def]
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    return r[0], r[1], tuple(r[2:8])  # cum_seq_q, cum_seq_k, max_q, max_k, seed, offset
+
+
+def _cudnn_backward(do, q, k, v, out, lse, kept, causal: bool, scale: float):  # type: ignore[no-untyped-def]
+    cum_q, cum_k, max_q, max_k, seed, offset = kept
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        offset,
+        None,
+        cum_q,
+        cum_k,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        scale=scale,
+    )
+
+
+_CPU_FLASH = _Kernel("flash (CPU)", _cpu_forward, _cpu_backward)
+_KERNELS = {
+    int(SDPBackend.FLASH_ATTENTION): _Kernel("flash", _flash_forward, _flash_backward),
+    int(SDPBackend.CUDNN_ATTENTION): _Kernel("cuDNN", _cudnn_forward, _cudnn_backward),
+}
+
+
+def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> _Kernel | None:
+    """The kernel SDPA would choose for a chunk's queries against keys without a mask, where it
+    is one whose log-sum-exp the split attention merges (None: _attend's one call)."""
+    kv = k.shape[1]
+    choice = torch._fused_sdp_choice(q[:, :kv], k, v, is_causal=False, scale=scale)
+    if q.device.type == "cpu":
+        return _CPU_FLASH if choice == int(SDPBackend.FLASH_ATTENTION) else None
+    return _KERNELS.get(choice)
+
+
+def _merged(
+    out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attentions of the same queries over disjoint keys as one: out [B, H, c, D] weighted by
+    their log-sum-exps lse [B, H, c] (fp32), in fp32."""
+    both = torch.logaddexp(lse, lse2)
+    wide = torch.promote_types(out.dtype, torch.float32)
+    merged = out.to(wide) * (lse - both).exp().unsqueeze(-1).to(wide)
+    merged += out2.to(wide) * (lse2 - both).exp().unsqueeze(-1).to(wide)
+    return merged.to(out.dtype), both
+
+
+class _SplitAttention(torch.autograd.Function):
+    """Causal attention of a chunk's queries q [B, H, c, D] (the last c of e positions) over
+    k, v [B, kv heads, e, D], as two kernel calls merged (Note [Query chunks in two kernel
+    calls])."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        groups: int,
+        kernel: _Kernel,
+    ) -> torch.Tensor:
+        b, heads, c, d = q.shape
+        kv, before = k.shape[1], k.shape[2] - c
+        ks, vs = (t[:, :, before:].repeat_interleave(groups, dim=1) for t in (k, v))
+        out, lse, kept = kernel.forward(q, ks, vs, True, scale)
+        lse_shape, kept_before, lse_before_shape = lse.shape, (), lse.shape
+        if before:
+            qb = q.reshape(b, kv, groups * c, d)
+            out_b, lse_b, kept_before = kernel.forward(
+                qb, k[:, :, :before], v[:, :, :before], False, scale
+            )
+            lse_before_shape = lse_b.shape
+            out, lse = _merged(
+                out,
+                lse.reshape(b, heads, c),
+                out_b.reshape(b, heads, c, d),
+                lse_b.reshape(b, heads, c),
+            )
+        out = out.contiguous()  # (its rows by K/V head are the before-call's output)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (scale, groups, kernel, kept, kept_before, lse_shape, lse_before_shape)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, groups, kernel, kept, kept_before, lse_shape, lse_before_shape = ctx.args
+        b, heads, c, d = q.shape
+        kv, before = k.shape[1], k.shape[2] - c
+        d_out = d_out.contiguous()
+        ks, vs = (t[:, :, before:].repeat_interleave(groups, dim=1) for t in (k, v))
+        dq, dks, dvs = kernel.backward(
+            d_out, q, ks, vs, out, lse.reshape(lse_shape).contiguous(), kept, True, scale
+        )
+        dk = dks.view(b, kv, groups, c, d).sum(2)
+        dv = dvs.view(b, kv, groups, c, d).sum(2)
+        if before:
+            dq_b, dk_b, dv_b = kernel.backward(
+                d_out.view(b, kv, groups * c, d),
+                q.reshape(b, kv, groups * c, d),
+                k[:, :, :before],
+                v[:, :, :before],
+                out.view(b, kv, groups * c, d),
+                lse.reshape(lse_before_shape).contiguous(),
+                kept_before,
+                False,
+                scale,
+            )
+            wide = torch.promote_types(dq.dtype, torch.float32)
+            dq = (dq.to(wide) + dq_b.reshape(b, heads, c, d).to(wide)).to(dq.dtype)
+            dk, dv = torch.cat((dk_b, dk), dim=2), torch.cat((dv_b, dv), dim=2)
+        return dq, dk, dv, None, None, None
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, groups: int
+) -> torch.Tensor:
+    """A chunk's causal attention, q [B, H, c, D] the last c of k's and v's e positions
+    [B, kv heads, e, D]: in two kernel calls where SDPA's kernel returns its log-sum-exp, else
+    one K/V head a call under the lower-right mask (_attend)."""
+    kernel = _kernel(q, k, v, scale)
+    if kernel is None:
+        return _attend(q, k, v, scale, groups)
+    return _SplitAttention.apply(q, k, v, scale, groups, kernel)
+
+
 def _query_chunk(
     layer: nn.Module,
     x: torch.Tensor,
@@ -170,7 +346,7 @@ def _query_chunk(
     them."""
     attn = layer.self_attn
     q = _rope(_heads(attn.q_proj(layer.input_layernorm(x)), attn, "q_norm"), cos, sin)
-    o = _attend(q, keys, values, attn.scaling, attn.num_key_value_groups)
+    o = _attention(q, keys, values, attn.scaling, attn.num_key_value_groups)
     b, c = x.shape[:2]
     h = x + attn.o_proj(o.transpose(1, 2).reshape(b, c, -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))

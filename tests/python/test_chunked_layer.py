@@ -32,8 +32,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3
 import reviva
 from reviva.chunked_layer import (
     LayerChunks,
+    _attention,
     _attention_refusal,
     _chunk_keys_values,
+    _kernel,
     _query_chunk,
     refusal,
 )
@@ -174,6 +176,50 @@ def test_layer_chunks_equal_hf_layer_in_fp64(kind: str, chunk: int) -> None:
     assert chunks.backward(x, dy, need_x=False) is None
     for name, p in mine.named_parameters():
         assert (p.grad - theirs[name].grad).abs().max().item() < 1e-10, name
+
+
+def reference_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, e: int, groups: int, **kw: Any
+) -> torch.Tensor:
+    """Rows s..e of causal attention over the whole sequence (math, GQA by repeat)."""
+    kk, vv = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True, **kw)
+    return out[:, :, s:e]
+
+
+@pytest.mark.parametrize("groups", [1, 3, 4])
+def test_split_attention_equals_rows_of_whole_causal_attention(groups: int) -> None:
+    """fp64 CPU, 2 rows, 2 K/V heads, head_dim 16, 53 tokens by chunks of 11: each chunk's
+    attention in two kernel calls (its own keys causal, those before without a mask, merged by
+    log-sum-exp) equals the whole causal attention's rows, and its q, K, V gradients equal the
+    whole one's (through that chunk's rows alone), within 1e-12; the split path ran (the CPU
+    flash kernel)."""
+    torch.manual_seed(groups)
+    b, kv, t, d = 2, 2, 53, 16
+    q = torch.randn(b, kv * groups, t, d, dtype=torch.float64)
+    k, v = (
+        torch.randn(b, kv, t, d, dtype=torch.float64),
+        torch.randn(b, kv, t, d, dtype=torch.float64),
+    )
+    for s, e in chunk_spans(t, 11):
+        assert _kernel(q[:, :, s:e], k[:, :, :e], v[:, :, :e], 0.3) is not None
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref = reference_rows(*leaves, s, e, groups, scale=0.3)
+        dout = torch.randn_like(ref)
+        ref.backward(dout)
+        qc = q[:, :, s:e].clone().requires_grad_()
+        kc, vc = (x[:, :, :e].clone().requires_grad_() for x in (k, v))
+        got = _attention(qc, kc, vc, 0.3, groups)
+        assert got.grad_fn is not None and "SplitAttention" in type(got.grad_fn).__name__
+        got.backward(dout)
+        assert (got - ref).abs().max().item() < 1e-12, (s, e)
+        for mine, theirs in (
+            (qc.grad, leaves[0].grad[:, :, s:e]),
+            (kc.grad, leaves[1].grad[:, :, :e]),
+            (vc.grad, leaves[2].grad[:, :, :e]),
+        ):
+            assert (mine - theirs).abs().max().item() < 1e-12, (s, e)
 
 
 def test_lora_dropout_masks_replayed_in_the_backward() -> None:
@@ -466,6 +512,49 @@ def test_gpu_causal_lower_right_with_gqa_equals_the_rows_of_whole_attention() ->
         got = _attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], 32**-0.5, 4)
         err = (got.float() - ref[:, :, s:e]).abs().max().item()
         assert err < 2e-2, (s, e, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["default", "FLASH_ATTENTION", "CUDNN_ATTENTION"])
+def test_gpu_split_attention_equals_rows_of_whole_attention(backend: str) -> None:
+    """CUDA, bf16, head_dim 128, 8 heads over 2 K/V heads, 1500 tokens by chunks of 512, under
+    SDPA's default choice and with flash or cuDNN forced: each chunk's attention and its q, K, V
+    gradients against the same rows of a whole causal attention in fp32 (math), within bf16
+    rounding; the two-call path ran with that kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    t, groups = 1500, 4
+    q = torch.randn(1, 8, t, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, t, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, t, 128, device="cuda", dtype=torch.bfloat16)
+    forced = [] if backend == "default" else [getattr(SDPBackend, backend)]
+    for s, e in chunk_spans(t, 512):
+        leaves = [x.float().requires_grad_() for x in (q, k, v)]
+        ref = reference_rows(*leaves, s, e, groups)
+        dout = torch.randn_like(ref)
+        ref.backward(dout)
+        qc = q[:, :, s:e].clone().requires_grad_()
+        kc, vc = (x[:, :, :e].clone().requires_grad_() for x in (k, v))
+        with sdpa_kernel(forced) if forced else torch.enable_grad():
+            kernel = _kernel(qc, kc, vc, 128**-0.5)
+            assert kernel is not None, backend
+            if backend == "CUDNN_ATTENTION":
+                assert kernel.name == "cuDNN"
+            if backend == "FLASH_ATTENTION":
+                assert kernel.name == "flash"
+            got = _attention(qc, kc, vc, 128**-0.5, groups)
+            got.backward(dout.to(torch.bfloat16))
+        assert (got.float() - ref).abs().max().item() < 2e-2, (backend, s, e)
+        pairs = (
+            (qc.grad, leaves[0].grad[:, :, s:e]),
+            (kc.grad, leaves[1].grad[:, :, :e]),
+            (vc.grad, leaves[2].grad[:, :, :e]),
+        )
+        for name, (mine, theirs) in zip("qkv", pairs, strict=True):
+            err = (mine.float() - theirs).abs().max().item()
+            scale = theirs.abs().max().item()
+            assert err < 2e-2 * max(scale, 1.0), (backend, s, e, name, err, scale)
 
 
 @pytest.mark.gpu
