@@ -19,14 +19,9 @@ the layer y = h + mlp(norm2(h)), h = x + o_proj(attention(q(norm1(x)), K, V)) ru
 queries [s, e):
 - K and V of every token first (norm1, the k/v projections, the per-head k_norm, RoPE) by
   chunks, into full [B, kv heads, T, D] buffers;
-- then for each chunk its q path, its attention over K[:, :, :e] and V[:, :, :e] with the causal
-  mask aligned to the lower right (query s + i sees keys 0..s + i: torch's
-  causal_lower_right(e - s, e), which SDPA's flash kernel takes without a [T, T] mask), the
-  output projection, the residual, norm2, the MLP and the second residual: the chunk's rows of y.
-The attention runs one K/V head at a time (its group of query heads against that head's K and
-V): the flash kernel's backward expands K's and V's gradients to every query head of its call,
-which for all heads at once is two rows of the hidden size per key token (Llama-3-8B: 32 query
-heads over 8), for one head a quarter of a row.
+- then for each chunk its q path, its causal attention over K[:, :, :e] and V[:, :, :e] (query
+  s + i sees keys 0..s + i; Note [Query chunks in two kernel calls]), the output projection, the
+  residual, norm2, the MLP and the second residual: the chunk's rows of y.
 The backward (the forward's graph never existed) computes K and V again, then walks the chunks
 from the last: it recomputes the chunk's y with autograd (the chunk's input and K[:, :, :e],
 V[:, :, :e] as leaves), back-propagates the output gradient's chunk, and adds the K/V leaves'
@@ -50,6 +45,26 @@ modules' own autograd, accumulated in .grad over the chunks as a plain backward 
 A dropout in the projections (LoRA's) draws per chunk; each chunk's generator states (its k/v
 path, its query path) are kept in the forward and replayed in the backward (as
 token_chunks.TokenChunked does).
+
+Note [Query chunks in two kernel calls]
+A chunk's queries [s, e) see every key before s and their own keys causally. SDPA takes that
+mask (causal_lower_right(e - s, e)) only by calling the flash kernel's private op itself (torch
+2.11's CausalBias), whatever kernel SDPA would choose for the whole sequence. So the chunk runs as two calls of the kernel SDPA chooses (torch._fused_sdp_choice, so
+that sdpa_kernel and the backend switches apply), through its private ops, which return the
+rows' log-sum-exp:
+- its queries over its own keys, causal (a square: the upper-left mask is the lower-right one),
+  K and V repeated to every query head (c rows, small);
+- its queries over the keys before s without a mask, each K/V head's group of query heads
+  stacked as one head's rows ([B, kv heads, groups x c, D]): plain attention of kv heads, whose
+  backward returns dK and dV per K/V head (a GQA call's would expand them to every query head:
+  two rows of the hidden size per key token for Llama-3-8B's 32 heads over 8).
+The outputs merge by their log-sum-exps in fp32 (o = sum of o_i x exp(lse_i - lse), lse =
+logaddexp), and the backward calls each kernel's backward with the merged output and
+log-sum-exp (as ring attention does): each call's softmax is then the whole row's, and the
+gradients of q add up (in fp32, then rounded once), those of K and V fall on disjoint keys. A
+kernel without such ops (efficient, math) runs one call under the lower-right mask, one K/V head
+at a time (_attend), for the same reason. Rounding: each call's output is rounded to the model's
+dtype before the merge, and the merge rounds once more.
 """
 
 from __future__ import annotations
