@@ -83,6 +83,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument(
+        "--attention-chunk-tokens",
+        type=int,
+        default=None,
+        help="decoder layers by chunks of this many query tokens (default: finetune's)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -105,7 +111,13 @@ def main() -> None:
     host_rotary(model)
     plain = snapshot(model)
     batch = data(args.tokens, vocab, device)
-    tuner = reviva.finetune(model, budget=CARD if cuda else None)
+    chunks = (
+        {}
+        if args.attention_chunk_tokens is None
+        else {"attention_chunk_tokens": args.attention_chunk_tokens}
+    )
+    row["attention_chunk_tokens"] = args.attention_chunk_tokens
+    tuner = reviva.finetune(model, budget=CARD if cuda else None, **chunks)
     if not cuda:  # (the host backend has no card: a budget that streams some layers)
         stream_some(tuner, args.tokens)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -122,6 +134,7 @@ def main() -> None:
     row["placeholders_during"] = placeholders(model)
     st = tuner.stats()
     row["streamed_layers"] = st.streamed_layers
+    row["layers_by_chunks_refused"] = tuner._chunks_refused
     tuner.close()
     if ballast is not None:  # (the checks after close run on the whole card)
         ballast.free()

@@ -9,10 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_round_trip_script_passes_its_checks_on_the_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunks", [None, 48])
+def test_the_round_trip_script_passes_its_checks_on_the_cpu(
+    tmp_path: Path, chunks: int | None
+) -> None:
+    """Whole layers (finetune's default) and layers by chunks of 48 query tokens (of 128)."""
+    by_chunks = [] if chunks is None else ["--attention-chunk-tokens", str(chunks)]
     run = subprocess.run(
         [
             sys.executable,
@@ -24,6 +31,7 @@ def test_the_round_trip_script_passes_its_checks_on_the_cpu(tmp_path: Path) -> N
             "2",
             "--out",
             str(tmp_path),
+            *by_chunks,
         ],
         capture_output=True,
         text=True,
@@ -42,3 +50,5 @@ def test_the_round_trip_script_passes_its_checks_on_the_cpu(tmp_path: Path) -> N
     assert result["checks"]["closed_tensors_identical"]["tensors"] > 0
     assert len(result["run"]["train_losses"]) == 2
     assert result["run"]["streamed_layers"] > 0  # (streamed and resident layers both)
+    assert result["run"]["attention_chunk_tokens"] == chunks
+    assert result["run"]["layers_by_chunks_refused"] is False
