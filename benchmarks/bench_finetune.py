@@ -176,10 +176,12 @@ def layer_rows_measured(tuner: Any, tokens: int) -> float | None:
     the chunks and the loss's rows: what train_plan.TrainMemoryModel.layer_rows models."""
     from reviva.train_plan import working_set
 
-    measured = tuner._measured.get(tokens)
+    plan = tuner.stats().plan
+    chunk = None if plan is None else plan.attention_chunk_tokens
+    measured = tuner._measured.get((tokens, chunk))
     if measured is None:
         return None
-    d, m = tuner.dims, tuner._model_for(tokens)
+    d, m = tuner.dims, tuner._model_for(chunk)
     no_rows = dataclasses.replace(m, layer_rows=0.0, loss_rows=0.0)
     chunks = working_set(d, tokens, tuner.chunk_tokens, tuner.loss_chunk_tokens, no_rows)
     return (measured - chunks) / (tokens * d.hidden_size * d.dtype_bytes) - m.loss_rows
@@ -305,7 +307,7 @@ def worker(args: argparse.Namespace) -> None:
                 st = tuner.stats()
                 row["finetune"] = {k: v for k, v in vars(st).items() if k != "plan"}
                 row["plan"] = st.plan.to_dict() if st.plan else None
-                chunked = tuner._model_for(tokens) is tuner.chunked_memory_model
+                chunked = st.plan is not None and st.plan.attention_chunk_tokens is not None
                 row["forecast"] = forecast_step(
                     tuner.dims, tokens, st.streamed_layers, chunked=chunked
                 ).to_dict()

@@ -49,9 +49,9 @@ token_chunks.TokenChunked does).
 Note [Query chunks in two kernel calls]
 A chunk's queries [s, e) see every key before s and their own keys causally. SDPA takes that
 mask (causal_lower_right(e - s, e)) only by calling the flash kernel's private op itself (torch
-2.11's CausalBias), whatever kernel SDPA would choose for the whole sequence. So the chunk runs as two calls of the kernel SDPA chooses (torch._fused_sdp_choice, so
-that sdpa_kernel and the backend switches apply), through its private ops, which return the
-rows' log-sum-exp:
+2.11's CausalBias), whatever kernel SDPA would choose for the whole sequence. So the chunk runs
+as two calls of the kernel SDPA chooses (torch._fused_sdp_choice, so that sdpa_kernel and the
+backend switches apply), through its private ops, which return the rows' log-sum-exp:
 - its queries over its own keys, causal (a square: the upper-left mask is the lower-right one),
   K and V repeated to every query head (c rows, small);
 - its queries over the keys before s without a mask, each K/V head's group of query heads

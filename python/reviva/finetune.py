@@ -29,9 +29,9 @@ offload alone cannot reach long sequences. A step here holds on the device only:
   runs without autograd in forward; its backward runs it again with autograd and
   back-propagates through it at once), whose token-wise parts (its norms and its MLP) run by
   chunks of tokens saving only their inputs (token_chunks.TokenChunked), as the final norm does,
-  or (with attention_chunk_tokens) the whole layer by chunks of query tokens, holding
-  only its input, K, V and their gradients at full length (Note [Layers by chunks of query
-  tokens] in chunked_layer.py);
+  or (where the plan says so: attention_chunk_tokens) the whole layer by chunks of query
+  tokens, holding only its input, K, V and their gradients at full length (Note [Layers by
+  chunks of query tokens] in chunked_layer.py);
 - the loss by chunks of tokens, forward and backward (token_chunks.ChunkedHeadLoss): no
   [tokens, vocab] logits for the loss; the logits HF returns beside it are made after it, or
   not at all with return_logits=False (Note [Logits with labels] in finetune_forwards.py).
@@ -69,17 +69,26 @@ from reviva.host_embedding import HostEmbedding
 from reviva.placement import Placement
 from reviva.resources import device_resources
 from reviva.sizes import format_bytes, parse_bytes
-from reviva.train_plan import CHUNKED_MODEL, MODEL, TrainDims, TrainMemoryModel, TrainPlan, describe
+from reviva.train_plan import (
+    AUTO,
+    CHUNKED_MODEL,
+    MODEL,
+    ChunkSetting,
+    TrainDims,
+    TrainMemoryModel,
+    TrainPlan,
+    describe,
+)
 from reviva.weights import StreamedWeights
 
 log = logging.getLogger(__name__)
 
 _FINETUNED = "_reviva_finetune"  # the CausalLM's __dict__ key: its Finetune, weakly
-# Layers by chunks of this many query tokens by default (Note [Layers by chunks of query tokens]
-# in chunked_layer.py); None: whole layers. Opt-in (attention_chunk_tokens=4096): on an H200 it
-# halves a step's working set but takes 1.58x the time, a chunk's lower-right causal SDPA
-# running at ~1.7x the whole kernel's time (benchmarks/README.md)
-ATTENTION_CHUNK_TOKENS: int | None = None
+# The layers of a step whole or by chunks of query tokens (Note [Layers by chunks of query
+# tokens] in chunked_layer.py; train_plan.plan_layers): "auto" by default, whole layers where
+# they fit and by chunks of train_plan.AUTO_CHUNK_TOKENS where they do not (chunks halve a step's
+# working set but take longer: benchmarks/README.md)
+ATTENTION_CHUNK_TOKENS: ChunkSetting = AUTO
 
 
 class FinetuneOutOfMemoryError(RevivaOutOfMemoryError, torch.OutOfMemoryError):
@@ -142,7 +151,7 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         loss_chunk_tokens: int | None = None,
         prefetch_layers: int = 1,
         return_logits: bool = True,
-        attention_chunk_tokens: int | None = ATTENTION_CHUNK_TOKENS,
+        attention_chunk_tokens: ChunkSetting = ATTENTION_CHUNK_TOKENS,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"reviva.finetune wraps an nn.Module, got {type(model).__name__}")
@@ -156,9 +165,12 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         ):
             if value is None and name in ("loss_chunk_tokens", "attention_chunk_tokens"):
                 continue
+            if value == AUTO and name == "attention_chunk_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                also = ", None or 'auto'" if name == "attention_chunk_tokens" else ""
                 raise ValueError(
-                    f"reviva.finetune: {name} must be an int >= {least}, got {value!r}"
+                    f"reviva.finetune: {name} must be an int >= {least}{also}, got {value!r}"
                 )
         self.budget = None if budget is None else parse_bytes(budget)
         if self.budget is not None and self.budget <= 0:
@@ -259,7 +271,8 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         # layers whose HF gradient checkpointing runs directly: their own checkpoint function
         self._hf_checkpointing: dict[int, tuple[nn.Module, Any]] = {}
         self._plan: TrainPlan | None = None
-        self._measured: dict[int, int] = {}  # tokens -> the working set measured (CUDA)
+        # (tokens, the plan's attention_chunk_tokens) -> the working set measured (CUDA)
+        self._measured: dict[tuple[int, int | None], int] = {}
         # tokens -> the most layers resident after an out-of-memory at that length (Note [Out of
         # memory inside a step] in finetune_retry.py)
         self._caps: dict[int, int] = {}
@@ -409,7 +422,7 @@ def finetune(
     loss_chunk_tokens: int | None = None,
     prefetch_layers: int = 1,
     return_logits: bool = True,
-    attention_chunk_tokens: int | None = ATTENTION_CHUNK_TOKENS,
+    attention_chunk_tokens: ChunkSetting = ATTENTION_CHUNK_TOKENS,
 ) -> Finetune:
     """Sets `model` (a causal LM with the Llama decoder layout, or a PEFT model of one) up for
     fine-tuning with its frozen base weights streamed from pinned host memory, each layer
@@ -429,8 +442,10 @@ def finetune(
     its input, K, V and their gradients at full length (Note [Layers by chunks of query tokens]
     in chunked_layer.py), where that computes what HF's layer computes (the Llama layout, a
     plain causal mask, no sliding window shorter than the sequence, no attention dropout; else
-    HF's, said once in the log); None (the default: chunks take 1.58x the time on an H200):
-    HF's layers, whole (a sequence no longer than a chunk runs them whole too).
+    HF's, said once in the log); a sequence no longer than a chunk runs them whole. None: HF's
+    layers, whole. "auto" (the default): whole layers where they fit the budget (every layer's
+    weights streamed if need be), by chunks of 4096 query tokens where only those fit (they
+    take longer); the step's plan says which (stats().plan.attention_chunk_tokens).
 
     Train as usual afterwards (plain PyTorch, HF's Trainer, TRL's SFTTrainer): the model's
     forwards are Reviva's until close()."""

@@ -253,11 +253,12 @@ class FinetuneForwards:
     def _chunks(
         self, i: int, x: torch.Tensor, args: tuple, kwargs: dict[str, Any]
     ) -> LayerChunks | None:
-        """Layer i's call in a training step by chunks of attention_chunk_tokens query tokens,
-        where that computes what HF's layer computes (chunked_layer.refusal); None: HF's layer,
-        whole (no chunks asked for, a sequence no longer than a chunk, or a refusal: said once
-        in the log, and the step's plan is the untiled one's from then on)."""
-        chunk = self.attention_chunk_tokens
+        """Layer i's call in a training step by chunks of query tokens where the step's plan
+        runs its layers so (train_plan.plan_layers) and that computes what HF's layer computes
+        (chunked_layer.refusal); None: HF's layer, whole (the plan's, a sequence no longer than
+        a chunk, or a refusal: said once in the log, and the step's plan is the untiled one's
+        from then on)."""
+        chunk = None if self._plan is None else self._plan.attention_chunk_tokens
         if chunk is None or x.dim() != 3 or not runs_by_chunks(x.shape[1], chunk):
             return None
         why = refusal(self.layers[i], x, args, kwargs)

@@ -28,8 +28,7 @@ from reviva.train_plan import (
     TrainPlan,
     describe,
     host_shortfall,
-    plan_step,
-    runs_by_chunks,
+    plan_layers,
 )
 
 # (the finetune's logger: what a user filters on stays reviva.finetune's)
@@ -155,9 +154,9 @@ class FinetuneStepPlan:
         """The training step run since the last begin: its peak of torch's reserved memory
         beside what was held when it began (CUDA), kept as the working set of its length. The
         peak only grows until the next begin, so reading it again is harmless."""
-        if self._cuda and self._step_tokens is not None:
+        if self._cuda and self._step_tokens is not None and self._plan is not None:
             peak = max(torch.cuda.max_memory_reserved(self.device) - self._held, 0)
-            self._measured[self._step_tokens] = peak
+            self._measured[(self._step_tokens, self._plan.attention_chunk_tokens)] = peak
             self.stats_.working_set_bytes = peak
 
     def _measure(self) -> None:
@@ -189,33 +188,33 @@ class FinetuneStepPlan:
         budget = self.budget if self.budget is not None else 16 << 30
         return budget, max(held, 0)
 
-    def _model_for(self, sequence: int) -> TrainMemoryModel:
-        """The memory model of a step whose rows are `sequence` tokens long: the chunked layers'
-        where they run by chunks (Note [Layers by chunks of query tokens] in chunked_layer.py),
-        HF's layers' where they run whole (no chunks asked for, a sequence no longer than a
-        chunk, or a layer that refused them)."""
-        if self._chunks_refused or not runs_by_chunks(sequence, self.attention_chunk_tokens):
-            return self.memory_model
-        return self.chunked_memory_model
+    def _model_for(self, chunk: int | None) -> TrainMemoryModel:
+        """The memory model of a step whose layers run by chunks of `chunk` query tokens (None:
+        whole, HF's layers; Note [Layers by chunks of query tokens] in chunked_layer.py)."""
+        return self.memory_model if chunk is None else self.chunked_memory_model
 
     def plan(self, tokens: int, sequence: int | None = None) -> TrainPlan:
         """The plan a step of `tokens` tokens (in rows of `sequence`; default one row) would run
-        with now (train_plan.plan_step), with the working set measured by the last step of that
-        length where one ran (CUDA), settled against the residency in place (Note [Residency
-        across lengths])."""
+        with now (train_plan.plan_layers: which layers' weights stay, and whether the layers run
+        whole or by chunks of query tokens), with the working set measured by the last step of
+        that length and layers where one ran (CUDA), settled against the residency in place
+        (Note [Residency across lengths])."""
         self._collect()
         budget, held = self._budget_now()
         # (the resident weights live in the arena, outside torch's `held`: the plan places them
         # in the room the budget leaves beside held, the working set and the margin)
-        plan = plan_step(
+        plan = plan_layers(
             self.dims,
             tokens,
+            tokens if sequence is None else sequence,
             budget,
             held,
             self.chunk_tokens,
             self.loss_chunk_tokens,
-            self._measured.get(tokens),
-            self._model_for(tokens if sequence is None else sequence),
+            None if self._chunks_refused else self.attention_chunk_tokens,
+            lambda chunk: self._measured.get((tokens, chunk)),
+            self.memory_model,
+            self.chunked_memory_model,
             logits=self.return_logits,  # (Note [Logits with labels] in finetune_forwards.py)
         )
         return self._settled(plan)  # (Note [Residency across lengths] in finetune_retry.py)

@@ -18,6 +18,8 @@ parameters, their gradients and optimizer state, all that is there before the st
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -116,9 +118,18 @@ class TrainPlan:
     resident_bytes: int
     checkpoint_host_bytes: int  # each layer's input in pinned host memory
     weight_host_bytes: int  # every layer's frozen weights in pinned host memory
+    # the layers run by chunks of this many query tokens (None: whole; plan_layers)
+    attention_chunk_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# attention_chunk_tokens="auto" (finetune's default; plan_layers): whole layers where they fit
+# the budget, else by chunks of AUTO_CHUNK_TOKENS query tokens
+AUTO = "auto"
+AUTO_CHUNK_TOKENS = 4096
+ChunkSetting = int | str | None  # tokens, AUTO or None (whole layers)
 
 
 def runs_by_chunks(sequence: int, chunk: int | None) -> bool:
@@ -226,6 +237,61 @@ def plan_step(
         checkpoint_host_bytes=dims.num_layers * tokens * dims.hidden_size * dims.dtype_bytes,
         weight_host_bytes=sum(dims.layer_bytes),
     )
+
+
+def plan_layers(
+    dims: TrainDims,
+    tokens: int,
+    sequence: int,
+    budget: int,
+    held: int,
+    chunk_tokens: int,
+    loss_chunk_tokens: int,
+    asked: ChunkSetting,
+    measured: Callable[[int | None], int | None] = lambda chunk: None,
+    whole: TrainMemoryModel = MODEL,
+    chunked: TrainMemoryModel = CHUNKED_MODEL,
+    logits: bool = False,
+) -> TrainPlan:
+    """plan_step for a step of `tokens` tokens in rows of `sequence`, its layers whole or by
+    chunks of query tokens as `asked` says (Note [Layers by chunks of query tokens] in
+    chunked_layer.py): chunks of that many tokens (runs_by_chunks: a row no longer than a chunk
+    runs whole), None whole, AUTO whole where whole layers fit (every layer streamed if need
+    be) and by chunks of AUTO_CHUNK_TOKENS where only those fit (they take longer: whole layers
+    where both fit). `measured(chunk)`: the working set a step of this length measured with
+    those layers (None: none ran). The plan's attention_chunk_tokens says which ran."""
+
+    def with_chunks(chunk: int | None) -> TrainPlan:
+        by_chunks = runs_by_chunks(sequence, chunk)
+        chunk = chunk if by_chunks else None
+        plan = plan_step(
+            dims,
+            tokens,
+            budget,
+            held,
+            chunk_tokens,
+            loss_chunk_tokens,
+            measured(chunk),
+            chunked if by_chunks else whole,
+            logits,
+        )
+        return dataclasses.replace(plan, attention_chunk_tokens=chunk)
+
+    if asked != AUTO:
+        assert asked is None or isinstance(asked, int)
+        return with_chunks(asked)
+    try:
+        return with_chunks(None)
+    except RevivaOutOfMemoryError:
+        if not runs_by_chunks(sequence, AUTO_CHUNK_TOKENS):
+            raise
+    try:
+        return with_chunks(AUTO_CHUNK_TOKENS)
+    except RevivaOutOfMemoryError as e:
+        raise RevivaOutOfMemoryError(
+            f"{e} (the layers by chunks of {AUTO_CHUNK_TOKENS} query tokens; whole layers "
+            "need more)"
+        ) from None
 
 
 def longest_tokens(
@@ -355,4 +421,9 @@ def describe(dims: TrainDims, plan: TrainPlan) -> str:
         f"budget {format_bytes(plan.budget)}; pinned host "
         f"{format_bytes(plan.checkpoint_host_bytes)} of checkpoints + "
         f"{format_bytes(plan.weight_host_bytes)} of weights"
+        + (
+            ""
+            if plan.attention_chunk_tokens is None
+            else f"; layers by chunks of {plan.attention_chunk_tokens} query tokens"
+        )
     )

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
 import reviva
+from reviva import train_plan
 from reviva.chunked_layer import (
     LayerChunks,
     _attention,
@@ -40,7 +41,7 @@ from reviva.chunked_layer import (
     refusal,
 )
 from reviva.token_chunks import chunk_spans
-from reviva.train_plan import CHUNKED_MODEL, MODEL
+from reviva.train_plan import CHUNKED_MODEL, MODEL, plan_step
 
 peft = pytest.importorskip("peft", reason="peft (a dev requirement) is needed for LoRA models")
 
@@ -220,6 +221,91 @@ def test_split_attention_equals_rows_of_whole_causal_attention(groups: int) -> N
             (vc.grad, leaves[2].grad[:, :, :e]),
         ):
             assert (mine - theirs).abs().max().item() < 1e-12, (s, e)
+
+
+def budget_for_chunks_only(model: nn.Module, tokens: int, **kw: Any) -> int:
+    """A budget where whole layers do not fit a step of `tokens` tokens (one row) even with every
+    layer streamed, and layers by chunks do (the planner's own numbers)."""
+    probe = reviva.finetune(copy.deepcopy(model), budget="1TB", device="cpu", **kw)
+    try:
+        dims, held = probe.dims, probe.plan(tokens).held
+        args = (dims, tokens, held, probe.chunk_tokens, probe.loss_chunk_tokens)
+
+        def fits(budget: int, memory: Any) -> bool:
+            d, t, h, c, lc = args
+            try:
+                plan_step(d, t, budget, h, c, lc, model=memory, logits=probe.return_logits)
+            except reviva.RevivaOutOfMemoryError:
+                return False
+            return True
+
+        for budget in range(1 << 20, 1 << 34, 1 << 14):
+            if fits(budget, CHUNKED_MODEL):
+                assert not fits(budget, MODEL)
+                return budget
+    finally:
+        probe.close()
+    raise AssertionError("no budget fits layers by chunks")
+
+
+def test_auto_runs_layers_by_chunks_only_where_whole_ones_do_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """reviva.finetune's default (attention_chunk_tokens="auto", its chunk shrunk to 16 tokens
+    here): with a budget that whole layers of a 96-token step do not fit but chunks do, the step
+    runs by chunks of 16 (q_proj once a chunk), its plan says so, and its loss and gradients are
+    a plain run's; a 16-token step in the same process runs whole layers (a row no longer than
+    a chunk), and a 96-token step after it by chunks again. With attention_chunk_tokens=None
+    the same budget refuses the step before any work, naming the numbers; a budget that neither
+    fits names the chunks."""
+    monkeypatch.setattr(train_plan, "AUTO_CHUNK_TOKENS", 16)
+    base = tiny_llama(seed=23)
+    plain = lora(copy.deepcopy(base), ALL)
+    ours = lora(copy.deepcopy(base), ALL)
+    kw: dict[str, Any] = dict(chunk_tokens=16, loss_chunk_tokens=8)
+    budget = budget_for_chunks_only(ours, 96, **kw)
+    tuner = reviva.finetune(ours, budget=budget, device="cpu", **kw)
+    assert tuner.attention_chunk_tokens == "auto"
+    calls = Calls(tuner)
+    try:
+        for s, tokens in enumerate((96, 16, 96)):
+            calls.n = [0] * len(calls.n)
+            data = batch(seed=90 + s, rows=1, tokens=tokens)
+            ref_loss, ref = step(plain, data)
+            got_loss, got = step(ours, data)
+            assert got_loss == pytest.approx(ref_loss, rel=1e-6)
+            assert_close(ref, got, rtol=1e-5, atol=1e-7, what=f"step {s} ({tokens} tokens)")
+            plan = tuner.stats().plan
+            assert plan is not None
+            if tokens == 96:
+                assert plan.attention_chunk_tokens == 16
+                assert "layers by chunks of 16 query tokens" in tuner.describe()
+                assert calls.n == [2 * 6] * 3, calls.n
+            else:
+                assert plan.attention_chunk_tokens is None
+                assert calls.n == [2] * 3, calls.n  # (forward and recompute, whole)
+    finally:
+        calls.remove()
+        tuner.close()
+    whole = reviva.finetune(
+        lora(copy.deepcopy(base), ALL),
+        budget=budget,
+        device="cpu",
+        attention_chunk_tokens=None,
+        **kw,
+    )
+    try:
+        with pytest.raises(reviva.RevivaOutOfMemoryError, match="does not fit a budget") as e:
+            whole.plan(96)
+        assert "by chunks" not in str(e.value)
+    finally:
+        whole.close()
+    tight = reviva.finetune(lora(copy.deepcopy(base), ALL), budget=budget // 4, device="cpu", **kw)
+    try:
+        with pytest.raises(reviva.RevivaOutOfMemoryError, match="by chunks of 16 query tokens"):
+            tight.plan(96)
+    finally:
+        tight.close()
 
 
 def test_lora_dropout_masks_replayed_in_the_backward() -> None:
@@ -407,9 +493,10 @@ def test_where_chunks_apply_and_where_hf_runs(case: str, caplog: pytest.LogCaptu
         said = [r.getMessage() for r in caplog.records if "runs as HF runs it" in r.message]
         if chunked:
             assert calls.n == [2 * 2 * 3] * 2 and not said, (calls.n, said)
-            assert tuner._model_for(48) is CHUNKED_MODEL
+            assert tuner.plan(96, 48).attention_chunk_tokens == 16
         else:
-            assert tuner._model_for(48) is MODEL  # (HF's layers: the plan of their working set)
+            # (HF's layers: the plan of their working set)
+            assert tuner.plan(96, 48).attention_chunk_tokens is None
             assert calls.n == [2 * 2] * 2, calls.n  # (forward and recompute, whole)
             assert len(said) == 1, said
             why = "sliding window of 8" if case == "sliding_window" else "other than the causal"
@@ -472,10 +559,12 @@ def test_attention_dropout_runs_hfs_attention() -> None:
         tuner.close()
 
 
-@pytest.mark.parametrize("bad", [0, -16, 1.5, True, "512"])
+@pytest.mark.parametrize("bad", [0, -16, 1.5, True, "512", "Auto"])
 def test_bad_attention_chunk_tokens_refused_by_name(bad: object) -> None:
     model = lora(tiny_llama(seed=1, layers=1))
-    with pytest.raises(ValueError, match="attention_chunk_tokens must be an int >= 1"):
+    with pytest.raises(
+        ValueError, match="attention_chunk_tokens must be an int >= 1, None or 'auto'"
+    ):
         reviva.finetune(model, device="cpu", attention_chunk_tokens=bad)  # type: ignore[arg-type]
 
 

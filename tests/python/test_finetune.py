@@ -142,7 +142,7 @@ def layer_budget(model: nn.Module, tokens: int, resident: int, **kw: Any) -> int
                     held,
                     probe.chunk_tokens,
                     probe.loss_chunk_tokens,
-                    model=probe._model_for(tokens),
+                    model=probe._model_for(probe.plan(tokens).attention_chunk_tokens),
                     logits=probe.return_logits,
                 )
             except reviva.RevivaOutOfMemoryError:

@@ -285,7 +285,7 @@ def test_steps_of_other_lengths_keep_the_residency_in_place() -> None:
         assert seen == [3, 1, 1, 1]
         filled = tuner.weights.store.stats()["bytes_to_device"]
         # a measured working set at the short length: its plan is trusted, the layers come back
-        tuner._measured[short] = 0
+        tuner._measured[(short, None)] = 0
         step(ours, batch(seed=80, tokens=short))
         assert tuner.stats().resident_layers == 3
         assert tuner.weights.store.stats()["bytes_to_device"] > filled
