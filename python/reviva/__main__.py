@@ -227,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         type=_parse_chunk,
         default=None,
         help="with --train: each layer by chunks of this many query tokens, as "
-        "reviva.finetune(attention_chunk_tokens=N) runs it (default: finetune's, whole layers); "
-        "0: whole layers",
+        "reviva.finetune(attention_chunk_tokens=N) runs it; 0: whole layers (default: "
+        "finetune's, whole layers where they fit, else by chunks of 4096)",
     )
     args = parser.parse_args(argv)
     if args.command == "plan" and args.train:

@@ -24,6 +24,8 @@ def _plan_training(args: argparse.Namespace) -> int:
     from reviva.forecast import CUDA_CONTEXT_BYTES
     from reviva.layer_packing import layer_weight_bytes
     from reviva.train_plan import (
+        AUTO,
+        AUTO_CHUNK_TOKENS,
         CHUNKED_MODEL,
         MODEL,
         TrainDims,
@@ -31,8 +33,7 @@ def _plan_training(args: argparse.Namespace) -> int:
         host_shortfall,
         longest_host_tokens,
         longest_tokens,
-        plan_step,
-        runs_by_chunks,
+        plan_layers,
     )
 
     cfg = _config(args)
@@ -83,18 +84,23 @@ def _plan_training(args: argparse.Namespace) -> int:
     budget = reviva.parse_bytes(args.vram_budget) if args.vram_budget else card
     budget = min(budget, card - CUDA_CONTEXT_BYTES)
     loss_chunk = max(128, (512 << 20) // (4 * layout.vocab_size))  # (finetune's default)
-    # (Note [Layers by chunks of query tokens]; 0: whole layers)
+    # (Note [Layers by chunks of query tokens]; 0: whole layers; default finetune's, "auto")
     chunk = args.attention_chunk_tokens
     chunk = ATTENTION_CHUNK_TOKENS if chunk is None else chunk or None
-    chunked = runs_by_chunks(args.context, chunk)
-    memory = CHUNKED_MODEL if chunked else MODEL
-    # (the longest sequence is longer than a chunk: by chunks wherever chunks are asked for)
+    # (the longest sequence is longer than a chunk: by chunks wherever they may run)
     longest_model = MODEL if chunk is None else CHUNKED_MODEL
     longest = longest_tokens(dims, budget, held, 4096, loss_chunk, longest_model)
     shape = (
         f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, bf16 "
         f"({weights / 1e9:.2f} GB of weights), LoRA r={args.lora_r} on {','.join(targets)}"
-        + ("" if chunk is None else f", layers by chunks of {chunk} query tokens")
+        + (
+            ""
+            if chunk is None
+            else ", layers whole where they fit, else by chunks of "
+            f"{AUTO_CHUNK_TOKENS} query tokens"
+            if chunk == AUTO
+            else f", layers by chunks of {chunk} query tokens"
+        )
     )
     out: dict[str, object] = {
         "model": shape,
@@ -115,7 +121,7 @@ def _plan_training(args: argparse.Namespace) -> int:
         return 1
 
     try:
-        plan = plan_step(dims, args.context, budget, held, 4096, loss_chunk, model=memory)
+        plan = plan_layers(dims, args.context, args.context, budget, held, 4096, loss_chunk, chunk)
     except reviva.RevivaOutOfMemoryError as e:
         return does_not_fit(str(e))
     host = reviva.parse_bytes(args.host_memory) if args.host_memory else None
@@ -125,6 +131,7 @@ def _plan_training(args: argparse.Namespace) -> int:
         if short:
             return does_not_fit(f"{short} (--host-memory {args.host_memory})")
     pcie = None if args.pcie_gbps is None else args.pcie_gbps * 1e9
+    chunked = plan.attention_chunk_tokens is not None
     f = forecast_step(dims, args.context, plan.streamed_layers, pcie, chunked)
     out.update(fits=True, plan=plan.to_dict(), forecast=f.to_dict())
     if args.json:
@@ -137,7 +144,8 @@ def _plan_training(args: argparse.Namespace) -> int:
         f"{CUDA_CONTEXT_BYTES / gb:.2f} GB): {len(plan.resident_layers)} of {dims.num_layers} "
         f"layers' frozen weights resident, {plan.streamed_layers} streamed "
         f"({dims.largest_layer / gb:.2f} GB each); working set {plan.working_set / gb:.2f} GB, "
-        f"held {held / gb:.2f} GB (head, norms, LoRA and its optimizer state)"
+        f"held {held / gb:.2f} GB (head, norms, LoRA and its optimizer state); the layers "
+        + (f"by chunks of {plan.attention_chunk_tokens} query tokens" if chunked else "whole")
     )
     print(
         f"  host: {plan.checkpoint_host_bytes / gb:.2f} GB pinned for the layers' checkpoints + "

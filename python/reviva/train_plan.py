@@ -75,10 +75,11 @@ TRAIN_LINEAR_FLOPS = 520e12
 TRAIN_ATTENTION_FLOPS = 480e12
 PCIE_BPS = 55e9
 # Layers by chunks of query tokens (Note [Layers by chunks of query tokens] in chunked_layer.py):
-# the attention's time over whole layers', fitted to the H200's chunked steps (64k 25.19 s,
-# 128k 84.63 s, 0c15a95; one layer's attention at 64k measured 0.387-0.448 s against whole
-# causal SDPA's 0.223 s: the lower-right causal SDPA of each chunk, not the chunks' number)
-CHUNKED_ATTENTION_COST = 1.8
+# their extra time (the k/v projections once more, each chunk's two attention calls and their
+# merge, smaller kernels) as a share of the linear work's, fitted to an H100's 64k steps (card
+# mode, 89d548a): by chunks 17.92 s, whole 16.43 s, 1.49 s over a linear 5.68 s. One layer's
+# attention at 64k: 0.236 s by chunks, 0.216 s whole (cuDNN; diag_attention_chunks.py).
+CHUNKED_EXTRA = 0.26
 CALIBRATION = "H200 (PCIe Gen5 x16), Llama-3-8B shape, bf16, torch 2.11"
 
 
@@ -390,18 +391,16 @@ def forecast_step(
     forward, as many again in the recompute and 2.5 times that in backward. The copies (a
     streamed layer's weights twice, the checkpoints out and back, PCIe's two directions at
     once) run under the compute; a step takes the longer of the two. `chunked`: the layers run
-    by chunks of query tokens, their attention CHUNKED_ATTENTION_COST times as long."""
+    by chunks of query tokens, CHUNKED_EXTRA of the linear work's time more."""
     linear = 6 * tokens * (dims.num_layers * dims.layer_params + dims.hidden_size * dims.vocab_size)
     attention_fwd = 2 * tokens * tokens * dims.num_heads * dims.head_dim * dims.num_layers
     linear_s = linear / TRAIN_LINEAR_FLOPS
     attention_s = attention_fwd * (1 + 1 + 2.5) / TRAIN_ATTENTION_FLOPS
-    if chunked:
-        attention_s *= CHUNKED_ATTENTION_COST
     rate = pcie_bps if pcie_bps is not None else PCIE_BPS
     weights_in = 2 * streamed_layers * dims.largest_layer
     checkpoints = dims.num_layers * tokens * dims.hidden_size * dims.dtype_bytes
     copies_s = (weights_in + checkpoints) / rate  # (host-to-device, the busier direction)
-    compute_s = linear_s + attention_s
+    compute_s = linear_s * (1 + CHUNKED_EXTRA if chunked else 1) + attention_s
     return StepForecast(
         step_s=max(compute_s, copies_s),
         compute_s=compute_s,
