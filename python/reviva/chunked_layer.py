@@ -1,5 +1,6 @@
 """A Llama-layout decoder layer by chunks of query tokens in a streamed fine-tuning step
-(reviva.finetune: where whole layers do not fit, or attention_chunk_tokens=N; Note [Layers by chunks of query tokens]).
+(reviva.finetune: where whole layers do not fit, or attention_chunk_tokens=N; Note [Layers by
+chunks of query tokens]).
 
 - `refusal`: why a call of the decoder layer must run as HF runs it (None: the chunks compute
   what it computes). Only the Llama layout (Llama, Mistral, Qwen2, Qwen3 decoder layers: an
