@@ -23,7 +23,8 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from reviva.chunked_layer import _attend, _attend_group, _attention, _kernel, _takes_gqa
+from reviva.chunk_attention import _attend, _attend_group, _kernel, _takes_gqa
+from reviva.chunk_attention import chunk_attention as _attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 GROUPS = HEADS // KV_HEADS

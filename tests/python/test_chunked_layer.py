@@ -31,12 +31,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3
 
 import reviva
 from reviva import train_plan
+from reviva.chunk_attention import _kernel
+from reviva.chunk_attention import chunk_attention as _attention
 from reviva.chunked_layer import (
     LayerChunks,
-    _attention,
     _attention_refusal,
     _chunk_keys_values,
-    _kernel,
     _query_chunk,
     refusal,
 )
@@ -588,7 +588,7 @@ def test_gpu_causal_lower_right_with_gqa_equals_the_rows_of_whole_attention() ->
     """CUDA, bf16, head_dim 32, 8 heads over 2: each chunk's attention (flash under
     causal_lower_right with enable_gqa, or K/V expanded) equals the same rows of SDPA's causal
     attention over the whole sequence (fp32), within bf16 rounding."""
-    from reviva.chunked_layer import _attend
+    from reviva.chunk_attention import _attend
 
     torch.manual_seed(0)
     q = torch.randn(1, 8, 1500, 32, device="cuda", dtype=torch.bfloat16)
