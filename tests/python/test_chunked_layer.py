@@ -404,15 +404,15 @@ def test_a_steps_peak_bytes_shrink_by_chunks(monkeypatch: pytest.MonkeyPatch) ->
     SDPA expands K and V to a call's query heads and masks by a [chunk, keys] tensor; CUDA's
     flash kernel does neither)."""
     # (torch's CausalBias is a tensor subclass, which cannot be made under a dispatch mode)
-    import reviva.chunked_layer as chunked_layer
+    import reviva.chunk_attention as chunk_attention
 
-    own = chunked_layer.causal_lower_right
+    own = chunk_attention.causal_lower_right
 
     def made_outside(*args: int) -> Any:
         with _disable_current_modes():
             return own(*args)
 
-    monkeypatch.setattr(chunked_layer, "causal_lower_right", made_outside)
+    monkeypatch.setattr(chunk_attention, "causal_lower_right", made_outside)
     tokens = 2048
     torch.manual_seed(4)
     cfg = LlamaConfig(
