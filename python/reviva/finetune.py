@@ -276,6 +276,9 @@ class Finetune(FinetuneForwards, FinetuneStepPlan, FinetuneRetry):
         # tokens -> the most layers resident after an out-of-memory at that length (Note [Out of
         # memory inside a step] in finetune_retry.py)
         self._caps: dict[int, int] = {}
+        # row lengths whose whole layers ran out of memory with every layer streamed: under
+        # "auto", those and longer ones plan chunks (Note [Out of memory inside a step])
+        self._whole_failed: set[int] = set()
         self._step_tokens: int | None = None  # the training step in progress (to measure)
         self._held = 0
         self._recomputed: int | None = None  # the layer being recomputed in its backward

@@ -118,7 +118,7 @@ class _LayerStep(torch.autograd.Function):
         ctx.chunks = tuner._chunks(i, x, args, kwargs)
         ctx.rng = rng_state(x.device) if ctx.chunks is None and tuner._random(layer) else None
         ctx.autocast = autocast_state(x.device)
-        y = tuner._run_layer(i, x, args, kwargs, ctx.chunks)
+        y, ctx.chunks = tuner._run_layer(i, x, args, kwargs, ctx.chunks, step=True)
         ctx.checkpoint = tuner.checkpoints.save(x)
         return y
 
@@ -137,7 +137,14 @@ class _LayerStep(torch.autograd.Function):
         # inside a step] in finetune_retry.py)
         before = grad_snapshot(tuner.layers[i].parameters())
 
+        # (a layer whose forward ran whole may go back by chunks where the step's layers turned
+        # to chunks after an out-of-memory, Note [Out of memory inside a step], unless it drew
+        # random numbers: the chunks could not replay them)
+        drew_nothing = ctx.rng is None
         chunks: LayerChunks | None = ctx.chunks
+        plan = tuner._plan
+        if chunks is None and drew_nothing and plan is not None and plan.attention_chunk_tokens:
+            chunks = tuner._chunks(i, inputs[0], ctx.args, ctx.kwargs)
 
         def attempt() -> torch.Tensor | None:
             autocast = torch.autocast(device.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0])
@@ -163,7 +170,14 @@ class _LayerStep(torch.autograd.Function):
             restore_grads(before)
             return True
 
-        dx = tuner._retrying(where, attempt, undo)
+        def by_chunks() -> bool:
+            nonlocal chunks
+            if chunks is not None or not drew_nothing:
+                return False
+            chunks = tuner._to_chunks(i, inputs[0], ctx.args, ctx.kwargs)
+            return chunks is not None
+
+        dx = tuner._retrying(where, attempt, undo, by_chunks)
         inputs.clear()
         tuner.checkpoints.retire(record)
         ctx.checkpoint = ctx.chunks = None
@@ -192,7 +206,11 @@ class FinetuneForwards:
         args: tuple,
         kwargs: dict[str, Any],
         chunks: LayerChunks | None = None,
-    ) -> Any:
+        step: bool = False,
+    ) -> tuple[Any, LayerChunks | None]:
+        """Layer i's forward, without autograd (by `chunks` where given), and the chunks it ran
+        by: in a training `step`, an out-of-memory with every layer streamed may turn it to
+        chunks (Note [Out of memory inside a step] in finetune_retry.py)."""
         # (run again after an out-of-memory from the same generators' state: Note [Out of
         # memory inside a step] in finetune_retry.py)
         state = rng_state(x.device) if self._random(self.layers[i]) else None
@@ -208,7 +226,14 @@ class FinetuneForwards:
             set_rng(state, x.device)
             return True
 
-        return self._retrying(f"layer {i}'s forward", attempt, undo)
+        def by_chunks() -> bool:
+            nonlocal chunks
+            if chunks is not None or not step:
+                return False
+            chunks = self._to_chunks(i, x, args, kwargs)
+            return chunks is not None
+
+        return self._retrying(f"layer {i}'s forward", attempt, undo, by_chunks), chunks
 
     def _layer_forward(self, i: int) -> Callable[..., Any]:
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -222,7 +247,7 @@ class FinetuneForwards:
             trained = any(p.requires_grad for p in layer.parameters())
             if torch.is_grad_enabled() and (trained or hidden_states.requires_grad):
                 return _LayerStep.apply(hidden_states, self._anchor, self, i, args, kwargs)
-            return self._run_layer(i, hidden_states, args, kwargs)
+            return self._run_layer(i, hidden_states, args, kwargs)[0]
 
         return forward
 

@@ -3,7 +3,8 @@ of memory inside a step]); the residency a step of some length settled on stays 
 steps (Note [Residency across lengths]).
 
 FinetuneRetry is a mixin of Finetune (finetune.py). State it reads: the tuner's dims, weights,
-memory_model, device, _cuda and _plan. State it writes: _plan, _caps and stats_
+memory_model, device, _cuda, attention_chunk_tokens, _chunks_refused and _plan. State it writes:
+_plan, _caps, _whole_failed and stats_
 (oom_retries, retried_in, resident_layers, streamed_layers), the weights' residency.
 
 Note [Out of memory inside a step]
@@ -22,7 +23,13 @@ have had. The training loop never sees it; stats() counts the retries (oom_retri
 layers given back are those the plan would give up first (train_plan.preference, read backwards),
 enough for the bytes torch asked for, else half the resident ones; the length's residency stays
 capped at what was left (_caps) for the next steps of that length and longer ones. With every layer
-streamed already, or a layer whose trained gradients are too large to keep a copy of
+streamed already, under attention_chunk_tokens="auto" (finetune's default) and rows longer than
+AUTO_CHUNK_TOKENS, the step's layers turn to chunks of query tokens (_to_chunks; Note [Layers by
+chunks of query tokens] in chunked_layer.py) and the work runs again so; the layers whose forward
+ran whole go back by chunks too, unless they drew random numbers (their masks could not be
+replayed by chunks: they go back whole). Steps of that row length and longer ones are planned by
+chunks from then on (_whole_failed). Where that cannot help (chunks not "auto", a short row, a
+refusal, a layer already by chunks), or a layer's trained gradients are too large to keep a copy of
 (RETRY_GRAD_COPY_BYTES: a full fine-tune's), the error is raised as before (FinetuneOutOfMemoryError
 naming the plan). The loss's backward keeps the head's gradients in leaves of its own until it
 returns, so a failed run leaves nothing behind. Not retried: an out-of-memory in autograd's own work
@@ -49,9 +56,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from reviva.train_plan import TrainPlan, preference
+from reviva import train_plan
+from reviva.train_plan import AUTO, TrainPlan, preference, runs_by_chunks
 
 if TYPE_CHECKING:
+    from reviva.chunked_layer import LayerChunks
     from reviva.finetune import Finetune
 
 log = logging.getLogger("reviva.finetune")
@@ -127,10 +136,13 @@ class FinetuneRetry:
         where: str,
         run: Callable[[], T],
         undo: Callable[[], bool] | None = None,
+        by_chunks: Callable[[], bool] | None = None,
     ) -> T:
         """`run()`, run again after each torch out-of-memory once more layers stream (Note [Out
         of memory inside a step]); `undo()` puts back what a failed run changed and says
-        whether it could. Raises FinetuneOutOfMemoryError where no retry can help."""
+        whether it could; with every layer streamed, `by_chunks()` makes the work run by chunks
+        of query tokens and says whether it could. Raises FinetuneOutOfMemoryError where no
+        retry can help."""
         from reviva.finetune import FinetuneOutOfMemoryError
 
         while True:
@@ -140,12 +152,56 @@ class FinetuneRetry:
                 raise
             except torch.OutOfMemoryError as e:
                 plan = self._plan
-                if plan is None or not plan.resident_layers or (undo is not None and not undo()):
+                if plan is None or (undo is not None and not undo()):
+                    raise self._out_of_memory(e, where) from e
+                if not plan.resident_layers and (by_chunks is None or not by_chunks()):
                     raise self._out_of_memory(e, where) from e
                 message = str(e)
             # (out of the except clause: the failed run's frames, and the tensors they held,
             # went with the exception)
-            self._stream_more(message, where)
+            if plan.resident_layers:
+                self._stream_more(message, where)
+            else:
+                self._count_retry(where, message, "the layers run by chunks of query tokens")
+
+    def _count_retry(self: Finetune, where: str, message: str, what: str) -> None:
+        """stats() and the log after an out-of-memory in `where`, retried as `what` says."""
+        st = self.stats_
+        st.oom_retries += 1
+        st.retried_in.append(where)
+        plan = self._plan
+        assert plan is not None
+        st.plan = plan
+        st.resident_layers, st.streamed_layers = len(plan.resident_layers), plan.streamed_layers
+        log.warning(
+            "reviva.finetune: out of device memory in %s at %d tokens; %s, and the work runs "
+            "again. torch: %s",
+            where,
+            plan.tokens,
+            what,
+            message.splitlines()[0] if message else "",
+        )
+
+    def _to_chunks(
+        self: Finetune, i: int, x: torch.Tensor, args: tuple, kwargs: dict[str, Any]
+    ) -> LayerChunks | None:
+        """Under attention_chunk_tokens="auto", after an out-of-memory with every layer's
+        weights streamed: the step's layers by chunks of AUTO_CHUNK_TOKENS query tokens from now
+        on (its plan says so; steps of this row length and longer ones are planned so:
+        _whole_failed), and layer i's call as LayerChunks; None where chunks are not auto, the
+        row is no longer than a chunk, or the layer refuses them (chunked_layer.refusal)."""
+        plan = self._plan
+        if self.attention_chunk_tokens != AUTO or plan is None or self._chunks_refused:
+            return None
+        if x.dim() != 3 or not runs_by_chunks(x.shape[1], train_plan.AUTO_CHUNK_TOKENS):
+            return None
+        self._plan = dataclasses.replace(plan, attention_chunk_tokens=train_plan.AUTO_CHUNK_TOKENS)
+        chunks = self._chunks(i, x, args, kwargs)
+        if chunks is None:  # (refused, said once in the log: the plan stays whole layers)
+            self._plan = plan
+            return None
+        self._whole_failed.add(int(x.shape[1]))
+        return chunks
 
     def _stream_more(self: Finetune, message: str, where: str) -> None:
         """Gives up resident layers after an out-of-memory in `where` (layers_to_give_up), their
@@ -162,19 +218,11 @@ class FinetuneRetry:
             torch.cuda.empty_cache()
         self._plan = self._with_resident(plan, kept)
         self._caps[plan.tokens] = min(len(kept), self._caps.get(plan.tokens, len(kept)))
-        st = self.stats_
-        st.oom_retries += 1
-        st.retried_in.append(where)
-        st.plan = self._plan
-        st.resident_layers, st.streamed_layers = len(kept), self._plan.streamed_layers
-        log.warning(
-            "reviva.finetune: out of device memory in %s at %d tokens; %d layers' weights "
-            "stream from now on (%d resident), and the work runs again. torch: %s",
+        self._count_retry(
             where,
-            plan.tokens,
-            self._plan.streamed_layers,
-            len(kept),
-            message.splitlines()[0] if message else "",
+            message,
+            f"{self._plan.streamed_layers} layers' weights stream from now on "
+            f"({len(kept)} resident)",
         )
 
     def _with_resident(self: Finetune, plan: TrainPlan, kept: tuple[int, ...]) -> TrainPlan:

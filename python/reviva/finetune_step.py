@@ -20,10 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from reviva import train_plan
 from reviva.hf_versions import layer_cache
 from reviva.memory_state import host_state
 from reviva.sizes import format_bytes
 from reviva.train_plan import (
+    AUTO,
+    ChunkSetting,
     TrainMemoryModel,
     TrainPlan,
     describe,
@@ -193,6 +196,17 @@ class FinetuneStepPlan:
         whole, HF's layers; Note [Layers by chunks of query tokens] in chunked_layer.py)."""
         return self.memory_model if chunk is None else self.chunked_memory_model
 
+    def _chunks_asked(self, sequence: int) -> ChunkSetting:
+        """What plan_layers is asked for rows of `sequence` tokens: attention_chunk_tokens, but
+        whole layers after a refusal, and chunks where whole layers of this length or a shorter
+        one ran out of memory with every layer streamed (_whole_failed)."""
+        if self._chunks_refused:
+            return None
+        asked = self.attention_chunk_tokens
+        if asked == AUTO and any(t <= sequence for t in self._whole_failed):
+            return train_plan.AUTO_CHUNK_TOKENS
+        return asked
+
     def plan(self, tokens: int, sequence: int | None = None) -> TrainPlan:
         """The plan a step of `tokens` tokens (in rows of `sequence`; default one row) would run
         with now (train_plan.plan_layers: which layers' weights stay, and whether the layers run
@@ -211,7 +225,7 @@ class FinetuneStepPlan:
             held,
             self.chunk_tokens,
             self.loss_chunk_tokens,
-            None if self._chunks_refused else self.attention_chunk_tokens,
+            self._chunks_asked(tokens if sequence is None else sequence),
             lambda chunk: self._measured.get((tokens, chunk)),
             self.memory_model,
             self.chunked_memory_model,

@@ -219,6 +219,62 @@ def test_nothing_left_to_give_up_raises_naming_the_plan() -> None:
         tuner.close()
 
 
+def fail_whole(tuner: Any, i: int, when: Callable[[torch.Tensor], bool]) -> dict:
+    """Layer i's whole forward (the tuner's original: HF's layer) raises torch's out-of-memory
+    whenever `when(x)` holds; returns the count of raises."""
+    original = tuner._original[i]
+    raised = {"n": 0}
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if when(x):
+            raised["n"] += 1
+            raise torch.OutOfMemoryError(OOM)
+        return original(x, *args, **kwargs)
+
+    tuner._original[i] = forward
+    return raised
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_whole_layers_out_of_memory_with_every_layer_streamed_run_by_chunks(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """finetune's default ("auto", its chunk shrunk to 16 tokens), every layer streamed: layer
+    1's whole forward (or its whole recompute, in the backward) runs out of memory at rows of 48
+    tokens, whatever it is given. The step turns to layers by chunks of 16 and completes: its
+    loss and gradients are a plain run's, stats() counts one retry, the plan says chunks; the
+    next step of that length is planned by chunks at once (no retry), and a row of 16 runs whole.
+    With attention_chunk_tokens=None the same failure raises FinetuneOutOfMemoryError."""
+    from reviva import train_plan
+
+    monkeypatch.setattr(train_plan, "AUTO_CHUNK_TOKENS", 16)
+    plain, ours, tuner = pair(resident=0)
+    grad = where == "backward"
+    try:
+        raised = fail_whole(tuner, 1, lambda x: x.shape[1] > 16 and torch.is_grad_enabled() == grad)
+        for s, tokens in enumerate((48, 48, 16)):
+            data = batch(seed=120 + s, rows=2, tokens=tokens)
+            ref_loss, ref = step(plain, data)
+            got_loss, got = step(ours, data)
+            assert got_loss == pytest.approx(ref_loss, rel=1e-6)
+            assert_close(ref, got, rtol=1e-5, atol=1e-7, what=f"step {s} ({tokens} tokens)")
+            st = tuner.stats()
+            assert raised["n"] == 1, raised
+            assert st.oom_retries == 1 and st.retried_in == [f"layer 1's {where}"], st
+            assert st.plan.attention_chunk_tokens == (16 if tokens == 48 else None), st.plan
+            assert st.streamed_layers == 3
+    finally:
+        tuner.close()
+    plain, ours, tuner = pair(resident=0)
+    try:
+        tuner.attention_chunk_tokens = None
+        fail_whole(tuner, 1, lambda x: x.shape[1] > 16 and torch.is_grad_enabled() == grad)
+        with pytest.raises(reviva.FinetuneOutOfMemoryError, match=f"layer 1's {where}"):
+            ours(**batch(seed=130, rows=2, tokens=48)).loss.backward()
+    finally:
+        tuner.close()
+
+
 def test_gradients_too_large_to_copy_are_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under gradient accumulation with trained gradients over RETRY_GRAD_COPY_BYTES, a backward
     that ran out of memory cannot be put back: the error is raised, nothing retried."""
