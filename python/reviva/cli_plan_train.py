@@ -90,17 +90,14 @@ def _plan_training(args: argparse.Namespace) -> int:
     # (the longest sequence is longer than a chunk: by chunks wherever they may run)
     longest_model = MODEL if chunk is None else CHUNKED_MODEL
     longest = longest_tokens(dims, budget, held, 4096, loss_chunk, longest_model)
+    layers_said = {
+        None: "",
+        AUTO: f", layers whole where they fit, else by chunks of {AUTO_CHUNK_TOKENS} query tokens",
+    }.get(chunk, f", layers by chunks of {chunk} query tokens")
     shape = (
         f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, bf16 "
         f"({weights / 1e9:.2f} GB of weights), LoRA r={args.lora_r} on {','.join(targets)}"
-        + (
-            ""
-            if chunk is None
-            else ", layers whole where they fit, else by chunks of "
-            f"{AUTO_CHUNK_TOKENS} query tokens"
-            if chunk == AUTO
-            else f", layers by chunks of {chunk} query tokens"
-        )
+        f"{layers_said}"
     )
     out: dict[str, object] = {
         "model": shape,
