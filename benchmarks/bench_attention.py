@@ -129,7 +129,7 @@ def prefill(tokens: int) -> list[dict]:
     from bench_generate import build_model
 
     import reviva
-    from reviva.timing import GenerationTimer
+    from reviva.cli.timing import GenerationTimer
 
     model = build_model(8)
     ids = torch.randint(1, 128256, (1, tokens), device="cuda")
@@ -168,7 +168,7 @@ def profile_decode(tokens: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import reviva
-    from reviva.timing import GenerationTimer
+    from reviva.cli.timing import GenerationTimer
 
     model = build_model(8)
     ids = torch.randint(1, 128256, (1, tokens), device="cuda")

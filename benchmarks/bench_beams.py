@@ -9,7 +9,7 @@ Two parts, each in a fresh worker process:
   beams, in one process. Each decode step's time is taken at the step's logits processor (once a
   step, after the step's forward); the check compares the beams' median step with the greedy
   run's: <= 4.5x (a reorder that copied every row would add a whole cache's copy per step; the
-  beams share the prompt's K/V, Note [Shared prompt K/V] in python/reviva/sequence_rows.py).
+  beams share the prompt's K/V, Note [Shared prompt K/V] in python/reviva/cache/sequence_rows.py).
 - identity: the same shape without a card at --identity-prompt tokens, in fp32 with a peaked
   output head (bf16 beams flip on any kernel's rounding): plain HF's 4-beam sequences against
   Reviva's (no budget: what fits stays on the device).

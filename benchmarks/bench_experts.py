@@ -1,5 +1,5 @@
 """Mixture-of-experts weights streamed with only the routed experts moving (issue 15's
-`experts_decode` check; Note [Routed experts] in python/reviva/routed_experts.py).
+`experts_decode` check; Note [Routed experts] in python/reviva/weights/routed_experts.py).
 
     python benchmarks/bench_experts.py [--out DIR] [--model mixtral-8x7b|qwen3-30b-a3b]
                                        [--layers 8] [--card-gb G] [--prompt 4096]
@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 
 from common import environment, run_worker, write_result  # noqa: E402
 
-from reviva.__main__ import PRESETS  # noqa: E402
+from reviva.cli.models import PRESETS  # noqa: E402
 
 PCIE_H2D_BPS = 55e9  # DESIGN.md, "Performance model"
 MODELS = {

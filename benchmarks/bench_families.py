@@ -4,12 +4,13 @@
 
 For each family of tests/python/test_generate.py (FAMILIES and the sliding-window ones: a small
 random model of each, 512-token prompt, 8 new tokens): plain HF in bf16, an fp32 run of the same
-weights (reviva.demo.fp32_reference_logits), and Reviva in bf16 with its own decode path, 64-token
-prefill chunks through its chunked attention, most layers' K/V streamed and, in a second run, most
-layers' weights streamed too (the smallest budget keeping two layers' weights). Queries and keys are
-scaled up (x6) so that attention is peaked (positions mishandled show in the logits). Per run: the
-first token's logits' relative error against fp32, HF's own bf16 error beside it, and the decode
-steps' logits against HF's while both runs' tokens agree. The check: Reviva's first-token error <=
+weights (reviva.cli.demo.fp32_reference_logits), and Reviva in bf16 with its own decode path,
+64-token prefill chunks through its chunked attention, most layers' K/V streamed and, in a second
+run, most layers' weights streamed too (the smallest budget keeping two layers' weights). Queries
+and keys are scaled up (x6) so that attention is peaked (positions mishandled show in the logits).
+Per run: the first token's logits' relative error against fp32, HF's own bf16 error beside it, and
+the decode steps' logits against HF's while both runs' tokens agree. The check: Reviva's first-token
+error <=
 1.5x HF's for every family and run (3x for expert models, whose routing a rounding can flip); and
 (`families_bf16_decode`) each decode step's logits, while the tokens agree, no further from fp32
 (after HF's tokens) than the same factor times HF's worst step (expert models decode through the
@@ -28,8 +29,8 @@ from typing import Any
 import torch
 
 from reviva import RevivaConfig, RevivaManager
-from reviva.demo import fp32_reference_logits
-from reviva.demo import relative_error as rel
+from reviva.cli.demo import fp32_reference_logits
+from reviva.cli.demo import relative_error as rel
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

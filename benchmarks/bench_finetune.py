@@ -1,5 +1,5 @@
 """LoRA fine-tuning of the Llama-3-8B shape at long context on a 24 GB card (reviva.finetune:
-Note [Streamed fine-tuning] in python/reviva/finetune.py), against the same step on the whole
+Note [Streamed fine-tuning] in python/reviva/train/finetune.py), against the same step on the whole
 card (plain HF with gradient checkpointing).
 
 Model: Llama-3-8B shape (hidden 4096, 32 layers, MLP 14336, 32 heads, 8 K/V heads, vocab 128256),
@@ -8,7 +8,7 @@ Contenders, each in a fresh worker process (torch's allocator at its defaults):
     reviva_<T>        card mode (24 GB: a cudaMalloc ballast of the rest), reviva.finetune(model,
                       budget="24GB"), T tokens
     plain_ckpt_<T>    the whole card, HF's gradient checkpointing (use_reentrant=False), HF's loss
-    plain_ckpt_chunked_<T>   the same with the loss by chunks (reviva.token_chunks.head_loss):
+    plain_ckpt_chunked_<T>   the same with the loss by chunks (reviva.train.token_chunks.head_loss):
                       what the whole card does without the [tokens, vocab] logits
     plain_ckpt_card_<T>  plain HF with gradient checkpointing on the 24 GB card
     grads_<T>         the whole card: the LoRA gradients of one step in fp32, plain bf16 and
@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from card import CardSampler, emit, error_fields, gb, prepare_device  # noqa: E402
 from common import environment, print_table, result_path, run_worker, write_json  # noqa: E402
 
-from reviva.__main__ import PRESETS  # noqa: E402
+from reviva.cli.models import PRESETS  # noqa: E402
 
 # The Llama-3-8B shape: `python -m reviva plan`'s preset, with room for the longest runs.
 SHAPE = {k: v for k, v in PRESETS["llama3-8b"].items() if k not in ("architectures", "model_type")}
@@ -174,7 +174,7 @@ def timed_steps(step: Any, steps: int, cuda: bool, row: dict[str, Any]) -> None:
 def layer_rows_measured(tuner: Any, tokens: int) -> float | None:
     """The working set measured at `tokens` (CUDA) in rows of the hidden size per token, less
     the chunks and the loss's rows: what train_plan.TrainMemoryModel.layer_rows models."""
-    from reviva.train_plan import working_set
+    from reviva.train.plan import working_set
 
     plan = tuner.stats().plan
     chunk = None if plan is None else plan.attention_chunk_tokens
@@ -224,8 +224,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import reviva
-    from reviva.token_chunks import head_loss
-    from reviva.train_plan import forecast_step
+    from reviva.train.plan import forecast_step
+    from reviva.train.token_chunks import head_loss
 
     name = args.worker
     cuda = not args.dry_run

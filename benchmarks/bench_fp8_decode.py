@@ -41,7 +41,7 @@ def timed_ms(fn, reps: int) -> float:  # noqa: ANN001
 
 def cache_of(tokens: int, fp8: bool, block_tokens: int = 4096):  # noqa: ANN201
     import reviva
-    from reviva.kv_cache import RevivaCache
+    from reviva.cache.kv_cache import RevivaCache
 
     res = reviva.device_resources("cuda")
     return RevivaCache(
@@ -51,8 +51,8 @@ def cache_of(tokens: int, fp8: bool, block_tokens: int = 4096):  # noqa: ANN201
 
 
 def measure(tokens: int, reps: int) -> dict:
-    from reviva import kv_fp8
-    from reviva.layer_attention import attend_cache
+    from reviva.cache import fp8 as kv_fp8
+    from reviva.generate.layer_attention import attend_cache
 
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = DIM**-0.5

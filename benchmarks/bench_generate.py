@@ -1203,7 +1203,7 @@ def _plan_json(*argv: str) -> dict[str, Any]:
     import contextlib
     import io
 
-    from reviva.__main__ import main as reviva_main
+    from reviva.cli.main import main as reviva_main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

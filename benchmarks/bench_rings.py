@@ -8,9 +8,9 @@ The Mistral-7B-v0.1 shape (hidden 4096, 32 layers, 32 heads, 8 K/V heads, MLP 14
 mode: a ballast outside torch's allocator, its allocator at the defaults), one
 RevivaManager(model, RevivaConfig(vram_budget="24GB")) per fresh worker process making --calls
 calls of a --prompt-token prompt in a row: one worker with rings (the default, Note [Window rings]
-in python/reviva/window_rings.py), one with REVIVA_WINDOW_RINGS=0 (every token kept: the planner
-sizes each layer by the call, and streamed sliding layers fetch their window's tail). Per call:
-prefill s (to the first new token), decode tok/s (the steps after the first), the card's peak
+in python/reviva/cache/window_rings.py), one with REVIVA_WINDOW_RINGS=0 (every token kept: the
+planner sizes each layer by the call, and streamed sliding layers fetch their window's tail). Per
+call: prefill s (to the first new token), decode tok/s (the steps after the first), the card's peak
 (mem_get_info polled), the plan's layers and the store's bytes.
 
 Check `rings_64k`: every call of both workers completes; with rings every layer is a ring; the
@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 
 from common import environment, run_worker, write_result  # noqa: E402
 
-from reviva.__main__ import PRESETS  # noqa: E402
+from reviva.cli.models import PRESETS  # noqa: E402
 
 # the CLI's preset (python -m reviva plan --model mistral-7b), as MistralConfig's fields
 MISTRAL = {

@@ -54,7 +54,7 @@ from common import environment, print_table, write_json  # noqa: E402
 
 PCIE_H2D_BPS = 55e9  # DESIGN.md, "Performance model"
 
-# The shapes, as `python -m reviva plan` names them (reviva.__main__.PRESETS).
+# The shapes, as `python -m reviva plan` names them (reviva.cli.models.PRESETS).
 SHAPES = {"32b": "qwen2.5-32b", "8b": "llama3-8b"}
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -75,7 +75,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 def config_of(shape: str, max_positions: int) -> Any:
     from transformers import AutoConfig
 
-    from reviva.__main__ import PRESETS
+    from reviva.cli.models import PRESETS
 
     fields = dict(PRESETS[SHAPES[shape]])
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)

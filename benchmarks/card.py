@@ -7,7 +7,7 @@ user runs it"), and the measurements every card-mode benchmark takes around a ca
 - `CardSampler`: a thread polling the device's free memory (torch.cuda.mem_get_info) every ~2 ms
   during a call; its minimum counts memory allocated outside torch's allocator too.
 - `CallTimer`: a generate streamer giving prefill (time to the first new token) and decode rate,
-  as reviva.timing.GenerationTimer does.
+  as reviva.cli.timing.GenerationTimer does.
 - `child_environment()`: the environment of a fresh worker: torch's allocator at its defaults.
 - `prepare_device()`: what a worker does first (the ballast, or nothing without a card, or a
   stand-in probe on the CPU), and `WorkerRun`: the driver's side of a worker (protocol lines

@@ -10,7 +10,7 @@ device synchronized), torch's peak allocated memory, and the kernel SDPA chooses
     python benchmarks/diag_attention_chunks.py TOKENS CHUNK      e.g. 65536 4096
 
 Results: benchmarks/results/attention-chunks-h200-2026-12-07-0c15a95.json (Note [Layers by chunks
-of query tokens] in python/reviva/chunked_layer.py).
+of query tokens] in python/reviva/train/chunked_layer.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from reviva.chunk_attention import _attend, _attend_group, _kernel, _takes_gqa
-from reviva.chunk_attention import chunk_attention as _attention
+from reviva.train.chunk_attention import _attend, _attend_group, _kernel, _takes_gqa
+from reviva.train.chunk_attention import chunk_attention as _attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 GROUPS = HEADS // KV_HEADS

@@ -79,7 +79,7 @@ def timed(run: Any) -> dict[str, float]:
 def pieces(manager: Any, call: Any) -> dict[str, float]:
     """Mean host microseconds of the cache's calls in a streamed call's decode (its own methods,
     timed one by one)."""
-    cls = reviva.kv_cache.RevivaCache
+    cls = reviva.cache.kv_cache.RevivaCache
     acc: dict[str, list[float]] = {}
 
     def clock(name: str, t: float) -> float:

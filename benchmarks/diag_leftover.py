@@ -17,7 +17,7 @@ from test_generate import gpu_llama
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
-from reviva.planner import device_state
+from reviva.plan.memory_state import device_state
 
 model = gpu_llama(3, 8192, torch.bfloat16)
 ids = torch.randint(1, 32000, (2, 5000), device="cuda")

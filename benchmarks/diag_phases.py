@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import reviva
-import reviva.generate_call
+import reviva.generate.call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import build_model  # noqa: E402
@@ -95,7 +95,7 @@ def main() -> None:
     # The store's timeline counts from its construction (its origin event is synchronized
     # there): an event recorded right after, on an idle device, gives the offset to this clock.
     built: list[torch.cuda.Event] = []
-    cache_cls = reviva.generate_call.RevivaCache
+    cache_cls = reviva.generate.call.RevivaCache
 
     class TimedCache(cache_cls):  # type: ignore[misc, valid-type]
         def __init__(self, *a: Any, **kw: Any) -> None:
@@ -105,7 +105,7 @@ def main() -> None:
             e.record()
             built.append(e)
 
-    reviva.generate_call.RevivaCache = TimedCache
+    reviva.generate.call.RevivaCache = TimedCache
     promote = manager._promote_after_prefill
     host: dict[str, float] = {}
 

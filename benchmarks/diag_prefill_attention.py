@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_result  # noqa: E402
 
-from reviva.block_attention import merge  # noqa: E402
+from reviva.cache.block_attention import merge  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 

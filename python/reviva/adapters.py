@@ -76,7 +76,7 @@ class DecoderLayout:
     # Mixture-of-experts layers (Mixtral, Qwen3-MoE): the experts a token is routed to, the
     # experts' MLP width and their number, the widest over the layers; 0 without experts. What
     # the planner sizes HF's experts forward by (Note [The experts' working set] in
-    # memory_model.py).
+    # plan/memory_model.py).
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     num_experts: int = 0
@@ -88,8 +88,8 @@ class DecoderLayout:
 
 
 def sliding_window(attn: nn.Module) -> int | None:
-    """The layer's sliding window (Note [Sliding windows] in layer_attention.py), None for full
-    attention: the attention module's own (Qwen2, Qwen3: per layer type), else its config's
+    """The layer's sliding window (Note [Sliding windows] in generate/layer_attention.py), None for
+    full attention: the attention module's own (Qwen2, Qwen3: per layer type), else its config's
     (Mistral, Phi-3, Mixtral)."""
     if "sliding_window" in vars(attn):
         return vars(attn)["sliding_window"]

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from reviva.sizes import parse_bytes
 
-# RevivaConfig.attention_kernel's values (Note [Prefill attention kernel] in block_attention.py).
+# RevivaConfig.attention_kernel's values (Note [Prefill attention kernel] in
+# cache/block_attention.py).
 ATTENTION_KERNELS = ("auto", "flash", "cudnn")
 
 _OFFLOAD_DEVICES = ("cpu", "disk")
@@ -43,7 +44,7 @@ class RevivaConfig:
                     faster. False runs every kernel eagerly.
     kv_dtype:       "auto" (K/V in the model's dtype: lossless) or "fp8" (e4m3 with a scale per
                     token and head: half the bytes to hold and to stream, lossy; its measured
-                    error is in the stats: Note [fp8 K/V rows] in kv_fp8.py).
+                    error is in the stats: Note [fp8 K/V rows] in cache/fp8.py).
     kv_block_tokens: fp8 K/V: tokens of K/V dequantized and attended at a time (> 0), None to
                     choose it from the planner's block size (128 MiB of temporaries).
     kv_page_tokens: 0 (the default): a streamed layer's K/V moves as one block, staged whole.
@@ -57,7 +58,7 @@ class RevivaConfig:
     attention_kernel: prefill's chunked attention on CUDA: "flash" (aten's flash attention),
                     "cudnn" (cuDNN's, 1.8x faster at 256k on an H200), or "auto" (cuDNN on
                     compute capability 9.0+ where torch has it enabled, else flash). Note
-                    [Prefill attention kernel] in block_attention.py.
+                    [Prefill attention kernel] in cache/block_attention.py.
     prefill_residual: where the prompt's hidden states live through prefill: "device", "host"
                     (pinned host memory, streamed through each layer by chunks: nothing of the
                     prompt's size on the device but K/V), or "auto" (the device unless the plan
@@ -71,7 +72,7 @@ class RevivaConfig:
                     weights on the device are more than the budget), True (always) or False
                     (never). Each call's plan keeps as many layers' weights resident as saves
                     the most bytes per token beside the K/V (Note [Streamed weights] in
-                    reviva/weights.py).
+                    reviva/weights/streamed.py).
     decode_attention: where decode attends the K/V of layers whose K/V streams: "device"
                     (each such layer's K/V is copied to the device at every step), "host" (it
                     stays in pinned host memory and the host's cores attend it there: a query

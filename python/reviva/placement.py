@@ -1,6 +1,6 @@
 """Placement: where each parameter and buffer of a user's model was before Reviva moved any, so
 that close() (RevivaManager's, Finetune's) gives every tensor back there (Note [The user's
-streamed parameters] in weight_writes.py says what happens to the streamed ones)."""
+streamed parameters] in weights/writes.py says what happens to the streamed ones)."""
 
 from __future__ import annotations
 

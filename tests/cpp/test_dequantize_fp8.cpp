@@ -1,5 +1,5 @@
 // fp8 K/V rows to 16-bit values (Backend::dequantize_fp8_rows_async; Note [fp8 K/V rows] in
-// python/reviva/kv_fp8.py): known values, every e4m3 byte, strided views, both output types,
+// python/reviva/cache/fp8.py): known values, every e4m3 byte, strided views, both output types,
 // the same bits on both backends as the host reference, and bad arguments named.
 #include "test_util.h"
 

@@ -163,7 +163,7 @@ TEST_P(WeightStoreTest, OneSlotWithAWindowOfOnePrefetchesIntoTheMemoryJustReleas
 }
 
 TEST_P(WeightStoreTest, LayersInTwoPartsShareOneSlotOfAWholeLayer) {
-  // Note [Layers in parts] (python/reviva/layer_packing.py): 4 layers of a small part (1 granule)
+  // Note [Layers in parts] (python/reviva/weights/packing.py): 4 layers of a small part (1 granule)
   // then a large one (3), one slot of a whole layer (4 granules) and a window of one block. The
   // next part's copy goes into the memory its predecessor just freed: every fill but the first is a
   // prefetch, and the store never holds more than one layer's bytes (two slots of the largest block
@@ -187,7 +187,7 @@ TEST_P(WeightStoreTest, LayersInTwoPartsShareOneSlotOfAWholeLayer) {
 }
 
 TEST_P(WeightStoreTest, ASlotLoweredToTwoConsecutiveBlocksHoldsNoMoreThanThem) {
-  // Note [Layers in parts] (python/reviva/layer_packing.py): layers of a small block (1 granule)
+  // Note [Layers in parts] (python/reviva/weights/packing.py): layers of a small block (1 granule)
   // then three larger ones (2 each), as a decoder layer's attention then its MLP's three
   // projections. A prefill takes a whole layer at once (a slot of 7 granules); a decode step takes
   // one block at a time, so the slot is lowered to two blocks of the largest (4), every streamed

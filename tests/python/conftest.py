@@ -83,21 +83,22 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
 
 @pytest.fixture(autouse=True)
 def _small_ring_slack(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [Window rings] (reviva/window_rings.py): a ring holds its window and at least
+    """Note [Window rings] (reviva/cache/window_rings.py): a ring holds its window and at least
     RING_SLACK_TOKENS (256) more, longer than the tiny models' calls; 8 here, so that every test
     of a sliding family (windows of 16, calls of ~200 tokens) runs its sliding layers as rings
     that wrap. (test_plan_cli checks the planner's own value.)"""
-    import reviva.window_rings
+    import reviva.cache.window_rings
 
-    monkeypatch.setattr(reviva.window_rings, "RING_SLACK_TOKENS", 8)
+    monkeypatch.setattr(reviva.cache.window_rings, "RING_SLACK_TOKENS", 8)
 
 
 # SmolLM2-135M-Instruct, a real trained model (test_real_model.py, test_finetune_real.py)
 @pytest.fixture(scope="module")
 def smollm2():  # noqa: ANN201
-    from reviva.demo import load_smollm2, smollm2_unavailable
+    from reviva.cli.demo import load_smollm2, smollm2_unavailable
 
-    # (REVIVA_SMOLLM2_GGUF on the GPU machine: scripts/real-model-parts; reviva/demo.py's loader)
+    # (REVIVA_SMOLLM2_GGUF on the GPU machine: scripts/real-model-parts; reviva/cli/demo.py's
+    # loader)
     reason = smollm2_unavailable()
     if reason is not None:
         given = os.environ.get("REVIVA_SMOLLM2_GGUF")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reviva.block_attention import block_attention, merge, split_blocks
+from reviva.cache.block_attention import block_attention, merge, split_blocks
 
 
 def one_call(q, k, v, query_start, scale):  # noqa: ANN001, ANN201
@@ -139,8 +139,8 @@ def test_gpu_cudnn_chunk_attention_against_fp32(batch: int) -> None:
     lse) and flash's, both against an fp32 reference, for chunks at the start, in the middle,
     shorter than CUDNN_MIN_QUERIES (flash then), and blocks of fp8's kind (a last block longer
     than the queries): cuDNN's error within 2x flash's and within bf16 rounding."""
-    from reviva.block_attention import CUDNN_MIN_QUERIES, resolve_kernel
-    from reviva.layer_attention import chunk_attention
+    from reviva.cache.block_attention import CUDNN_MIN_QUERIES, resolve_kernel
+    from reviva.generate.layer_attention import chunk_attention
 
     dev = torch.device("cuda")
     if resolve_kernel("auto", dev) != "cudnn":
@@ -170,7 +170,7 @@ def test_merging_at_the_end_equals_merging_as_they_come() -> None:
     """block_attention keeps a few queries' block outputs and merges them at once (merge_all):
     the same as the running merge within fp32 rounding, rows that saw no key of a block taking
     nothing from it (their output there may be anything), a row that saw no key at all 0."""
-    from reviva.block_attention import merge_all
+    from reviva.cache.block_attention import merge_all
 
     g = torch.Generator().manual_seed(3)
     parts = []

@@ -1,6 +1,6 @@
 """reviva.finetune(..., attention_chunk_tokens=N): each decoder layer of a training step by
-chunks of query tokens (Note [Layers by chunks of query tokens] in chunked_layer.py): the loss and
-the LoRA gradients as a plain run's, LayerChunks against HF's decoder layer (fp64, GQA, a
+chunks of query tokens (Note [Layers by chunks of query tokens] in train/chunked_layer.py): the loss
+and the LoRA gradients as a plain run's, LayerChunks against HF's decoder layer (fp64, GQA, a
 per-head norm, trained norms, a dropout replayed), the peak of a step's allocations, and where
 HF's own layer runs instead."""
 
@@ -30,18 +30,18 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
 import reviva
-from reviva import train_plan
-from reviva.chunk_attention import _kernel
-from reviva.chunk_attention import chunk_attention as _attention
-from reviva.chunked_layer import (
+from reviva.train import plan as train_plan
+from reviva.train.chunk_attention import _kernel
+from reviva.train.chunk_attention import chunk_attention as _attention
+from reviva.train.chunked_layer import (
     LayerChunks,
     _attention_refusal,
     _chunk_keys_values,
     _query_chunk,
     refusal,
 )
-from reviva.token_chunks import chunk_spans
-from reviva.train_plan import CHUNKED_MODEL, MODEL, plan_step
+from reviva.train.plan import CHUNKED_MODEL, MODEL, plan_step
+from reviva.train.token_chunks import chunk_spans
 
 peft = pytest.importorskip("peft", reason="peft (a dev requirement) is needed for LoRA models")
 
@@ -404,7 +404,7 @@ def test_a_steps_peak_bytes_shrink_by_chunks(monkeypatch: pytest.MonkeyPatch) ->
     SDPA expands K and V to a call's query heads and masks by a [chunk, keys] tensor; CUDA's
     flash kernel does neither)."""
     # (torch's CausalBias is a tensor subclass, which cannot be made under a dispatch mode)
-    import reviva.chunk_attention as chunk_attention
+    import reviva.train.chunk_attention as chunk_attention
 
     own = chunk_attention.causal_lower_right
 
@@ -588,7 +588,7 @@ def test_gpu_causal_lower_right_with_gqa_equals_the_rows_of_whole_attention() ->
     """CUDA, bf16, head_dim 32, 8 heads over 2: each chunk's attention (flash under
     causal_lower_right with enable_gqa, or K/V expanded) equals the same rows of SDPA's causal
     attention over the whole sequence (fp32), within bf16 rounding."""
-    from reviva.chunk_attention import _attend
+    from reviva.train.chunk_attention import _attend
 
     torch.manual_seed(0)
     q = torch.randn(1, 8, 1500, 32, device="cuda", dtype=torch.bfloat16)

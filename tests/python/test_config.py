@@ -65,7 +65,7 @@ def test_attention_kernel_is_checked_and_resolved() -> None:
     resolves to the reference path (the choice is of CUDA kernels)."""
     import torch
 
-    from reviva.block_attention import resolve_kernel
+    from reviva.cache.block_attention import resolve_kernel
 
     with pytest.raises(ValueError, match="attention_kernel must be 'auto', 'flash' or 'cudnn'"):
         RevivaConfig(attention_kernel="fa3")
@@ -80,7 +80,7 @@ def test_auto_takes_cudnn_only_for_long_prompts() -> None:
     """Note [Prefill attention kernel]: where the device takes cuDNN, "auto" keeps flash below
     CUDNN_MIN_PROMPT tokens (cuDNN's plans per shape cost more than they save there); a forced
     kernel stays; off CUDA the reference path whatever the prompt."""
-    from reviva.block_attention import CUDNN_MIN_CHUNKED_PROMPT, CUDNN_MIN_PROMPT, call_kernel
+    from reviva.cache.block_attention import CUDNN_MIN_CHUNKED_PROMPT, CUDNN_MIN_PROMPT, call_kernel
 
     assert call_kernel("cudnn", "auto", CUDNN_MIN_PROMPT - 1) == "flash"
     assert call_kernel("cudnn", "auto", CUDNN_MIN_CHUNKED_PROMPT, chunked=True) == "cudnn"

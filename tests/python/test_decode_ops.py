@@ -1,7 +1,7 @@
 """The decode row operations (Runtime.rms_norm, rotary, silu_mul; Note [Decode row ops]) against
 the HF modules they replace, on the host backend and CUDA; a layer's step on them
-(reviva.decode_ops.RowOpsStep) against LlamaLayerPath's with HF's modules, and which layers are
-refused; on the GPU, fp8 generate with and without them in the decode graphs."""
+(reviva.generate.decode_ops.RowOpsStep) against LlamaLayerPath's with HF's modules, and which layers
+are refused; on the GPU, fp8 generate with and without them in the decode graphs."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from reviva import RevivaConfig, RevivaManager
 from reviva.adapters import inspect_model
-from reviva.decode_ops import RowOpsStep, unsupported
-from reviva.llama_layer import LlamaLayerPath
+from reviva.generate.decode_ops import RowOpsStep, unsupported
+from reviva.generate.llama_layer import LlamaLayerPath
 
 DTYPES = [torch.bfloat16, torch.float16]
 

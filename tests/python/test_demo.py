@@ -1,4 +1,4 @@
-"""`python -m reviva demo` (reviva/demo.py) on the host backend: with SmolLM2 (a short pass-key
+"""`python -m reviva demo` (reviva/cli/demo.py) on the host backend: with SmolLM2 (a short pass-key
 prompt) plain HF and Reviva print the same answer, the key in it, and the tokens are reported
 identical; without the real model's packages the demo says which is missing and runs random
 weights; `--model smollm2` that cannot be loaded, or a prompt over its context, is an error
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from reviva.__main__ import main
-from reviva.demo import PASS_KEY, smollm2_unavailable
+from reviva.cli.demo import PASS_KEY, smollm2_unavailable
+from reviva.cli.main import main
 
 
 def _without_smollm2(monkeypatch: pytest.MonkeyPatch) -> None:

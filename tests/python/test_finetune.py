@@ -1,5 +1,5 @@
-"""reviva.finetune (Note [Streamed fine-tuning] in reviva/finetune.py): a LoRA fine-tune with the
-frozen layer weights streamed from pinned host memory, each layer's input checkpointed to pinned
+"""reviva.finetune (Note [Streamed fine-tuning] in reviva/train/finetune.py): a LoRA fine-tune with
+the frozen layer weights streamed from pinned host memory, each layer's input checkpointed to pinned
 host memory, the token-wise parts and the loss run by chunks of tokens. On the host backend
 (CPU, fp32) for every piece, and on CUDA (bf16) where there is one: the gradients of the LoRA
 parameters against a plain run's, every mix of resident and streamed layers, HF's Trainer, TRL's
@@ -20,8 +20,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
 import reviva
-from reviva.token_chunks import TokenChunked, head_loss
-from reviva.train_plan import TrainDims, longest_tokens, plan_step, preference
+from reviva.train.plan import TrainDims, longest_tokens, plan_step, preference
+from reviva.train.token_chunks import TokenChunked, head_loss
 
 peft = pytest.importorskip("peft", reason="peft (a dev requirement) is needed for LoRA models")
 
@@ -600,7 +600,7 @@ def test_hf_gradient_checkpointing_is_served_by_revivas_own(reentrant: bool) -> 
     finally:
         handle.remove()
         tuner.close()
-    from reviva.finetune import _run_directly
+    from reviva.train.finetune import _run_directly
 
     assert tuner.layers[1]._gradient_checkpointing_func not in (None, _run_directly)
 

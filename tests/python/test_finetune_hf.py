@@ -1,8 +1,8 @@
 """reviva.finetune where HF defines the behaviour: packed sequences (position_ids restarting
 inside a row, as TRL's packing and DataCollatorWithFlattening send them: Note [Packed
-sequences] in reviva/finetune_step.py) give the plain model's loss and gradients whatever HF's
+sequences] in reviva/train/step.py) give the plain model's loss and gradients whatever HF's
 masks make of them, and a forward with labels returns HF's logits (Note [Logits with labels] in
-reviva/finetune_forwards.py), or, with return_logits=False, refuses `logits` by name; the
+reviva/train/forwards.py), or, with return_logits=False, refuses `logits` by name; the
 Trainer's default remove_unused_columns reads the model's own forward signature. CPU."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from test_trainer_hook import TRAINING
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 import reviva
-from reviva.train_plan import working_set
+from reviva.train.plan import working_set
 
 __all__ = ["one_thread"]  # (the module-scoped fixture: one torch thread)
 

@@ -1,4 +1,4 @@
-"""Note [Out of memory inside a step] and Note [Residency across lengths] (reviva/finetune_retry.py)
+"""Note [Out of memory inside a step] and Note [Residency across lengths] (reviva/train/retry.py)
 on the host backend: a torch out-of-memory injected once into a layer's forward, a layer's
 backward (after some LoRA gradients were accumulated) or the loss makes the tuner stream more
 layers and run that work again: the step completes, its loss and gradients are a plain run's,
@@ -28,9 +28,10 @@ from test_finetune import (
 from torch import nn
 
 import reviva
-from reviva import finetune_forwards, finetune_retry
-from reviva.finetune_retry import layers_to_give_up, requested_bytes
-from reviva.train_plan import plan_step
+from reviva.train import forwards as finetune_forwards
+from reviva.train import retry as finetune_retry
+from reviva.train.plan import plan_step
+from reviva.train.retry import layers_to_give_up, requested_bytes
 
 peft = pytest.importorskip("peft", reason="peft (a dev requirement) is needed for LoRA models")
 
@@ -177,7 +178,7 @@ def test_an_out_of_memory_in_the_losss_backward_is_retried(monkeypatch: pytest.M
     gradients were computed): it runs again from the start, and the gradients are a plain run's."""
     plain, ours, tuner = pair()
     try:
-        from reviva import token_chunks
+        from reviva.train import token_chunks
 
         own = token_chunks._chunk_loss
         calls = {"n": 0, "raised": 0}
@@ -245,7 +246,7 @@ def test_whole_layers_out_of_memory_with_every_layer_streamed_run_by_chunks(
     loss and gradients are a plain run's, stats() counts one retry, the plan says chunks; the
     next step of that length is planned by chunks at once (no retry), and a row of 16 runs whole.
     With attention_chunk_tokens=None the same failure raises FinetuneOutOfMemoryError."""
-    from reviva import train_plan
+    from reviva.train import plan as train_plan
 
     monkeypatch.setattr(train_plan, "AUTO_CHUNK_TOKENS", 16)
     plain, ours, tuner = pair(resident=0)
@@ -398,8 +399,8 @@ def test_a_step_past_the_hosts_pinned_memory_is_refused_before_any_work(
     [Checkpoints on the host]): where the host cannot give them, FinetuneOutOfMemoryError names
     the bytes and the longest sequence the host holds, before any layer ran or any checkpoint
     was saved; evaluation (no checkpoints) still runs, and with the host's room the step does."""
-    from reviva import finetune_step
-    from reviva.memory_state import HostState
+    from reviva.plan.memory_state import HostState
+    from reviva.train import step as finetune_step
 
     plain, ours, tuner = pair()
     try:

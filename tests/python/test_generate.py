@@ -33,8 +33,10 @@ from transformers.generation.streamers import BaseStreamer
 import reviva
 from reviva import RevivaConfig, RevivaManager, offload_activations
 from reviva.adapters import sliding_window
-from reviva.kv_cache import RevivaCache
-from reviva.planner import Plan, device_state, smallest_budget
+from reviva.cache.kv_cache import RevivaCache
+from reviva.plan.call_plan import Plan
+from reviva.plan.memory_state import device_state
+from reviva.plan.planner import smallest_budget
 
 TINY = dict(
     hidden_size=64,
@@ -370,7 +372,7 @@ def test_a_first_chunk_longer_than_the_window_matches_hf(family: str) -> None:
     [(f, 1) for f in FAMILIES + ["mistral_sliding"]] + [("llama", 99), ("llama", 3)],
 )
 def test_beam_search_identical(family: str, layers: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [Beams] and Note [Shared prompt K/V] (sequence_rows.py): 4 beams and 2 returned
+    """Note [Beams] and Note [Shared prompt K/V] (cache/sequence_rows.py): 4 beams and 2 returned
     sequences for each of 2 prompts, every family with every layer streamed through one slot (Llama
     also all resident, and some), HF's decode path and Reviva's own: plain HF's sequences, the
     prompt's K/V held once per prompt (shared) and one copy per row (REVIVA_SHARE_PROMPT=0). With
@@ -397,7 +399,7 @@ def test_beam_search_identical(family: str, layers: int, monkeypatch: pytest.Mon
         if layers == 1:
             assert st.prefill.kv_streamed_layers == 5 and st["resident_layers_in_prefill"] == 0
             # (decode may promote a layer at its start where prefill's working set was the
-            # larger: Mixtral's experts, Note [The experts' working set] in memory_model.py)
+            # larger: Mixtral's experts, Note [The experts' working set] in plan/memory_model.py)
             decode = st["streamed_layers"]
             assert decode >= 5 - (family == "mixtral"), st
             row = rows * 2 * 2 * 16 * 4  # the rows held, K and V, 2 heads x 16, fp32
@@ -478,8 +480,8 @@ def test_sliding_layers_move_only_their_window(
     copy its last 16 tokens, not all 150-189: counted against the same calls with whole fetches
     (REVIVA_FETCH_WINDOWS=0), plain HF's tokens both ways. Gemma 2 alternates sliding and global
     layers: the global ones are promoted first (a promoted sliding layer would save 16 tokens a
-    step, a global one all of its). Without rings (Note [Window rings] in window_rings.py, where a
-    ring is its window already; test_window_rings_hold_their_window)."""
+    step, a global one all of its). Without rings (Note [Window rings] in cache/window_rings.py,
+    where a ring is its window already; test_window_rings_hold_their_window)."""
     monkeypatch.setenv("REVIVA_WINDOW_RINGS", "0")
     model = tiny_model(family, seed=7)
     windows = [sliding_window(layer.self_attn) for layer in model.model.layers]
@@ -530,8 +532,8 @@ def test_sliding_layers_move_only_their_window(
 
 @pytest.mark.parametrize("family", list(SLIDING))
 def test_window_rings_hold_their_window(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [Window rings] (window_rings.py): a sliding layer whose window (16) leaves tokens out
-    of the call (150 + 40) is kept as a ring of 15 + 48 rows (48-token chunks), which wraps:
+    """Note [Window rings] (cache/window_rings.py): a sliding layer whose window (16) leaves tokens
+    out of the call (150 + 40) is kept as a ring of 15 + 48 rows (48-token chunks), which wraps:
     plain HF's tokens with HF's decode path and Reviva's own, and, against the same call with
     every token kept (REVIVA_WINDOW_RINGS=0): each streamed ring's host copy and each fetch of it
     are its 63 rows, counted exactly; the cache's bytes are the rings' rows and the full layers'
@@ -618,7 +620,7 @@ def test_window_rings_hold_their_window(family: str, monkeypatch: pytest.MonkeyP
 def test_no_prompt_sized_mask_with_a_short_window(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Note [Prefill masks left to Reviva] (cache_layer.py): an unpadded call whose window (16) is
+    """Note [Prefill masks left to Reviva] (cache/layer.py): an unpadded call whose window (16) is
     shorter than its prompt (150) makes HF build no mask of the prompt's size (HF alone builds
     [1, 1, 150, 150]; at 64k that is 4 GiB), and still gives HF's tokens at every residency,
     with and without rings, on both decode paths; a padded batch still gets HF's masks."""
@@ -674,7 +676,7 @@ def test_chunk_attention_within_a_sliding_window_is_the_band_masked_attention(
     over every key, for one query, a few (assisted decoding's candidates) and a chunk, also a
     first chunk longer than the window (its first queries see every key before them, its last
     ones not: a plain causal call there let them see every key)."""
-    from reviva.layer_attention import chunk_attention
+    from reviva.generate.layer_attention import chunk_attention
 
     g = torch.Generator().manual_seed(3)
     window = 16
@@ -999,8 +1001,8 @@ def test_gpu_bf16_logits_close_at_16k() -> None:
       HF's (<= 1.5x). Chunked attention and the decode call run other kernels than HF's, which
       round differently (measured on the H200: 1.9e-2 from HF's first-token logits at 1k chunks,
       while HF's and Reviva's errors from fp32 were 2.7e-2 and 2.6e-2 in the demo)."""
-    from reviva.demo import fp32_reference_logits
-    from reviva.demo import relative_error as rel
+    from reviva.cli.demo import fp32_reference_logits
+    from reviva.cli.demo import relative_error as rel
 
     model = gpu_llama(8, 32768, torch.bfloat16)
     device = "cuda"
@@ -1126,7 +1128,7 @@ def test_decode_graphs_capture_only_plain_parts() -> None:
     """Note [Decode graphs]: a graph replays kernels only, so a layer is captured only when every
     part the decode path calls is a plain module with no hooks; hooks elsewhere (on self_attn,
     which the path never calls, as transformers' output capturing installs them) do not count."""
-    from reviva.graph_capture import uncapturable
+    from reviva.generate.graph_capture import uncapturable
 
     model = tiny_model("llama")
     layer = model.model.layers[0]
@@ -1164,7 +1166,7 @@ def test_capture_ahead_while_busy_stops_when_the_device_catches_up() -> None:
     """Note [Decode graphs]: while prefill's later layers are issued, layers are captured, lowest
     first and skipping those with graphs, only while the device has not reached the event
     recorded before (its query turns true); at the end of prefill (no event) all the rest."""
-    from reviva.decode_graphs import DecodeGraphs
+    from reviva.generate.decode_graphs import DecodeGraphs
 
     model = tiny_model("llama")
     layers = list(model.model.layers)
@@ -1251,8 +1253,8 @@ def test_gpu_bf16_every_family_close_to_an_fp32_run(family: str) -> None:
     decode path): the first token's logits as close to an fp32 run of the same weights as plain
     HF's bf16 ones are (<= 1.5x; 3x for expert models, whose routing a rounding can flip:
     MOE_FAMILIES), and the greedy tokens plain HF's while both runs agree on them."""
-    from reviva.demo import fp32_reference_logits
-    from reviva.demo import relative_error as rel
+    from reviva.cli.demo import fp32_reference_logits
+    from reviva.cli.demo import relative_error as rel
 
     model = tiny_model(family, seed=21).to(device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(1, 211, (1, 512), device="cuda")
@@ -1272,7 +1274,7 @@ def test_gpu_bf16_every_family_close_to_an_fp32_run(family: str) -> None:
 
 
 def test_a_chat_continues_from_the_returned_cache_turn_after_turn() -> None:
-    """Note [A returned cache] (returned_cache.py): a call with return_dict_in_generate=True returns
+    """Note [A returned cache] (cache/returned.py): a call with return_dict_in_generate=True returns
     its cache, parked in pinned host memory; the next turn (its tokens, then the user's new
     ones) continues from it with layers streamed and gives plain HF's tokens (HF continuing from
     its own DynamicCache, and HF recomputing every token); a parked cache is read, never
@@ -1389,10 +1391,11 @@ def test_a_padded_batch_continues_from_its_returned_cache(family: str) -> None:
 
 
 def test_generate_inside_the_with_block_runs_through_reviva() -> None:
-    """Note [generate inside the with-block] (hf_surface.py): `with manager: model.generate(...)`
-    is manager.generate: the same tokens and stats (layers streamed), with positional or keyword
-    inputs and a positional GenerationConfig, nested blocks; what the manager refuses is refused
-    there too; after the block the model's own generate is back (plain HF's tokens)."""
+    """Note [generate inside the with-block] (generate/hf_surface.py): `with manager:
+    model.generate(...)` is manager.generate: the same tokens and stats (layers streamed), with
+    positional or keyword inputs and a positional GenerationConfig, nested blocks; what the manager
+    refuses is refused there too; after the block the model's own generate is back (plain HF's
+    tokens)."""
     from transformers import GenerationConfig
 
     model = tiny_model("llama", seed=18)
@@ -1674,8 +1677,8 @@ def test_gpu_chat_turns_and_beams_on_cuda() -> None:
 
 @pytest.mark.gpu
 def test_gpu_new_managers_hold_nothing_more_after_their_calls() -> None:
-    """Note [One capture stream] (graph_capture.py): managers made one after another in a process
-    (each capturing decode graphs) leave nothing more allocated on the device after their
+    """Note [One capture stream] (generate/graph_capture.py): managers made one after another in a
+    process (each capturing decode graphs) leave nothing more allocated on the device after their
     calls: one side stream serves them all, so cuBLAS's per-stream workspace is taken once, and
     when the first manager is made (take_matmul_workspaces), not in its first call."""
     model = gpu_llama(2, 4096, torch.bfloat16)
@@ -1870,7 +1873,7 @@ def test_gpu_window_rings_same_logits_as_whole_layers(monkeypatch: pytest.Monkey
     # 0.018 apart at step 1, norm-relative, all tokens alike; in the next run the whole layers'
     # late tokens changed while the rings' did not: other kernels' and graphs' rounding on
     # random weights' near-flat logits, as the fetch-tail test above notes)
-    from reviva.demo import fp32_reference_logits
+    from reviva.cli.demo import fp32_reference_logits
 
     differ = (out.sequences[0, 4096:] != out0.sequences[0, 4096:]).nonzero()
     agree = int(differ[0]) if len(differ) else 48

@@ -23,8 +23,8 @@ from test_weights import budget_where
 from transformers.generation.streamers import BaseStreamer
 
 from reviva import RevivaConfig, RevivaManager
-from reviva.kv_cache import RevivaCache
-from reviva.weights import DECODE_ROOMS, HOST_DECODE_ROOMS
+from reviva.cache.kv_cache import RevivaCache
+from reviva.weights.streamed import DECODE_ROOMS, HOST_DECODE_ROOMS
 
 PROMPT, NEW = 40, 10
 
@@ -105,12 +105,12 @@ def test_weights_promoted_first_when_the_host_attends(monkeypatch: pytest.Monkey
     """Note [Weights first when the host attends]: with host attention free (the model's rates
     set so), the room prefill leaves goes to streamed weights first: layers promoted (counted),
     their bytes no longer copied per step, and still HF's tokens, again and again."""
-    import reviva.decode_placement
+    import reviva.plan.decode_placement
 
     free = dataclasses.replace(
-        reviva.decode_placement.MODEL, host_attention_bps=1e18, host_attention_layer_s=0.0
+        reviva.plan.decode_placement.MODEL, host_attention_bps=1e18, host_attention_layer_s=0.0
     )
-    monkeypatch.setattr(reviva.decode_placement, "MODEL", free)
+    monkeypatch.setattr(reviva.plan.decode_placement, "MODEL", free)
     model = tiny_model("llama", seed=12)
     ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(13))
     ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
@@ -181,11 +181,11 @@ class SlotSpy:
 def test_decode_room_holds_a_block_more_when_the_host_attends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Note [Decode rooms when the host attends] (weights.py): with the host attending, decode's
-    room for streamed weights is HOST_DECODE_ROOMS blocks with a window of one less, so that when
-    the host starts a streamed layer's attention (the Python thread blocked there) the copies of
-    its MLP's first two projections have been issued; with the K/V fetched, decode keeps its
-    room of two blocks, one ahead. The planner leaves that block out of what it promotes."""
+    """Note [Decode rooms when the host attends] (weights/streamed.py): with the host attending,
+    decode's room for streamed weights is HOST_DECODE_ROOMS blocks with a window of one less, so
+    that when the host starts a streamed layer's attention (the Python thread blocked there) the
+    copies of its MLP's first two projections have been issued; with the K/V fetched, decode keeps
+    its room of two blocks, one ahead. The planner leaves that block out of what it promotes."""
     model = tiny_model("llama", seed=14)
     ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(15))
     ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
@@ -333,7 +333,7 @@ def test_fp8_rows_attended_on_the_host_give_the_devices_tokens(family: str) -> N
 
 
 def test_fp8_some_layers_on_the_host_beside_the_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note [The host beside the copies] (host_decode_policy.py): with fp8 rows, "auto" on a GPU
+    """Note [The host beside the copies] (plan/host_decode.py): with fp8 rows, "auto" on a GPU
     attends some of the layers still streamed after prefill on the host while the others are fetched
     (planner.host_kv_layers picks how many; forced to 2 here, on the CPU, where "auto" never takes
     the host). The same tokens as every layer fetched, on repeated calls; 2 layers on the host, the
@@ -407,8 +407,8 @@ def test_gpu_bf16_host_attention_as_close_to_fp32_as_the_devices() -> None:
     the host reads bf16 rows into fp32 sums, the device's flash kernel does the same."""
     from test_generate import gpu_llama
 
-    from reviva.demo import fp32_reference_logits
-    from reviva.demo import relative_error as rel
+    from reviva.cli.demo import fp32_reference_logits
+    from reviva.cli.demo import relative_error as rel
 
     gpu_model = gpu_llama(8, 32768, torch.bfloat16)
     with torch.no_grad():

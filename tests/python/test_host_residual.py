@@ -11,7 +11,8 @@ from test_generate import FAMILIES, budget_for, gpu_llama, tiny_model
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
-from reviva.planner import device_state, make_plan
+from reviva.plan.memory_state import device_state
+from reviva.plan.planner import make_plan
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -39,7 +40,7 @@ def test_greedy_tokens_identical_with_the_residual_on_the_host(
         assert st.residual_host_bytes == 2 * 150 * 64 * 4
         assert manager._residual is None and manager._placeholder is None
         # The returned cache's K/V is parked in pinned memory until it is dropped (Note [A
-        # returned cache] in returned_cache.py); nothing else of the call is left there.
+        # returned cache] in cache/returned.py); nothing else of the call is left there.
         parked = out.past_key_values.parked_bytes
         assert reviva.pinned_memory_stats()["bytes_in_use"] >= parked > 0  # (pool rounding)
         del out
@@ -96,7 +97,7 @@ def test_auto_keeps_the_residual_on_the_device_while_it_fits() -> None:
 
 
 def test_a_turn_after_a_host_residual_call_plans_its_new_tokens_alone() -> None:
-    """Note [A returned cache] (returned_cache.py): a call continued from a returned cache runs
+    """Note [A returned cache] (cache/returned.py): a call continued from a returned cache runs
     prefill over its new tokens alone, and is planned so (Plan.past_tokens): under a budget where a
     fresh call of the first turn's length needs its hidden states on the host (a continued call
     refuses that), the next turn's 41 tokens keep theirs on the device and give plain HF's tokens.
@@ -133,7 +134,7 @@ def test_a_turn_after_a_host_residual_call_plans_its_new_tokens_alone() -> None:
 
 
 def budget_for_config(manager: RevivaManager, config: RevivaConfig, prompt: int, new: int) -> int:
-    from reviva.planner import smallest_budget
+    from reviva.plan.planner import smallest_budget
 
     state = device_state(manager.layout, manager.arena)
     return smallest_budget(manager.layout, config, state, 1, prompt, new, lambda p: True)
@@ -263,7 +264,7 @@ def test_gpu_host_residual_copy_streams_batch_and_a_short_last_chunk() -> None:
             out = m.generate(ids, return_dict_in_generate=True, **kwargs)
             assert m.get_memory_stats()["prefill_residual"] == mode
             # (the output's cache is parked in pinned memory until dropped: Note [A returned
-            # cache] in returned_cache.py; the sequences and logits are all this test keeps)
+            # cache] in cache/returned.py; the sequences and logits are all this test keeps)
             out = (out.sequences, out.logits)
             outs.setdefault(mode, out)
             assert torch.equal(out[0], outs[mode][0])
@@ -278,8 +279,8 @@ def test_a_plan_never_pins_more_than_the_host_can_give(monkeypatch: pytest.Monke
     the host) is checked against what the host can give (MemAvailable less a reserve, plus the
     pool's unused pinned bytes): past it the call is refused with the numbers, before any work,
     instead of pushing the machine into swap."""
-    import reviva.memory_state as memory_state
-    import reviva.planner as planner
+    import reviva.plan.memory_state as memory_state
+    import reviva.plan.planner as planner
 
     model = tiny_model("llama", seed=9)
     ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(1))

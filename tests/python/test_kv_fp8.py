@@ -12,8 +12,10 @@ import torch
 from test_generate import FAMILIES, MOE_FAMILIES, budget_for, gpu_llama, tiny_model
 
 import reviva
-from reviva import RevivaConfig, RevivaManager, kv_fp8
-from reviva.planner import device_state, make_plan, smallest_budget
+from reviva import RevivaConfig, RevivaManager
+from reviva.cache import fp8 as kv_fp8
+from reviva.plan.memory_state import device_state
+from reviva.plan.planner import make_plan, smallest_budget
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,7 +112,7 @@ def test_gpu_dequantize_kernel_gives_torchs_bits() -> None:
 
 def fp8_cache(device: str, batch: int, kv_heads: int, head_dim: int, capacity: int, **kw):  # noqa: ANN003, ANN201
     """A one-layer fp8 RevivaCache on the device's shared resources, the layer resident."""
-    from reviva.kv_cache import RevivaCache
+    from reviva.cache.kv_cache import RevivaCache
 
     res = reviva.device_resources(device)
     return RevivaCache(
@@ -139,7 +141,7 @@ def check_fused_decode(device: str) -> None:
     attend_cache's block merge): the new token's rows to the bit (kv_fp8.quantize's, on the
     device's own torch ops), the output within bf16/fp16 rounding of fp32 attention, with and
     without a sliding window, GQA groups of 1, 3 and 4, head_dim 64 and 128, many keys."""
-    from reviva.layer_attention import attend_cache
+    from reviva.generate.layer_attention import attend_cache
 
     g = torch.Generator().manual_seed(3)
     for batch, heads, kv_heads, dim, prompt, window, dtype in [
@@ -324,7 +326,7 @@ def test_generate_bf16_with_fp8_kv_decodes_through_the_fused_call(family: str) -
     kwargs = dict(max_new_tokens=24, do_sample=False, output_logits=True)
     ref = model.generate(ids, return_dict_in_generate=True, **kwargs)
     calls = []
-    from reviva.kv_cache import RevivaCache
+    from reviva.cache.kv_cache import RevivaCache
 
     fused = RevivaCache.attend_fp8_decode
 
@@ -384,7 +386,7 @@ def test_generate_with_fp8_kv(family: str, layers: int, chunk: int, block: int) 
         if layers < 5:
             assert st["streamed_layers"] > 0, st
         # (the returned cache's rows are parked in pinned memory until dropped: Note [A
-        # returned cache] in returned_cache.py; nothing else of the call stays there)
+        # returned cache] in cache/returned.py; nothing else of the call stays there)
         assert out.past_key_values.parked_bytes > 0
         del out
         assert reviva.pinned_memory_stats()["bytes_in_use"] == 0
@@ -456,7 +458,7 @@ def test_fp8_prefill_whole_chunked_and_by_blocks_give_the_same_tokens() -> None:
     """Note [fp8 prefill shadow]: a bf16 model's fp8 prefill attending its shadow whole, by
     chunks, or (no shadow) the rows by blocks reads the same values: the same greedy tokens,
     logits within bf16's rounding of each other, twice in a row."""
-    from reviva.kv_cache import RevivaCache
+    from reviva.cache.kv_cache import RevivaCache
 
     model = tiny_model("llama").to(torch.bfloat16)
     ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(4))

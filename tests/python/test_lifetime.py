@@ -16,8 +16,9 @@ from transformers.generation.streamers import BaseStreamer
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
-from reviva.kv_cache import RevivaCache
-from reviva.planner import device_state, smallest_budget
+from reviva.cache.kv_cache import RevivaCache
+from reviva.plan.memory_state import device_state
+from reviva.plan.planner import smallest_budget
 
 TINY = dict(
     hidden_size=64,
@@ -154,7 +155,7 @@ def test_an_exception_mid_call_restores_everything(device: str, where: str) -> N
     [Out of memory beyond the plan]), and the call leaves nothing behind: no wrapper, no device
     or pinned memory, and the next call gives HF's tokens."""
     from reviva._C import RevivaOutOfMemoryError
-    from reviva.manager import CallOutOfMemoryError
+    from reviva.generate.call import CallOutOfMemoryError
 
     model = tiny_model(device, seed=3)
     ids = ids_for(device, 100, seed=4)

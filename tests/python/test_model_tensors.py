@@ -1,11 +1,11 @@
 """The model the user holds is the model (DESIGN.md, Trust invariants; Note [The user's streamed
-parameters] in reviva/weight_writes.py, Note [Embedding on the host] in reviva/host_embedding.py):
-every tensor reachable from the user's model (parameters, buffers, state_dict, the input and output
-embeddings) is real (no expanded placeholder) and holds its values during and after
-RevivaManager, reviva.finetune and reviva.from_pretrained; writes (load_state_dict, p.data = t,
-p.copy_) reach the next forward or are refused by name; close() gives every tensor back where it
-was, the same Parameter objects, bit for bit. CPU (host backend), and on CUDA with streamed
-weights and the embedding on the host."""
+parameters] in reviva/weights/writes.py, Note [Embedding on the host] in
+reviva/weights/host_embedding.py): every tensor reachable from the user's model (parameters,
+buffers, state_dict, the input and output embeddings) is real (no expanded placeholder) and holds
+its values during and after RevivaManager, reviva.finetune and reviva.from_pretrained; writes
+(load_state_dict, p.data = t, p.copy_) reach the next forward or are refused by name; close() gives
+every tensor back where it was, the same Parameter objects, bit for bit. CPU (host backend), and on
+CUDA with streamed weights and the embedding on the host."""
 
 from __future__ import annotations
 
@@ -369,7 +369,7 @@ def test_from_pretrained_keeps_the_model_real_and_close_gives_it_back(tmp_path: 
     ref = saved.generate(ids, **kw)
     reference = snapshot(saved)
     model = reviva.from_pretrained(str(tmp_path), dtype=torch.float32, device="cpu")
-    assert model.reviva.host_embedding is not None
+    assert model.reviva.weights.host_embedding is not None
     assert_the_model_is_real(model, reference, "loaded")
     assert torch.equal(model.generate(ids, **kw), ref)
     with model.reviva:

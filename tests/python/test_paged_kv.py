@@ -13,7 +13,8 @@ from test_generate import FAMILIES, budget_keeping, tiny_model
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
-from reviva.planner import device_state, make_plan, smallest_budget
+from reviva.plan.memory_state import device_state
+from reviva.plan.planner import make_plan, smallest_budget
 
 
 def paged_budget(

@@ -1,5 +1,6 @@
-"""`python -m reviva plan` (reviva/forecast.py): the planner's plan of a shape on a card, and an
-estimate calibrated on the H200, held against the measurements committed in benchmarks/results."""
+"""`python -m reviva plan` (reviva/plan/forecast.py): the planner's plan of a shape on a card, and
+an estimate calibrated on the H200, held against the measurements committed in
+benchmarks/results."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from reviva.__main__ import PRESETS, main
-from reviva.finetune import ATTENTION_CHUNK_TOKENS
+from reviva.cli.main import main
+from reviva.cli.models import PRESETS
+from reviva.train.finetune import ATTENTION_CHUNK_TOKENS
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
@@ -51,10 +53,10 @@ def test_estimate_within_12_percent_of_the_h200_measurements(
 
 
 def test_fp8_estimate_against_the_h200(capsys: pytest.CaptureFixture[str]) -> None:
-    """fp8 K/V at 64k on the 24 GB card (Note [fp8 whole attention] in fp8_reads.py): prefill
+    """fp8 K/V at 64k on the 24 GB card (Note [fp8 whole attention] in cache/fp8_reads.py): prefill
     attends the whole prompt through the shadow as bf16's does there, with 14 layers' K/V
     streamed to make the queries' room, and decode keeps every layer (the 14 promoted back, the
-    first step's extra). The step at the fused kernel's and the fp8 graphs' rates (forecast.py)
+    first step's extra). The step at the fused kernel's and the fp8 graphs' rates (plan/forecast.py)
     against call 2 of generate-fp8-64k-h200-2026-12-06-d245ca8.json: 140.6 tok/s on the whole
     card (every layer resident from the start), 120.9 over the call on the 24 GB card."""
     out = plan_json(capsys, "--context", "64k", "--kv-dtype", "fp8")
@@ -369,14 +371,16 @@ MISTRAL_FIELDS = {
 def test_window_rings_plan_sliding_layers_by_their_ring(
     capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # noqa: ANN001
-    """Note [Window rings] (window_rings.py): the Mistral-7B-v0.1 shape at 64k on a 24 GB card.
-    Each sliding layer is planned as a ring of 4095 + its chunk's tokens (the planner's own
+    """Note [Window rings] (cache/window_rings.py): the Mistral-7B-v0.1 shape at 64k on a 24 GB
+    card. Each sliding layer is planned as a ring of 4095 + its chunk's tokens (the planner's own
     slack, 256, is below the chunk), so all 32 stay on the device and nothing is pinned; with
     REVIVA_WINDOW_RINGS=0 each layer is planned by the call's 64k tokens: layers stream and
     their host copies are pinned. The forecast's transfer is no more with rings."""
-    import reviva.window_rings
+    import reviva.cache.window_rings
 
-    monkeypatch.setattr(reviva.window_rings, "RING_SLACK_TOKENS", 256)  # (the conftest's 8 undone)
+    monkeypatch.setattr(
+        reviva.cache.window_rings, "RING_SLACK_TOKENS", 256
+    )  # (the conftest's 8 undone)
     path = tmp_path / "mistral.json"
     path.write_text(json.dumps(MISTRAL_FIELDS))
     args = ("--model", str(path), "--context", "64k", "--card", "24GB")
@@ -503,8 +507,8 @@ def _cpu_peak_bytes(fn, path: Path) -> tuple[int, set[str]]:  # noqa: ANN001
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_the_experts_working_set_covers_hfs_grouped_forward(family: str, tmp_path: Path) -> None:
-    """Note [The experts' working set] (memory_model.py): a mixture-of-experts layer's MLP, HF's
-    grouped experts forward over a chunk of tokens, peaks at no more than the planner's bytes a
+    """Note [The experts' working set] (plan/memory_model.py): a mixture-of-experts layer's MLP,
+    HF's grouped experts forward over a chunk of tokens, peaks at no more than the planner's bytes a
     token times the tokens, and at least 95% of them (k = 8 of 16 experts narrower than the
     hidden size, as Qwen3-MoE's; k = 2 of 8 wider, as Mixtral's); the layout reads k, the
     experts' width and their number from the modules."""
@@ -512,7 +516,7 @@ def test_the_experts_working_set_covers_hfs_grouped_forward(family: str, tmp_pat
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
     from reviva.adapters import inspect_model
-    from reviva.planner import MODEL, _experts_per_token
+    from reviva.plan.memory_model import MODEL, _experts_per_token
 
     common = dict(
         hidden_size=256,

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from reviva import RevivaConfig, RevivaManager
-from reviva.demo import pass_key_text
-from reviva.planner import device_state, smallest_budget
+from reviva.cli.demo import pass_key_text
+from reviva.plan.memory_state import device_state
+from reviva.plan.planner import smallest_budget
 
 KEY = 68217
 

@@ -1,6 +1,6 @@
-"""The package's shape (issue 40): the manager's modules, split so that a reader can follow a
-generate call, and the modules split from weights.py, finetune.py, training.py and __main__.py,
-stay small enough to read; one concept each."""
+"""The package's shape: every module small enough to read in one sitting (one concept each), the
+core's sources too, and the benchmark scripts; the public names where the package says they are.
+The layers the folders draw are checked in test_imports.py."""
 
 from __future__ import annotations
 
@@ -8,182 +8,62 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "python" / "reviva"
-
-# RevivaManager's public surface and the modules it was split into (the others are split below).
-MANAGER_MODULES = (
-    "manager.py",
-    "hf_surface.py",
-    "generate_call.py",
-    "call_inputs.py",
-    "host_copies.py",
-    "call_phases.py",
-    "decode_placement.py",
-    "call_stats.py",
-)
-MAX_LINES = 500
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "python" / "reviva"
+MAX_LINES = 500  # a Python module
+MAX_CORE_LINES = 550  # a core source (C++/CUDA)
+MAX_BENCHMARK_LINES = 600  # a benchmark script
 
 
-def assert_small(name: str) -> None:
-    """The package's module `name` exists and has at most MAX_LINES lines."""
-    path = PACKAGE / name
-    assert path.is_file(), f"{path} is missing"
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name} has {lines} lines, more than {MAX_LINES}: split it"
+def _too_long(paths: list[Path], limit: int) -> list[str]:
+    lengths = {p.relative_to(REPO): len(p.read_text().splitlines()) for p in paths}
+    return [f"{p}: {n} lines" for p, n in sorted(lengths.items()) if n > limit]
 
 
-@pytest.mark.parametrize("name", MANAGER_MODULES)
-def test_manager_modules_stay_under_500_lines(name: str) -> None:
-    assert_small(name)
+def test_every_module_stays_under_500_lines() -> None:
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) > 60, modules  # (the walk found the package)
+    assert _too_long(modules, MAX_LINES) == [], f"split these (at most {MAX_LINES} lines)"
 
 
-# The four oversized modules split along their Notes (weights.py, finetune.py, training.py and
-# __main__.py), and the modules split from them.
-SPLIT_MODULES = (
-    "weights.py",
-    "layer_packing.py",
-    "routed_experts.py",
-    "host_embedding.py",
-    "host_heap.py",
-    "finetune.py",
-    "finetune_forwards.py",
-    "finetune_step.py",
-    "chunked_layer.py",
-    "host_checkpoints.py",
-    "training.py",
-    "saved_tensors.py",
-    "activation_backward.py",
-    "activation_budget.py",
-    "__main__.py",
-    "cli_transfers.py",
-    "cli_plan.py",
-    "cli_plan_train.py",
-    "cli_models.py",
-)
+def test_every_core_source_stays_under_550_lines() -> None:
+    sources = [
+        p
+        for folder in ("src", "include", "kernels")
+        for p in sorted((REPO / folder).rglob("*"))
+        if p.suffix in (".cpp", ".h", ".cu", ".cuh")
+    ]
+    assert len(sources) > 30, sources
+    assert _too_long(sources, MAX_CORE_LINES) == [], f"split these (at most {MAX_CORE_LINES})"
 
 
-@pytest.mark.parametrize("name", SPLIT_MODULES)
-def test_split_modules_stay_under_500_lines(name: str) -> None:
-    assert_small(name)
+def test_every_benchmark_script_stays_under_600_lines() -> None:
+    scripts = sorted((REPO / "benchmarks").rglob("*.py"))
+    assert len(scripts) > 5, scripts
+    assert _too_long(scripts, MAX_BENCHMARK_LINES) == [], f"split these ({MAX_BENCHMARK_LINES})"
 
 
-def test_names_importable_from_the_split_modules_old_homes() -> None:
-    """What other modules, tests and benchmarks import from the split modules' old homes."""
-    from reviva.__main__ import PRESETS, main
-    from reviva.finetune import Finetune, FinetuneOutOfMemoryError, _run_directly, finetune
-    from reviva.training import ActivationOffload, ActivationStats, _decoder_layers
-    from reviva.weights import (
-        DECODE_ROOMS,
-        HOST_DECODE_ROOMS,
-        HostEmbedding,
-        StreamedWeights,
-        decode_slot_bytes,
-        layer_weight_bytes,
-        routed_expert_sizes,
-    )
+def test_public_names_are_the_package_exports() -> None:
+    """Every name in reviva.__all__ resolves (the transformers-backed ones on first use), and each
+    class's module is its one home in the subpackages."""
+    import reviva
 
-    assert callable(main) and "llama3-8b" in PRESETS
-    assert issubclass(FinetuneOutOfMemoryError, Exception) and callable(_run_directly)
-    assert Finetune.__module__ == "reviva.finetune" and callable(finetune)
-    assert ActivationOffload.__module__ == "reviva.training" and callable(_decoder_layers)
-    assert ActivationStats.__module__ == "reviva.training"
-    assert StreamedWeights.__module__ == "reviva.weights"
-    assert HostEmbedding.__module__ == "reviva.host_embedding"
-    assert DECODE_ROOMS == 2 and HOST_DECODE_ROOMS == 3
-    assert all(map(callable, (decode_slot_bytes, layer_weight_bytes, routed_expert_sizes)))
+    for name in reviva.__all__:
+        assert getattr(reviva, name) is not None, name
+    assert reviva.RevivaManager.__module__ == "reviva.generate.manager"
+    assert reviva.RevivaCache.__module__ == "reviva.cache.kv_cache"
+    assert reviva.Finetune.__module__ == "reviva.train.finetune"
+    assert reviva.ActivationOffload.__module__ == "reviva.activations.offload"
+    assert reviva.RevivaOffloadCallback.__module__ == "reviva.activations.hf_trainer"
 
 
-def test_public_names_importable_from_manager() -> None:
-    from reviva.manager import CallOutOfMemoryError, RevivaManager
+@pytest.mark.parametrize("command", ["demo", "transfers", "plan"])
+def test_command_line_names_each_command(command: str) -> None:
+    """`python -m reviva` and the console script reach one parser (reviva/cli/main.py)."""
+    import reviva.__main__ as entry
+    from reviva.cli.main import main
 
-    assert RevivaManager.__module__ == "reviva.manager"
-    assert issubclass(CallOutOfMemoryError, Exception)
-
-
-# llama_layer.py (1050 lines) split: the layer path, its attention calls, the decode graphs and
-# their capture.
-LAYER_MODULES = ("llama_layer.py", "layer_attention.py", "decode_graphs.py", "graph_capture.py")
-
-
-@pytest.mark.parametrize("name", LAYER_MODULES)
-def test_layer_modules_stay_under_500_lines(name: str) -> None:
-    assert_small(name)
-
-
-# The planner (the search for a plan) and RevivaCache (the store, HF's Cache interface), and the
-# modules each was split into along its Notes.
-PLANNER_AND_CACHE_MODULES = (
-    "planner.py",
-    "memory_model.py",
-    "memory_state.py",
-    "call_plan.py",
-    "plan_arithmetic.py",
-    "host_decode_policy.py",
-    "window_rings.py",
-    "kv_cache.py",
-    "cache_layer.py",
-    "sequence_rows.py",
-    "returned_cache.py",
-    "fp8_reads.py",
-    "cache_host_attention.py",
-)
-
-
-@pytest.mark.parametrize("name", PLANNER_AND_CACHE_MODULES)
-def test_planner_and_cache_modules_stay_under_500_lines(name: str) -> None:
-    assert_small(name)
-
-
-def test_public_names_importable_from_planner_and_kv_cache() -> None:
-    """The names other modules, tests and benchmarks import from planner and kv_cache still
-    import from there after the split."""
-    from reviva import kv_cache, planner
-
-    for name in (
-        "MODEL",
-        "DeviceState",
-        "HostDecodeMix",
-        "HostState",
-        "MemoryModel",
-        "Plan",
-        "budget_for",
-        "device_decode_step_s",
-        "device_state",
-        "host_attention_pays",
-        "host_decode_mix",
-        "host_kv_layers",
-        "host_state",
-        "make_plan",
-        "rings_wanted",
-        "smallest_budget",
-        "spread",
-        "window_ring_tokens",
-        "_experts_per_token",
-    ):
-        assert hasattr(planner, name), name
-    # Names tests patch live only where they are read (conftest's RING_SLACK_TOKENS, and
-    # test_host_residual's _mem_available): a patch of planner's would raise, not pass unread.
-    assert not hasattr(planner, "RING_SLACK_TOKENS") and not hasattr(planner, "_mem_available")
-    assert kv_cache.RevivaCache.__module__ == "reviva.kv_cache"
-    assert issubclass(kv_cache.RevivaCache, kv_cache.Cache)
-    assert kv_cache.RevivaCacheLayer.__module__ == "reviva.cache_layer"
-
-
-# The OffloadManager's files, split along its Notes (its lifetime, room, append blocks, metrics).
-CORE = Path(__file__).resolve().parents[2] / "src"
-OFFLOAD_MANAGER_FILES = (
-    "offload_manager.cpp",
-    "offload_manager_impl.h",
-    "offload_manager_room.cpp",
-    "offload_manager_metrics.cpp",
-    "append_blocks.cpp",
-)
-MAX_CORE_LINES = 550  # ("about 500": the lifetime file's calls are 528 lines)
-
-
-@pytest.mark.parametrize("name", OFFLOAD_MANAGER_FILES)
-def test_offload_manager_files_stay_small(name: str) -> None:
-    path = CORE / name
-    assert path.is_file(), f"{path} is missing"
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_CORE_LINES, f"{name} has {lines} lines, more than {MAX_CORE_LINES}"
+    assert entry.main is main
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0

@@ -36,7 +36,7 @@ def test_stats_are_typed_in_bytes_and_seconds_with_one_naming_scheme() -> None:
     for f in dataclasses.fields(PhaseStats):
         assert _unit_ok(f.name, None), f.name
     # training's stats use the same names for the same things
-    from reviva.training import ActivationStats
+    from reviva.activations.offload import ActivationStats
 
     names = {f.name for f in dataclasses.fields(ActivationStats)}
     assert {"bytes_to_host", "bytes_to_device", "stall_s", "host_wait_s"} <= names, names

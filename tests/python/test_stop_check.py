@@ -1,5 +1,5 @@
-"""Note [A stop decided a step late] (stop_check.py): which calls defer HF's stop decision, the
-scope that takes DeferredStopCheck for a Reviva call's cache alone, the cache's crop counting
+"""Note [A stop decided a step late] (generate/stop_check.py): which calls defer HF's stop decision,
+the scope that takes DeferredStopCheck for a Reviva call's cache alone, the cache's crop counting
 the step taken back, and on the GPU the same tokens, streamed tokens, returned cache and
 continuation as plain HF with an EOS that stops a call early."""
 
@@ -14,8 +14,8 @@ from transformers.generation.streamers import BaseStreamer
 
 import reviva
 from reviva import RevivaConfig, RevivaManager
-from reviva.kv_cache import RevivaCache
-from reviva.stop_check import deferring, defers
+from reviva.cache.kv_cache import RevivaCache
+from reviva.generate.stop_check import deferring, defers
 
 CUDA = torch.device("cuda")
 
@@ -53,7 +53,7 @@ def test_which_calls_defer() -> None:
 def test_a_transformers_without_the_deferred_check_waits_each_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from reviva import stop_check
+    from reviva.generate import stop_check
 
     monkeypatch.setattr(stop_check, "_DEFERRED", None)
     assert not defers(CUDA, GenerationConfig(do_sample=False))
@@ -193,7 +193,7 @@ def test_a_deferring_call_streams_its_first_token_at_once(monkeypatch: pytest.Mo
         assert streamed == [(11, 0)] and undo == 0
         streamed, undo = _run_stop_check(theirs, tokens, None)
         assert streamed == [(11, 1), (12, 2), (13, 3), (14, 4), (15, 4)] and undo == 0
-    assert hf_generation.DeferredStopCheck is reviva.stop_check._DEFERRED
+    assert hf_generation.DeferredStopCheck is reviva.generate.stop_check._DEFERRED
 
 
 def _eos_at(ref: torch.Tensor, prompt: int, first: int) -> tuple[int, int]:
@@ -264,9 +264,9 @@ def test_gpu_an_early_stop_a_step_late_gives_hfs_tokens(family: str, config: dic
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_decode_forwards_of_an_unpadded_call_read_no_mask(padded: bool) -> None:
-    """Note [No mask read in decode steps] (hf_surface.py): an unpadded call's decode forwards
-    reach the model without HF's 2D mask (whose check would make the host wait each step); a
-    padded call's keep it; tokens as plain HF's either way, twice."""
+    """Note [No mask read in decode steps] (generate/hf_surface.py): an unpadded call's decode
+    forwards reach the model without HF's 2D mask (whose check would make the host wait each step);
+    a padded call's keep it; tokens as plain HF's either way, twice."""
     model = tiny_model("llama")
     torch.manual_seed(2)
     ids = torch.randint(1, 200, (2, 10))

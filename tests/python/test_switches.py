@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from reviva import planner, switches, trace
+from reviva import switches, trace
+from reviva.plan import planner
 
 PACKAGE = pathlib.Path(switches.__file__).parent
 

@@ -1,8 +1,8 @@
-"""reviva.hf_training: the HF Trainer with Reviva's activation offload (enable_activation_offload,
-RevivaTrainerMixin, act_offloading_ctx_manager in TRL's place) gives the plain Trainer's
-gradients bit for bit, with gradient accumulation, over several steps and train() calls and two
-trainers side by side; the offload really moved the activations; an exception in the middle of
-a step leaves nothing installed or held; bad input is named. CPU (host backend)."""
+"""reviva.activations.hf_trainer: the HF Trainer with Reviva's activation offload
+(enable_activation_offload, RevivaTrainerMixin, act_offloading_ctx_manager in TRL's place) gives the
+plain Trainer's gradients bit for bit, with gradient accumulation, over several steps and train()
+calls and two trainers side by side; the offload really moved the activations; an exception in the
+middle of a step leaves nothing installed or held; bad input is named. CPU (host backend)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from transformers import (
 
 import reviva
 from reviva import ActivationOffload
-from reviva.hf_training import (
+from reviva.activations.hf_trainer import (
     RevivaOffloadCallback,
     RevivaTrainerMixin,
     act_offloading_ctx_manager,
@@ -397,6 +397,6 @@ def test_import_reviva_does_not_import_transformers_hook() -> None:
 
     code = (
         "import sys, reviva; assert 'transformers' not in sys.modules, 'transformers imported'; "
-        "assert reviva.enable_activation_offload.__module__ == 'reviva.hf_training'"
+        "assert reviva.enable_activation_offload.__module__ == 'reviva.activations.hf_trainer'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

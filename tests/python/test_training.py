@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import reviva
 from reviva import ActivationOffload, offload_activations
-from reviva.saved_tensors import _Packed
+from reviva.activations.saved_tensors import _Packed
 
 
 def tiny_llama(seed: int = 0, device: str = "cpu", attention: str = "sdpa") -> nn.Module:

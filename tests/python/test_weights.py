@@ -1,5 +1,5 @@
-"""Streamed weights (Note [Streamed weights], reviva/weights.py): decoder layers' weights in
-pinned host memory, brought to the device per use under the call's plan. Tiny models give plain
+"""Streamed weights (Note [Streamed weights], reviva/weights/streamed.py): decoder layers' weights
+in pinned host memory, brought to the device per use under the call's plan. Tiny models give plain
 HF's greedy tokens with every mix of resident and streamed weights and K/V; loading does not hold
 two copies of the model; a model built on the meta device is filled layer by layer; repeated
 calls and a call that raises leave nothing behind; misuse is refused by name."""
@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 import reviva
 from reviva import RevivaConfig, RevivaManager
 from reviva._C import RevivaOutOfMemoryError
-from reviva.planner import Plan
+from reviva.plan.call_plan import Plan
 
 
 def budget_where(
@@ -235,7 +235,7 @@ def test_a_decode_step_moves_only_the_routed_experts(family: str) -> None:
     assert torch.equal(manager.generate(ids, max_new_tokens=8, do_sample=False), ref)
 
 
-def _block_device_bytes(weights: reviva.weights.StreamedWeights, g: int) -> list[int]:
+def _block_device_bytes(weights: reviva.weights.streamed.StreamedWeights, g: int) -> list[int]:
     return [
         (weights.store.layer_bytes(b) + g - 1) // g * g for blocks in weights.parts for b in blocks
     ]
@@ -557,8 +557,8 @@ def test_gpu_bf16_streamed_weights_same_logits_as_resident_and_close_to_hf() -> 
     says more)."""
     from test_generate import gpu_llama
 
-    from reviva.demo import fp32_reference_logits
-    from reviva.demo import relative_error as rel
+    from reviva.cli.demo import fp32_reference_logits
+    from reviva.cli.demo import relative_error as rel
 
     torch.manual_seed(0)
     gpu_model = gpu_llama(8, 8192, torch.bfloat16)
