@@ -98,9 +98,9 @@ class REVIVA_API WeightStore {
   // ahead of use (`prefetch_layers` <= slots: with as many as the slots, the last of the window
   // comes in when a layer is released, into its memory: Note [Streamed weights]). Layers made
   // resident are fetched as compute comes near them (Note [Resident fills as compute nears] in
-  // weight_store.cpp: the first ones now, each at the latest at its acquire; compute waits for a
-  // layer's fill only when it acquires it), layers no longer resident leave after the work
-  // queued on `compute` so far. Not while a layer is acquired. Throws OutOfMemory naming the
+  // weight_store_residency.cpp: the first ones now, each at the latest at its acquire; compute
+  // waits for a layer's fill only when it acquires it), layers no longer resident leave after the
+  // work queued on `compute` so far. Not while a layer is acquired. Throws OutOfMemory naming the
   // numbers when the arena cannot give a resident layer's memory, here or at an acquire (the
   // store is then left with every layer streamed and no slots: call again with less).
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers,
