@@ -1,5 +1,5 @@
 // fp8 K/V rows to bf16 or fp16 in one kernel (see launchers.h; Note [fp8 K/V rows] in
-// python/reviva/kv_fp8.py).
+// python/reviva/cache/fp8.py).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

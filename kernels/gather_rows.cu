@@ -1,6 +1,6 @@
 // Table rows by index in one kernel (see launchers.h; Note [Embedding on the host] in
-// python/reviva/host_embedding.py): an embedding's lookup whose table may stay in pinned host
-// memory.
+// python/reviva/weights/host_embedding.py): an embedding's lookup whose table may stay in pinned
+// host memory.
 #include <algorithm>
 #include <cstdint>
 

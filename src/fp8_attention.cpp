@@ -3,7 +3,7 @@
 //
 // Note [fp8 decode attention]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// fp8 K/V (Note [fp8 K/V rows] in python/reviva/kv_fp8.py) exists to move and hold half of
+// fp8 K/V (Note [fp8 K/V rows] in python/reviva/cache/fp8.py) exists to move and hold half of
 // bf16's bytes. A decode step reads every key and value of a layer once, so it is bound by the
 // bytes it reads; dequantizing a layer into a bf16 copy first reads the rows, writes twice their
 // bytes and reads those again (three times bf16's traffic instead of half), and took 15 tok/s

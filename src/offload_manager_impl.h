@@ -17,9 +17,9 @@
 //      (acquire() -> wait_for_copy()).
 //   4. Host memory of a block is reused only after every copy that read it: host blocks come
 //      from the PinnedHostPool, and the engine records each copy's stream on them, so the pool
-//      defers their reuse (Note [Deferred free] in pinned_host_pool.cpp); a block's own host copy
-//      is rewritten only by a D2H that is ordered after compute's use of the data an earlier H2D
-//      brought in.
+//      defers their reuse (Note [Deferred free] in pinned_host_pool_frees.cpp); a block's own host
+//      copy is rewritten only by a D2H that is ordered after compute's use of the data an earlier
+//      H2D brought in.
 //   5. No backend call while holding `mutex`: each operation decides under the mutex (marking the
 //      block `busy` while it is in transition), makes its backend calls unlocked, and records the
 //      outcome under the mutex again. Objects whose destructors call the backend (events,

@@ -1,12 +1,6 @@
 // PinnedHostPool: slabs of pinned memory carved into blocks, best fit with splitting and
-// coalescing, and deferred reuse of blocks that copies touched.
-//
-// Note [Deferred free]
-// A block handed to a copy stream may still be read or written by that copy after its owner
-// drops it. So a block that recorded uses is not returned to the free list on release: an event
-// is recorded on every stream that used it, and the block stays "pending" until all of those
-// events have completed (checked without blocking on every allocate(), or by
-// synchronize_pending()). This is DESIGN.md's lifetime protocol rule 4 for host memory.
+// coalescing; the deferred reuse of blocks that copies touched (Note [Deferred free]) is
+// pinned_host_pool_frees.cpp's, the state both share pinned_host_pool_impl.h's.
 //
 // Note [Slabs landing]
 // reserve() may pin slabs on one thread while another allocates (a generate call pins its host
@@ -19,51 +13,21 @@
 // on a GPU) and may take long or block; they are made with the pool's mutex released (rule 5).
 // A slab being reserved is counted in bytes_reserved before the call, so that two threads cannot
 // together overshoot the capacity cap.
+#include "pinned_host_pool_impl.h"
+
 #include <reviva/error.h>
 #include <reviva/pinned_host_pool.h>
 
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdio>
 #include <limits>
-#include <map>
 #include <mutex>
-#include <optional>
-#include <set>
 #include <utility>
 #include <vector>
 
 namespace reviva {
-
-namespace detail {
-
-struct PoolSlab;
-
-struct PoolBlock {
-  PoolSlab* slab = nullptr;
-  std::size_t offset = 0;     // from the slab's base
-  std::size_t size = 0;       // rounded, a multiple of the pool's alignment
-  std::size_t requested = 0;  // bytes asked for (live blocks)
-  bool free = true;           // in the free list (false: live or pending)
-  int holders = 0;            // live PinnedBlocks over it: the block and its shares
-  PoolBlock* prev = nullptr;  // address-order neighbours inside the slab
-  PoolBlock* next = nullptr;
-  std::vector<std::shared_ptr<const Stream>> uses;  // streams that used it since allocation
-};
-
-struct PoolSlab {
-  char* base = nullptr;
-  std::size_t size = 0;
-  PoolBlock* first = nullptr;
-};
-
-}  // namespace detail
-
-using detail::PoolBlock;
-using detail::PoolSlab;
 
 namespace {
 
@@ -78,102 +42,7 @@ constexpr std::size_t kSlabGranularity = std::size_t{2} << 20;
 
 std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
 
-char* block_data(const PoolBlock* b) { return b->slab->base + b->offset; }
-
-struct BySizeThenAddress {
-  bool operator()(const PoolBlock* a, const PoolBlock* b) const {
-    if (a->size != b->size) return a->size < b->size;
-    return block_data(a) < block_data(b);
-  }
-};
-
-struct PendingFree {
-  PoolBlock* block;
-  std::vector<Event> events;  // one per stream that used the block
-};
-
 }  // namespace
-
-struct PinnedHostPool::Impl {
-  mutable std::mutex mutex;
-  std::set<PoolBlock*, BySizeThenAddress> free_blocks;     // guarded by mutex
-  std::map<const char*, std::unique_ptr<PoolSlab>> slabs;  // guarded by mutex; by base address
-  std::vector<PendingFree> pending;                        // guarded by mutex
-  std::vector<Event> idle_events;                          // guarded by mutex
-  std::atomic<std::size_t> pending_count{0};               // mirrors pending.size() + in-check
-  PinnedHostPoolStats stats;                               // guarded by mutex (counters)
-  // Sizes of slabs being pinned now (Note [Slabs landing]).
-  std::multiset<std::size_t> landing;  // guarded by mutex
-  std::condition_variable landed;      // a slab of `landing` arrived (or failed)
-
-  // Best fit: the smallest free block of at least `size`, split if larger. nullptr if none.
-  // Requires mutex.
-  PoolBlock* take_best_fit(std::size_t size) {
-    PoolSlab probe_slab;
-    PoolBlock probe;
-    probe.slab = &probe_slab;
-    probe.size = size;
-    auto it = free_blocks.lower_bound(&probe);
-    if (it == free_blocks.end()) return nullptr;
-    PoolBlock* b = *it;
-    free_blocks.erase(it);
-    b->free = false;
-    if (b->size > size) {
-      auto* rest = new PoolBlock;
-      rest->slab = b->slab;
-      rest->offset = b->offset + size;
-      rest->size = b->size - size;
-      rest->prev = b;
-      rest->next = b->next;
-      if (b->next) b->next->prev = rest;
-      b->next = rest;
-      b->size = size;
-      free_blocks.insert(rest);
-    }
-    return b;
-  }
-
-  // Returns `b` to the free list, merging it with free neighbours. Requires mutex.
-  void insert_free(PoolBlock* b) {
-    b->free = true;
-    b->requested = 0;
-    if (PoolBlock* p = b->prev; p && p->free) {
-      free_blocks.erase(p);
-      p->size += b->size;
-      p->next = b->next;
-      if (b->next) b->next->prev = p;
-      delete b;
-      b = p;
-    }
-    if (PoolBlock* n = b->next; n && n->free) {
-      free_blocks.erase(n);
-      b->size += n->size;
-      b->next = n->next;
-      if (n->next) n->next->prev = b;
-      delete n;
-    }
-    free_blocks.insert(b);
-  }
-
-  // A pending block whose streams are done: back to the free list, its events kept for reuse.
-  // Requires mutex.
-  void finish_pending(PendingFree& p) {
-    stats.bytes_pending -= p.block->size;
-    pending_count.fetch_sub(1);
-    insert_free(p.block);
-    for (Event& e : p.events) idle_events.push_back(std::move(e));
-  }
-
-  void note_allocated(PoolBlock* b, std::size_t requested, bool hit) {
-    b->requested = requested;
-    b->holders = 1;
-    stats.bytes_in_use += b->size;
-    stats.bytes_requested += requested;
-    stats.peak_bytes_in_use = std::max(stats.peak_bytes_in_use, stats.bytes_in_use);
-    ++stats.allocations;
-    if (hit) ++stats.cache_hits;
-  }
-};
 
 // --- PinnedBlock -----------------------------------------------------------------------------
 
@@ -416,118 +285,6 @@ PinnedBlock PinnedHostPool::allocate(std::size_t bytes) {
     impl_->note_allocated(b, bytes, /*hit=*/false);
     return PinnedBlock(shared_from_this(), b, block_data(b), bytes);
   }
-}
-
-void PinnedHostPool::record_use(PoolBlock* block, std::shared_ptr<const Stream> stream) {
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  for (const auto& s : block->uses)
-    if (s->handle() == stream->handle()) return;
-  block->uses.push_back(std::move(stream));
-}
-
-void PinnedHostPool::add_share(PoolBlock* block) noexcept {
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  ++block->holders;
-}
-
-void PinnedHostPool::release(PoolBlock* block) noexcept {
-  std::vector<std::shared_ptr<const Stream>> uses;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mutex);
-    if (--block->holders > 0) return;  // Note [Shared blocks]: a share or the block lives on
-    auto& st = impl_->stats;
-    uses.swap(block->uses);
-    ++st.frees;
-    st.bytes_in_use -= block->size;
-    st.bytes_requested -= block->requested;
-    if (uses.empty()) {
-      impl_->insert_free(block);
-      return;
-    }
-    st.bytes_pending += block->size;
-    impl_->pending_count.fetch_add(1);
-  }
-
-  // Record one event per stream that used the block (backend calls: no mutex held).
-  PendingFree pending{block, {}};
-  try {
-    pending.events.reserve(uses.size());
-    for (const auto& stream : uses) {
-      std::optional<Event> event;
-      {
-        std::lock_guard<std::mutex> lock(impl_->mutex);
-        if (!impl_->idle_events.empty()) {
-          event.emplace(std::move(impl_->idle_events.back()));
-          impl_->idle_events.pop_back();
-        }
-      }
-      if (!event) event.emplace(backend_);
-      event->record(*stream);
-      pending.events.push_back(std::move(*event));
-    }
-  } catch (const std::exception& e) {
-    // Could not record: wait for the streams instead, so the block is safe to reuse now.
-    std::fprintf(stderr, "reviva: warning: PinnedHostPool: recording a free event: %s\n", e.what());
-    try {
-      for (const auto& stream : uses) stream->synchronize();
-      pending.events.clear();
-    } catch (const std::exception& e2) {
-      std::fprintf(stderr,
-                   "reviva: warning: PinnedHostPool: leaking a block of %zu bytes whose copies "
-                   "may still be running: %s\n",
-                   block->size, e2.what());
-      return;
-    }
-  }
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  impl_->pending.push_back(std::move(pending));
-}
-
-void PinnedHostPool::process_pending() {
-  if (impl_->pending_count.load() == 0) return;
-  std::vector<PendingFree> batch;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mutex);
-    batch.swap(impl_->pending);
-  }
-  if (batch.empty()) return;
-  std::vector<bool> done(batch.size(), false);
-  for (std::size_t i = 0; i < batch.size(); ++i) {
-    bool all = true;
-    try {
-      for (const Event& e : batch[i].events) {
-        if (!e.query()) {
-          all = false;
-          break;
-        }
-      }
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "reviva: warning: PinnedHostPool: querying a free event: %s\n",
-                   e.what());
-      all = false;
-    }
-    done[i] = all;
-  }
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  for (std::size_t i = 0; i < batch.size(); ++i) {
-    if (done[i]) {
-      impl_->finish_pending(batch[i]);
-    } else {
-      impl_->pending.push_back(std::move(batch[i]));
-    }
-  }
-}
-
-void PinnedHostPool::synchronize_pending() {
-  std::vector<PendingFree> batch;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mutex);
-    batch.swap(impl_->pending);
-  }
-  for (PendingFree& p : batch)
-    for (const Event& e : p.events) e.synchronize();
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  for (PendingFree& p : batch) impl_->finish_pending(p);
 }
 
 std::size_t PinnedHostPool::release_cached() {

@@ -17,8 +17,9 @@
 // Rotary and SiluMul to the bit (the same fp32 products and sums, rounded the same way);
 // RmsNorm's sum of squares is taken in another order than torch's reduction, so its output may
 // differ from HF's by one unit in the last place of a few values. Their callers
-// (python/reviva/decode_ops.py) use them where that is acceptable (decode steps whose attention
-// already reads fp8 K/V) and check them against the modules they replace before using them.
+// (python/reviva/generate/decode_ops.py) use them where that is acceptable (decode steps whose
+// attention already reads fp8 K/V) and check them against the modules they replace before using
+// them.
 #include <cmath>
 #include <cstring>
 #include <vector>

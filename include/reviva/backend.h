@@ -32,7 +32,7 @@ struct CopySegment {
   std::size_t bytes;
 };
 
-// fp8 K/V rows (Note [fp8 K/V rows] in python/reviva/kv_fp8.py): each row is head_dim e4m3
+// fp8 K/V rows (Note [fp8 K/V rows] in python/reviva/cache/fp8.py): each row is head_dim e4m3
 // bytes followed by an fp32 scale. `base` points at row [0][0][0] of a 3-D index of rows with
 // these byte strides (a view of a KVStore's token-major rows); head_dim, `base` and the strides
 // are multiples of 4.
@@ -45,9 +45,10 @@ struct Fp8Rows {
 
 // Rows of a table gathered by index, an embedding's lookup: row i of `out` is row ids[i] of
 // `table`, row_bytes bytes each. The table is device memory or pinned host memory that the device
-// reads in place over the bus (Note [Embedding on the host] in python/reviva/host_embedding.py:
-// no host work, no synchronization); `ids` (int64) and `out` are device memory. An index outside
-// [0, rows) gives a row of zeros: callers check the indices they did not produce themselves.
+// reads in place over the bus (Note [Embedding on the host] in
+// python/reviva/weights/host_embedding.py: no host work, no synchronization); `ids` (int64) and
+// `out` are device memory. An index outside [0, rows) gives a row of zeros: callers check the
+// indices they did not produce themselves.
 struct RowGather {
   const void* table = nullptr;
   std::size_t rows = 0;       // rows in the table
@@ -274,7 +275,7 @@ REVIVA_API void dequantize_fp8_rows(const Fp8Rows& rows, void* out, HalfType typ
 // InvalidArgument naming the bad value.
 REVIVA_API void check_fp8_decode_attention(const Fp8DecodeAttention& attention);
 // Runs Fp8DecodeAttention on the calling thread: the new token quantized exactly as
-// python/reviva/kv_fp8.py quantizes, the attention in fp32 (the host backend's way, and the
+// python/reviva/cache/fp8.py quantizes, the attention in fp32 (the host backend's way, and the
 // reference the CUDA kernel is tested against).
 REVIVA_API void attend_fp8_decode(const Fp8DecodeAttention& attention);
 

@@ -12,7 +12,7 @@
 namespace reviva {
 
 // How the K/V rows' elements are stored. Fp8E4M3: the device store's fp8 rows (Note [fp8 K/V
-// rows] in python/reviva/kv_fp8.py), each head's key or value head_dim e4m3 bytes (CUDA's
+// rows] in python/reviva/cache/fp8.py), each head's key or value head_dim e4m3 bytes (CUDA's
 // __NV_E4M3) then its fp32 scale (4 bytes, little-endian), the element being the e4m3 value x
 // the scale.
 enum class RowType { BFloat16, Float32, Fp8E4M3 };

@@ -26,8 +26,8 @@
 // them. The store shares the TransferEngine, the pinned pool and the arena; the lifetime
 // protocol is the manager's (Note [Lifetime protocol] in offload_manager_impl.h). Single-threaded.
 //
-// Paged layers (options.page_tokens > 0; Note [Paged layers] in kv_store.cpp): a layer that is
-// not resident from the start keeps its K/V in pages of page_tokens tokens, each an append block
+// Paged layers (options.page_tokens > 0; Note [Paged layers] in kv_store_pages.cpp): a layer that
+// is not resident from the start keeps its K/V in pages of page_tokens tokens, each an append block
 // of its own, so that decode brings a streamed layer in page by page (the staging room is a few
 // pages, not whole layers) and a promotion keeps its pages on the device. Such a layer is used
 // through the *_page calls; the whole-layer calls refuse it.

@@ -4,7 +4,7 @@
 // Requests are served best-fit from free blocks, splitting a larger block and coalescing
 // neighbours when blocks are freed. A block that copies used goes back to the free list only
 // after the events recorded on every stream that used it have completed
-// (see Note [Deferred free] in pinned_host_pool.cpp); until then it is "pending".
+// (see Note [Deferred free] in pinned_host_pool_frees.cpp); until then it is "pending".
 //
 // Thread-safe. No backend call is made while the pool's mutex is held (DESIGN.md, lifetime
 // protocol rule 5).

@@ -36,7 +36,7 @@ struct PrefetchSchedulerOptions {
   // Bytes that may be prefetched ahead of compute and not used yet (the manager's
   // prefetched_bytes()); 0: as many as the budget holds. With a budget that also holds what
   // compute uses, this keeps the lead to its own size (a training backward: see
-  // activation_backward.py).
+  // activations/backward.py).
   std::size_t max_ahead_bytes = 0;
 };
 

@@ -51,7 +51,7 @@ struct WeightStoreOptions {
   std::size_t timeline_capacity = 0;  // copy and stall events kept for timeline() (0: none)
   // The room of one slot. 0: the largest streamed layer. A caller that splits each of its layers
   // into consecutive blocks used one after the other (a decoder layer's attention, then its MLP:
-  // Note [Layers in parts] in python/reviva/layer_packing.py) gives the largest whole layer here,
+  // Note [Layers in parts] in python/reviva/weights/packing.py) gives the largest whole layer here,
   // so that one slot holds a layer and the next block's copy goes into the memory its predecessor
   // just freed. At least the largest layer (block) of the store.
   std::size_t slot_bytes = 0;
@@ -98,9 +98,9 @@ class REVIVA_API WeightStore {
   // ahead of use (`prefetch_layers` <= slots: with as many as the slots, the last of the window
   // comes in when a layer is released, into its memory: Note [Streamed weights]). Layers made
   // resident are fetched as compute comes near them (Note [Resident fills as compute nears] in
-  // weight_store.cpp: the first ones now, each at the latest at its acquire; compute waits for a
-  // layer's fill only when it acquires it), layers no longer resident leave after the work
-  // queued on `compute` so far. Not while a layer is acquired. Throws OutOfMemory naming the
+  // weight_store_residency.cpp: the first ones now, each at the latest at its acquire; compute
+  // waits for a layer's fill only when it acquires it), layers no longer resident leave after the
+  // work queued on `compute` so far. Not while a layer is acquired. Throws OutOfMemory naming the
   // numbers when the arena cannot give a resident layer's memory, here or at an acquire (the
   // store is then left with every layer streamed and no slots: call again with less).
   void set_residency(const std::vector<int>& resident, int slots, int prefetch_layers,
@@ -109,12 +109,13 @@ class REVIVA_API WeightStore {
   // layer), e.g. a caller whose layers are split into blocks used one after the other needs a whole
   // layer's room where it acquires all of a layer's blocks at once (a prefill) and only the
   // largest two consecutive blocks' where it takes them one at a time (a decode step: Note
-  // [Layers in parts] in python/reviva/layer_packing.py). Lowered, the streamed layers held beyond
-  // the new budget leave (clean: no copy; one in flight is waited for), the cycle starts again from
-  // its first streamed layer and the memory freed goes back to the arena. Not while a layer is
-  // acquired. `block_bytes` (> 0): every streamed layer's device buffer takes that many bytes (at
-  // least the largest streamed layer; ArenaDeviceAllocator::set_min_bytes), so that a slot of two
-  // such buffers holds any two consecutive layers and the store maps no more than its slots.
+  // [Layers in parts] in python/reviva/weights/packing.py). Lowered, the streamed layers held
+  // beyond the new budget leave (clean: no copy; one in flight is waited for), the cycle starts
+  // again from its first streamed layer and the memory freed goes back to the arena. Not while a
+  // layer is acquired. `block_bytes` (> 0): every streamed layer's device buffer takes that many
+  // bytes (at least the largest streamed layer; ArenaDeviceAllocator::set_min_bytes), so that a
+  // slot of two such buffers holds any two consecutive layers and the store maps no more than its
+  // slots.
   void set_slot_bytes(std::size_t bytes, std::size_t block_bytes = 0);
   std::size_t slot_bytes() const noexcept { return options_.slot_bytes; }
   bool resident(int layer) const;

@@ -121,8 +121,8 @@ torch::Tensor host_view(const OffloadedPtr& h) {
 
 // A CPU tensor over a block of the pool (uninitialized, zero copy): pinned host memory of the
 // process's one pool for a buffer that Python fills and reads (the prefill's residual stream on
-// the host, Note [Residual stream on the host] in python/reviva/generate/llama_layer.py). The block goes
-// back to the pool with the tensor's last reference; the copies that use it must have finished
+// the host, Note [Residual stream on the host] in python/reviva/generate/llama_layer.py). The block
+// goes back to the pool with the tensor's last reference; the copies that use it must have finished
 // by then (the caller waits for its streams before dropping it).
 torch::Tensor pinned_tensor(const std::shared_ptr<PinnedHostPool>& pool, std::vector<int64_t> shape,
                             const py::object& dtype) {

@@ -397,9 +397,9 @@ class PyKVStore {
     return out;
   }
 
-  // Note [fp8 attention in the decode graphs] (python/reviva/generate/decode_graphs.py): the same step as
-  // attend_fp8_decode, to be captured in a CUDA graph and replayed at every step: the step's
-  // length (tokens after it) is read from `length` (int64 [1] on the device) and the rows'
+  // Note [fp8 attention in the decode graphs] (python/reviva/generate/decode_graphs.py): the same
+  // step as attend_fp8_decode, to be captured in a CUDA graph and replayed at every step: the
+  // step's length (tokens after it) is read from `length` (int64 [1] on the device) and the rows'
   // addresses from `rows` (int64 [2] on the device: rows_address()) when the kernels run.
   // Launches the kernels alone: the caller reserves the row (reserve) before each replay and
   // reports it written (wrote) after. Keys from length - window on (0: every key).

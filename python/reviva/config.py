@@ -50,8 +50,8 @@ class RevivaConfig:
     kv_page_tokens: 0 (the default): a streamed layer's K/V moves as one block, staged whole.
                     > 0: layers not resident from the start keep their K/V in pages of this
                     many tokens, read and written page by page (attention merged across pages,
-                    Note [Paged layers] in src/kv_store.cpp), so the staging room is a few pages
-                    instead of whole layers and more layers stay resident. Opt-in: on an H200
+                    Note [Paged layers] in src/kv_store_pages.cpp), so the staging room is a few
+                    pages instead of whole layers and more layers stay resident. Opt-in: on an H200
                     at 64k it was slower than whole layers (prefill 5.2 s against 3.85, decode
                     14.6 tok/s against 21.7; docs/design-notes.md), before prefill's page reads were
                     prefetched.

@@ -89,7 +89,7 @@ def pin_mode() -> str:
 
 
 # The most host attention threads a process may ask for: the core starts up to that many
-# workers and keeps them (src/host_attention.cpp), and the binding takes a C int; a larger
+# workers and keeps them (src/host_attention_pool.h), and the binding takes a C int; a larger
 # number failed mid-call as pybind's TypeError (2^64) or asked for millions of threads.
 MAX_HOST_ATTENTION_THREADS = 4096
 

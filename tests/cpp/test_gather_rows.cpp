@@ -1,7 +1,7 @@
 // Table rows by index (Backend::gather_rows_async; Note [Embedding on the host] in
-// python/reviva/weights/host_embedding.py): the host reference's rows and zeros, then each backend against
-// it with the table in device memory and in pinned host memory (read in place by the CUDA kernel),
-// at row sizes that take each access width, and bad arguments named.
+// python/reviva/weights/host_embedding.py): the host reference's rows and zeros, then each backend
+// against it with the table in device memory and in pinned host memory (read in place by the CUDA
+// kernel), at row sizes that take each access width, and bad arguments named.
 #include "test_util.h"
 
 #include <cstring>

@@ -1,5 +1,5 @@
-// KVStore with paged layers (Note [Paged layers] in kv_store.cpp): layers not resident from the
-// start live in pages of page_tokens tokens, written as compute's tokens arrive and read back
+// KVStore with paged layers (Note [Paged layers] in kv_store_pages.cpp): layers not resident from
+// the start live in pages of page_tokens tokens, written as compute's tokens arrive and read back
 // page by page. Compute is held behind a gate so that every copy provably waits for what it
 // must; every page's contents match what compute wrote at every use; appends move only the new
 // tokens and fetches only a page's valid tokens; the staging room is pages, not layers; a

@@ -1,6 +1,6 @@
-"""Paged K/V (RevivaConfig(kv_page_tokens=...), Note [Paged layers] in src/kv_store.cpp): layers
-not resident from the start keep their K/V in pages, written page by page and attended page by
-page with the merge of Note [Block-merged attention]; the staging room is pages, not layers."""
+"""Paged K/V (RevivaConfig(kv_page_tokens=...), Note [Paged layers] in src/kv_store_pages.cpp):
+layers not resident from the start keep their K/V in pages, written page by page and attended page
+by page with the merge of Note [Block-merged attention]; the staging room is pages, not layers."""
 
 from __future__ import annotations
 
@@ -176,9 +176,9 @@ def test_paged_kv_refusals_are_named() -> None:
 
 
 def test_paged_prefill_reads_come_in_ahead_of_use() -> None:
-    """Note [Paged prefill order] (src/kv_store.cpp): each prefill chunk reads the pages before it
-    again; declared in that order, those reads are prefetched (in the decode cycle's order each
-    chunk's return to page 0 was fetched on demand: 30 of 137 fetches in this prefill). Every
+    """Note [Paged prefill order] (src/kv_store_pages.cpp): each prefill chunk reads the pages
+    before it again; declared in that order, those reads are prefetched (in the decode cycle's order
+    each chunk's return to page 0 was fetched on demand: 30 of 137 fetches in this prefill). Every
     layer paged, 2 page slots or more (a window of a page), 8 chunks a layer: in a call that
     is prefill alone, at most one fetch a layer on demand; plain HF's tokens over 4 new tokens."""
     model = tiny_model("llama")

@@ -9,8 +9,8 @@ kv_heads, tokens, head_dim] layout; for batch 1 they are exactly the layout flas
 reads, so nothing is copied or expanded to attend.
 
 With page_tokens > 0 (RevivaConfig(kv_page_tokens=...); Note [Paged layers] in
-src/kv_store.cpp) a streamed layer's K/V lives in pages instead: it is written page by page and
-read by `page_blocks` (attention merged across pages), never as one buffer.
+src/kv_store_pages.cpp) a streamed layer's K/V lives in pages instead: it is written page by page
+and read by `page_blocks` (attention merged across pages), never as one buffer.
 
 The decoder-layer wrappers of RevivaManager acquire a layer before its forward and release it
 after; `update` appends into the acquired buffer. One cache serves one generate call: the
@@ -247,7 +247,7 @@ class RevivaCache(SequenceRows, ReturnedCache, WindowRings, Fp8Reads, HostAttent
     def prefill_order(self, layer_idx: int, tokens: int, chunk: int) -> Iterator[None]:
         """Around a layer's prefill by chunks of `chunk` over `tokens` tokens: a paged layer's
         page reads and writes in that order declared to the store, so its pages come in ahead
-        of use (Note [Paged prefill order] in src/kv_store.cpp); nothing for a whole layer."""
+        of use (Note [Paged prefill order] in src/kv_store_pages.cpp); nothing for a whole layer."""
         if not self.paged(layer_idx) or tokens == 0:
             yield
             return

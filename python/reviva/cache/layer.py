@@ -13,7 +13,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 
 class _Layers(Protocol):
-    """What a layer reads and calls of its RevivaCache (kv_cache.py)."""
+    """What a layer reads and calls of its RevivaCache (cache/kv_cache.py)."""
 
     skip_prefill_masks: bool
     rings: dict[int, tuple[int, int]]

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class _Manager(Protocol):
-    """What the functions here read of a RevivaManager (manager.py) and its last call."""
+    """What the functions here read of a RevivaManager (generate/manager.py) and its last call."""
 
     layout: DecoderLayout
     runtime: Runtime

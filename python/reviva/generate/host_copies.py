@@ -38,7 +38,7 @@ def pin_host_copies(pool: Any, plan: Plan, phase: dict[str, Any]) -> float:
     the host issues layer 2's prefill (_PIN_AFTER_LAYER): the pool lets allocations wait for
     slabs landing (Note [Slabs landing]); the calling thread joins the helper before the
     call returns. Pinning registers memory with the driver, which holds up the calling
-    thread's CUDA calls meanwhile (Note [Pinning by registration] in cuda_backend.cpp); in
+    thread's CUDA calls meanwhile (Note [Pinning by registration] in cuda_backend_memory.cpp); in
     a process's first call the host, not the device, sets the pace until its first layers
     are issued (kernels loaded, cuBLAS and cuDNN set up), so pinning then cost the call
     what it took. From layer 2 on the host runs a layer ahead of the device and such waits

@@ -41,7 +41,7 @@ def write_and_attend(
     """Writes the K/V k, v of tokens [first, last) into layer i of the cache and returns their
     queries' attention (attend_cache). A paged layer attends first, to its pages and k, v
     themselves, then writes: the last page read stays on the device for the write (Note [Paged
-    layers] in src/kv_store.cpp)."""
+    layers] in src/kv_store_pages.cpp)."""
     if cache.host_attended(i):  # Note [Attention on the host] (src/host_attention.cpp)
         if mask is not None:
             raise ValueError(
@@ -75,7 +75,7 @@ def attend_cache(
     cache (bottom-right causal; within `window` positions for a sliding layer, Note [Sliding
     windows]), [B, H, n, D]. fp8 K/V: block by block, each dequantized only
     while it is attended, merged by log-sum-exp (Note [fp8 K/V rows], Note [Block-merged
-    attention]). A paged layer (Note [Paged layers] in src/kv_store.cpp): its pages up to
+    attention]). A paged layer (Note [Paged layers] in src/kv_store_pages.cpp): its pages up to
     `first`, then the queries' own keys and values k and v ([B, kv_heads, n, D], written to the
     cache after this call; fp8: before quantization), merged the same way."""
     if (

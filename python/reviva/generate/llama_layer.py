@@ -26,7 +26,8 @@ from reviva.plan.call_plan import Plan
 
 
 class _Graphs(Protocol):
-    """What a decode step asks of the call's decode graphs (DecodeGraphs, decode_graphs.py)."""
+    """What a decode step asks of the call's decode graphs (DecodeGraphs,
+    generate/decode_graphs.py)."""
 
     def ready(self, i: int, h: torch.Tensor) -> bool: ...
 

@@ -48,7 +48,7 @@ class Plan:
     # Note [fp8 prefill shadow] (cache/fp8_reads.py): bytes of the layer's 16-bit K/V that prefill
     # keeps beside its fp8 rows while it runs, or 0 (attended by blocks)
     kv_fp8_shadow_bytes: int = 0
-    # Note [Paged layers] (src/kv_store.cpp): streamed layers' K/V in pages of page_tokens
+    # Note [Paged layers] (src/kv_store_pages.cpp): streamed layers' K/V in pages of page_tokens
     # tokens; the staging room is page_slots pages of page_bytes (and `slots` is 0).
     page_tokens: int = 0
     page_bytes: int = 0

@@ -12,8 +12,8 @@ parts]). Around a layer's use the manager calls `acquire(i)` and `release(i)`: t
 point at the layer's device copy, and back at the host copy after. Resident layers (set_residency,
 from each call's plan) point at their device copy from their first acquire on (their fills are
 issued as compute comes near them: Note [Resident fills as compute nears] in
-src/weight_store.cpp; compute waits for a fill at the layer's acquire, not before), and their
-addresses stay fixed, so the decode graphs of Note [Decode graphs] stay valid across calls;
+src/weight_store_residency.cpp; compute waits for a fill at the layer's acquire, not before), and
+their addresses stay fixed, so the decode graphs of Note [Decode graphs] stay valid across calls;
 streamed layers run eagerly (their device address changes with each use).
 
     weights = StreamedWeights(layout.layers, engine, arena, device)
