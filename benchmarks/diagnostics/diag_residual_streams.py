@@ -3,7 +3,8 @@
 copies on the compute stream (the path until fd28304, kept here as the reference): an A/B in one
 process (a diagnostic).
 
-    python benchmarks/diag_residual_streams.py [--context 131072] [--rounds 2] [--out DIR]
+    python benchmarks/diagnostics/diag_residual_streams.py [--context 131072] [--rounds 2]
+        [--out DIR]
 
 Card mode (24 GB, torch's default allocator), Llama-3-8B shape, bf16, RevivaConfig(
 vram_budget="24GB", prefill_residual="host"), 2 new tokens; a warm-up call, then the variants
@@ -24,7 +25,7 @@ import torch
 
 import reviva
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_generate import build_model  # noqa: E402
 from card import prepare_device  # noqa: E402
 from common import environment, write_result  # noqa: E402
