@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_generate import build_model  # noqa: E402
 from common import environment  # noqa: E402
+from generate_model import build_model  # noqa: E402
 
 IDLE_SPLIT_US = 20.0  # a device idle gap shorter than this: between two kernels of a graph
 

@@ -26,8 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 import reviva
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_generate import build_model  # noqa: E402
 from card import prepare_device  # noqa: E402
+from generate_model import build_model  # noqa: E402
 
 
 def summary(prof: Any, wall_ms: float) -> dict[str, Any]:

@@ -29,8 +29,8 @@ import reviva
 import reviva.generate.call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_generate import build_model  # noqa: E402
 from card import CallTimer, CardSampler, prepare_device  # noqa: E402
+from generate_model import build_model  # noqa: E402
 
 LAYERS = 32
 FIRST_STEPS = 12  # decode steps taken apart layer by layer

@@ -26,9 +26,9 @@ import torch
 import reviva
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_generate import build_model  # noqa: E402
 from card import prepare_device  # noqa: E402
 from common import environment, write_result  # noqa: E402
+from generate_model import build_model  # noqa: E402
 
 
 def on_compute_stream(path: Any) -> Any:
