@@ -126,7 +126,7 @@ def lower_right_check() -> dict:
 
 def prefill(tokens: int) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_generate import build_model
+    from generate_model import build_model
 
     import reviva
     from reviva.cli.timing import GenerationTimer
@@ -164,7 +164,7 @@ def prefill(tokens: int) -> list[dict]:
 def profile_decode(tokens: int) -> dict:
     """torch.profiler over 4 decode steps of an 8-layer model, plain HF and Reviva: the kernels
     that take the time, and wall time per step."""
-    from bench_generate import build_model
+    from generate_model import build_model
     from torch.profiler import ProfilerActivity, profile
 
     import reviva

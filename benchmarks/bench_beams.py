@@ -83,8 +83,8 @@ def timed(gen: Any, ids: Any, new: int, sync: Any, **kwargs: Any) -> dict[str, A
 
 def card_part(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from bench_generate import build_model
     from card import CardSampler, prepare_device
+    from generate_model import build_model
 
     from reviva import RevivaConfig, RevivaManager
 
@@ -118,7 +118,7 @@ def card_part(args: argparse.Namespace) -> dict[str, Any]:
 
 def identity_part(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from bench_generate import build_model
+    from generate_model import build_model
 
     from reviva import RevivaManager
 

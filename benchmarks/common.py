@@ -104,6 +104,11 @@ def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None
     return write_json(path, payload)
 
 
+def cell(x: Any, spec: str) -> str:
+    """A table cell: `x` formatted by `spec`, or '-' when it is None (a figure not measured)."""
+    return "-" if x is None else format(x, spec)
+
+
 def print_table(headers: list[str], rows: list[list[Any]]) -> None:
     """Prints rows as an aligned text table (floats with 2 decimals)."""
 

@@ -18,258 +18,37 @@ it: `write_plot` returns None without it, and the benchmark's JSON stays the pri
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import statistics
 import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_data import (  # noqa: E402
+    ctx_label,
+    finite_number,
+    generate_memory_key,
+    generate_series,
+    result_kind,
+    train_card_gb,
+    train_points,
+)
+from plot_labels import MARKER_HALF_PX, Box, place_labels  # noqa: E402
 
 # Display sizes, in pixels at the figure's dpi (FIG_DPI) and points for text.
 FIG_DPI = 100
 SAVE_DPI = 150
 LABEL_FONT_PT = 7.5
-LABEL_PAD_PX = 6.0  # between a label and its point, and between two labels
-MARKER_HALF_PX = 5.0  # a marker as an obstacle: a square of twice this side (7 pt markers)
-BOUNDS_TRIES = 40  # candidate positions tried inside the axes before one outside is accepted
 # An x value moved by up to this fraction of an octave per contender, so that contenders at one
 # context stand side by side instead of on top of each other.
 DODGE_OCTAVES = 0.06
 FAILED_AT_AXES_Y = 0.04  # a failed call with no value: drawn this far up its panel (axes fraction)
 FOOT_ROOM = 0.12  # ... and the panel is extended down by this fraction so that no point sits there
 HEADROOM = 1.12  # a linear axis from zero ends this much above its largest value
-
-# The peak memory of a generate row, first key present in the result wins: the card-level peak
-# (card mode: the device's used memory, CUDA context and memory outside torch included), else
-# torch's max_memory_allocated (card-mode rows without a sampler; fraction mode's name).
-GENERATE_MEMORY_KEYS = (
-    ("card_peak_used_gb", "peak device memory, GB (card-level: mem_get_info)"),
-    ("max_memory_allocated_gb", "peak allocated, GB (torch)"),
-    ("peak_allocated_gb", "peak allocated, GB (torch)"),
-)
 TRAIN_MEMORY_LABEL = "peak memory, GB (torch allocated + Reviva's arena)"
-
-
-# --- label placement (no matplotlib) --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Box:
-    """A rectangle in display pixels, y up."""
-
-    x0: float
-    y0: float
-    x1: float
-    y1: float
-
-    def overlaps(self, other: Box, gap: float = 0.0) -> bool:
-        """True when the two are closer than `gap` (touching edges do not overlap at gap 0)."""
-        return (
-            self.x0 < other.x1 + gap
-            and other.x0 < self.x1 + gap
-            and self.y0 < other.y1 + gap
-            and other.y0 < self.y1 + gap
-        )
-
-    def inside(self, bounds: Box) -> bool:
-        return (
-            self.x0 >= bounds.x0
-            and self.x1 <= bounds.x1
-            and self.y0 >= bounds.y0
-            and self.y1 <= bounds.y1
-        )
-
-
-def _candidates(
-    anchor: tuple[float, float], size: tuple[float, float], clearance: float, pad: float
-) -> Iterator[Box]:
-    """Positions for a label of `size` beside `anchor` (`clearance` from it sideways), nearest
-    first: centred on the anchor's height to its right, then to its left, then a label's height
-    (and pad) higher, lower, two higher... Endless: above every other label there is room."""
-    (ax, ay), (w, h) = anchor, size
-    for k in itertools.count():
-        dy = (k + 1) // 2 * (h + pad) * (1 if k % 2 else -1)
-        y0 = ay - h / 2 + dy
-        yield Box(ax + clearance, y0, ax + clearance + w, y0 + h)
-        yield Box(ax - clearance - w, y0, ax - clearance, y0 + h)
-
-
-def place_labels(
-    anchors: Sequence[tuple[float, float]],
-    sizes: Sequence[tuple[float, float]],
-    bounds: Box | None = None,
-    obstacles: Sequence[Box] = (),
-    pad: float = LABEL_PAD_PX,
-    clearance: float = MARKER_HALF_PX + LABEL_PAD_PX,
-) -> list[Box]:
-    """Where each label goes: a box of sizes[i] beside anchors[i] that overlaps no box placed
-    before it and no obstacle (each kept `pad` / 2 apart). Labels are placed from the lowest
-    anchor up, each at the first free candidate (`_candidates`) inside `bounds`; when none of
-    the first BOUNDS_TRIES pairs is, at the nearest free one outside. Deterministic: the same
-    input gives the same boxes."""
-    if len(anchors) != len(sizes):
-        raise ValueError(f"{len(anchors)} anchors but {len(sizes)} sizes")
-    placed: dict[int, Box] = {}
-    taken: list[Box] = list(obstacles)
-    for i in sorted(range(len(anchors)), key=lambda i: (anchors[i][1], anchors[i][0], i)):
-        first_free = None
-        for tries, box in enumerate(_candidates(anchors[i], sizes[i], clearance, pad)):
-            free = not any(box.overlaps(t, pad / 2) for t in taken)
-            if free and (bounds is None or box.inside(bounds)):
-                first_free = box
-                break
-            if free and first_free is None:
-                first_free = box
-            if first_free is not None and tries >= 2 * BOUNDS_TRIES:
-                break
-        assert first_free is not None  # the candidates are endless; far enough up is free
-        placed[i] = first_free
-        taken.append(first_free)
-    return [placed[i] for i in range(len(anchors))]
-
-
-# --- what is drawn (no matplotlib) ----------------------------------------------------------------
-
-
-def _number(x: Any) -> float | None:
-    return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
-
-
-def ctx_label(tokens: int) -> str:
-    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
-
-
-def failure(row: dict[str, Any]) -> str | None:
-    """Why a row did not give its figures (OOM, not run, error, incomplete), or None."""
-    if row.get("oom"):
-        return "OOM"
-    if row.get("not_run"):
-        return "not run"
-    if row.get("error"):
-        return "error"
-    if row.get("completed") is False:
-        return "incomplete"
-    return None
-
-
-@dataclass
-class GeneratePoint:
-    """One contender at one context: its completed calls' figures and its failed calls."""
-
-    context: int
-    decode_tok_s: list[float] = field(default_factory=list)
-    memory_gb: list[float] = field(default_factory=list)  # completed calls
-    failed_memory_gb: list[float] = field(default_factory=list)  # failed calls that have one
-    failures: list[str] = field(default_factory=list)  # one reason per failed call
-
-    @property
-    def calls(self) -> int:
-        return len(self.decode_tok_s) + len(self.failures)
-
-    def failure_label(self) -> str | None:
-        """'OOM', or 'OOM 1/3' when other calls completed; reasons joined by ', '."""
-        if not self.failures:
-            return None
-        counts = {reason: self.failures.count(reason) for reason in dict.fromkeys(self.failures)}
-        if len(counts) == 1 and len(self.failures) == self.calls:
-            return self.failures[0]
-        return ", ".join(f"{reason} {n}/{self.calls}" for reason, n in counts.items())
-
-
-@dataclass
-class GenerateSeries:
-    label: str
-    contender: str
-    points: list[GeneratePoint]
-
-
-def generate_memory_key(result: dict[str, Any]) -> tuple[str, str]:
-    """(row key, axis label) of the peak memory drawn for this result (GENERATE_MEMORY_KEYS)."""
-    rows = result.get("runs") or []
-    for key, label in GENERATE_MEMORY_KEYS:
-        if any(_number(r.get(key)) is not None for r in rows):
-            return key, label
-    return GENERATE_MEMORY_KEYS[0]
-
-
-def _series_label(row: dict[str, Any]) -> str:
-    if "mode" in row:  # card mode
-        return f"{row['contender']} ({'card ' + row['card'] if row.get('card') else 'no card'})"
-    budget = row.get("budget")
-    return f"{row['contender']} ({'no budget' if budget in (None, 'none') else budget})"
-
-
-def generate_series(result: dict[str, Any]) -> list[GenerateSeries]:
-    """The result's rows grouped by contender (and card or budget), in the order they first
-    appear, each with one point per context, contexts ascending."""
-    key, _ = generate_memory_key(result)
-    series: dict[str, GenerateSeries] = {}
-    points: dict[tuple[str, int], GeneratePoint] = {}
-    for row in result.get("runs") or []:
-        label = _series_label(row)
-        s = series.setdefault(label, GenerateSeries(label, row["contender"], []))
-        p = points.get((label, row["context"]))
-        if p is None:
-            p = points[(label, row["context"])] = GeneratePoint(row["context"])
-            s.points.append(p)
-        memory, tok_s = _number(row.get(key)), _number(row.get("decode_tok_s"))
-        why = failure(row) or (None if tok_s is not None else "no decode")
-        if why is None:
-            p.decode_tok_s.append(tok_s)
-            if memory is not None:
-                p.memory_gb.append(memory)
-        else:
-            p.failures.append(why)
-            if memory is not None:
-                p.failed_memory_gb.append(memory)
-    for s in series.values():
-        s.points.sort(key=lambda p: p.context)
-    return list(series.values())
-
-
-@dataclass
-class TrainPoint:
-    label: str
-    step_s: float | None
-    memory_gb: float | None
-    failure: str | None  # why it has no point
-
-
-def _train_label(row: dict[str, Any]) -> str:
-    return f"{row['contender']} (no card)" if row.get("mode") == "no_card" else row["contender"]
-
-
-def train_points(result: dict[str, Any]) -> list[TrainPoint]:
-    """One per contender row, in the result's order; growth rows (memory after each of many
-    steps, not a step time) are not points."""
-    out = []
-    for row in result.get("runs") or []:
-        if "growth" in row or row.get("contender") == "growth":
-            continue
-        step_s, memory = _number(row.get("step_s")), _number(row.get("peak_gb"))
-        why = failure(row) or (None if step_s is not None and memory is not None else "no figures")
-        if why == "error" and row.get("error_type"):
-            why = row["error_type"]
-        elif why == "error" and str(row.get("error", "")).startswith("skipped"):
-            why = "skipped"
-        out.append(TrainPoint(_train_label(row), step_s, memory, why))
-    return out
-
-
-def result_kind(result: dict[str, Any]) -> str:
-    """'generate' or 'train', from the rows; ValueError when neither."""
-    rows = result.get("runs") or []
-    if rows and all("context" in r for r in rows):
-        return "generate"
-    if rows and any("step_s" in r or "growth" in r for r in rows):
-        return "train"
-    raise ValueError(
-        "not a bench_generate or bench_train result: its 'runs' have neither 'context' nor "
-        f"'step_s' ({len(rows)} rows)"
-    )
 
 
 def _subtitle(result: dict[str, Any]) -> str:
@@ -458,7 +237,7 @@ def plot_generate(result: dict[str, Any], png_path: Path | str | None = None) ->
             _mark_failure(ax_mem, x, y_mem, colour)
             mem_items.append((x, y_mem, why, colour))
             mem_marks.append((x, y_mem))
-    card_bytes = _number((result.get("settings") or {}).get("card_bytes"))
+    card_bytes = finite_number((result.get("settings") or {}).get("card_bytes"))
     card_gb = None if card_bytes is None else card_bytes / 1e9
     if card_gb is not None:
         ax_mem.axhline(card_gb, color="0.4", ls=(0, (4, 3)), lw=1)
@@ -546,7 +325,7 @@ def plot_train(result: dict[str, Any], png_path: Path | str | None = None) -> Dr
         handles.append(Line2D([], [], marker=marker, color=colour, ls="none", label=p.label))
     settings = result.get("settings") or {}
     card = settings.get("card") if settings.get("mode") == "card" else None
-    card_gb = _train_card_gb(result) if card else None
+    card_gb = train_card_gb(result) if card else None
     if card_gb is not None:
         ax.axvline(card_gb, color="0.4", ls=(0, (4, 3)), lw=1)
         handles.append(Line2D([], [], color="0.4", ls=(0, (4, 3)), label=f"card: {card}"))
@@ -580,15 +359,6 @@ def plot_train(result: dict[str, Any], png_path: Path | str | None = None) -> Dr
     if png_path is not None:
         fig.savefig(png_path, dpi=SAVE_DPI, bbox_inches="tight")
     return drawn
-
-
-def _train_card_gb(result: dict[str, Any]) -> float | None:
-    """The card's size in GB as a card worker's ballast recorded it (bytes), or None."""
-    for row in result.get("runs") or []:
-        ballast = (row.get("device_setup") or {}).get("ballast") or {}
-        if row.get("mode") == "card" and _number(ballast.get("card_bytes")) is not None:
-            return ballast["card_bytes"] / 1e9
-    return None
 
 
 def plot_result(result: dict[str, Any], png_path: Path | str | None = None) -> Drawn:

@@ -18,10 +18,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_generate  # noqa: E402
-import bench_lifetime  # noqa: E402
-import bench_train  # noqa: E402
 import card  # noqa: E402
+import generate_checks  # noqa: E402
+import generate_contenders  # noqa: E402
+import generate_driver  # noqa: E402
+import generate_plan_check  # noqa: E402
+import lifetime_measure  # noqa: E402
+import train_analysis  # noqa: E402
+import train_contenders  # noqa: E402
 
 GB = 10**9
 
@@ -163,7 +167,7 @@ def test_worker_run_killed_at_the_deadline_keeps_earlier_lines(tmp_path: Path) -
 
 
 def test_contender_names() -> None:
-    spec = bench_generate.contender_spec
+    spec = generate_contenders.contender_spec
     assert spec("reviva", "24GB") == {"kind": "reviva", "vram_budget": "24GB"}
     assert spec("reviva_default", None) == {"kind": "reviva", "vram_budget": None}
     assert spec("reviva=23GB", None)["vram_budget"] == "23GB"
@@ -171,7 +175,7 @@ def test_contender_names() -> None:
         spec("reviva", None)
     with pytest.raises(ValueError, match="unknown contender"):
         spec("vllm", "24GB")
-    assert bench_generate.card_label("24GB") == "card24"
+    assert generate_contenders.card_label("24GB") == "card24"
 
 
 def _args(**kw: object) -> object:
@@ -188,12 +192,12 @@ def test_estimates_grow_with_context_and_oom_is_cheap() -> None:
         name = {"reviva": "reviva_default"}.get(kind, kind)
         return {
             "context": ctx,
-            "spec": bench_generate.contender_spec(name, None),
+            "spec": generate_contenders.contender_spec(name, None),
             "card_bytes": card_bytes,
             "calls": 3,
         }
 
-    est = bench_generate.estimate_s
+    est = generate_driver.estimate_s
     a = _args()
     r64, r256 = est(run("reviva", 65536, 24 * GB), a), est(run("reviva", 262144, 24 * GB), a)
     assert 30 < r64 < 90 and 200 < r256 < 400
@@ -221,7 +225,7 @@ def _settings(**kw: object) -> dict:
         "calls_per_worker": 3,
         "card": "24GB",
         "card_label": "card24",
-        "check_contexts": {str(k): v for k, v in bench_generate.CHECK_CONTEXTS.items()},
+        "check_contexts": {str(k): v for k, v in generate_checks.CHECK_CONTEXTS.items()},
         "thresholds": {
             "min_decode_tok_s": 20.0,
             "max_roofline_ratio": 1.1,
@@ -266,7 +270,7 @@ def test_card_64k_check_passes_on_good_figures() -> None:
     # 8 streamed layers at 64k: 8 * 4096 B * 65552 / 55 GB/s = 39 ms, the compute 38.5 ms: the
     # roofline is the transfer; 24 tok/s = 41.7 ms is 1.07x of it.
     rows = _h200_like((4.2, 3.8, 3.85), (24.0, 24.0, 24.0))
-    out = bench_generate.analyse_card(rows, _settings())
+    out = generate_checks.analyse_card(rows, _settings())
     c = out["checks"]["card24_64k"]
     assert c["pass"], json.dumps(c, indent=1)
     assert [x["prefill_limit"] for x in c["calls"]] == [1.15, 1.05, 1.05]
@@ -274,17 +278,17 @@ def test_card_64k_check_passes_on_good_figures() -> None:
 
 
 def test_card_64k_check_fails_on_slow_prefill_decode_or_missing_reference() -> None:
-    slow_first = bench_generate.analyse_card(_h200_like((4.4, 3.8, 3.8), (24,) * 3), _settings())
+    slow_first = generate_checks.analyse_card(_h200_like((4.4, 3.8, 3.8), (24,) * 3), _settings())
     assert not slow_first["checks"]["card24_64k"]["pass"]  # 4.4 > 1.15 * 3.73
-    slow_warm = bench_generate.analyse_card(_h200_like((4.2, 4.0, 3.8), (24,) * 3), _settings())
+    slow_warm = generate_checks.analyse_card(_h200_like((4.2, 4.0, 3.8), (24,) * 3), _settings())
     assert not slow_warm["checks"]["card24_64k"]["calls"][1]["prefill_ok"]  # 4.0 > 1.05 * 3.73
-    slow_decode = bench_generate.analyse_card(_h200_like((3.8,) * 3, (18,) * 3), _settings())
+    slow_decode = generate_checks.analyse_card(_h200_like((3.8,) * 3, (18,) * 3), _settings())
     assert not slow_decode["checks"]["card24_64k"]["calls"][0]["decode_ok"]
     no_hf = [r for r in _h200_like((3.8,) * 3, (24,) * 3) if r["contender"] != "hf"]
-    c = bench_generate.analyse_card(no_hf, _settings())["checks"]["card24_64k"]
+    c = generate_checks.analyse_card(no_hf, _settings())["checks"]["card24_64k"]
     assert not c["pass"] and any("plain HF" in m for m in c["missing"])
     no_compute = [r for r in _h200_like((3.8,) * 3, (24,) * 3) if r["mode"] != "no_card"]
-    c = bench_generate.analyse_card(no_compute, _settings())["checks"]["card24_64k"]
+    c = generate_checks.analyse_card(no_compute, _settings())["checks"]["card24_64k"]
     assert not c["pass"] and any("compute term" in m for m in c["missing"])
 
 
@@ -292,7 +296,7 @@ def test_card_check_fails_on_a_failed_or_missing_call() -> None:
     rows = _h200_like((3.8,) * 3, (24,) * 3)
     rows = [r for r in rows if not (r["mode"] == "card" and r["call"] == 3)]
     rows.append(_row("card", "reviva", 65536, 3, completed=False, oom=True, error="OOM"))
-    c = bench_generate.analyse_card(rows, _settings())["checks"]["card24_64k"]
+    c = generate_checks.analyse_card(rows, _settings())["checks"]["card24_64k"]
     assert not c["pass"] and not c["calls"][2]["ok"]
 
 
@@ -315,13 +319,13 @@ def test_card_256k_roofline_check() -> None:
                 reviva={"streamed_layers": 28},
             )
         )
-    c = bench_generate.analyse_card(rows, _settings())["checks"]["card24_256k"]
+    c = generate_checks.analyse_card(rows, _settings())["checks"]["card24_256k"]
     assert c["pass"], c
     assert 1.0 < c["calls"][0]["ratio_to_roofline"] < 1.1
     # Issue 13: prefill no slower than 60 s, the card's peak within the card, in every call.
     rows[1]["prefill_s"] = 62.9
     rows[3]["card_peak_used_gb"] = 24.2
-    c = bench_generate.analyse_card(rows, _settings())["checks"]["card24_256k"]
+    c = generate_checks.analyse_card(rows, _settings())["checks"]["card24_256k"]
     assert not c["pass"] and "60.0 s" in c["criteria"]
     assert [x["prefill_time_ok"] for x in c["calls"]] == [False, True, True]
     assert [x["peak_within_card"] for x in c["calls"]] == [True, True, False]
@@ -371,19 +375,19 @@ def test_card_512k_check_bounds_the_compute_from_256k_and_compares_prefill() -> 
     (0.05 s a token) bounds the compute at 0.1 s, under the transfer, so the roofline is the
     transfer. Prefill 250 s is 4.03x the 256k call's 62 s (<= 4.4x); 280 s (4.5x) fails."""
     settings = _settings(calls_per_worker=1)
-    c = bench_generate.analyse_card(_long_rows(250.0), settings)["checks"]["card24_512k_bf16"]
+    c = generate_checks.analyse_card(_long_rows(250.0), settings)["checks"]["card24_512k_bf16"]
     assert c["pass"], json.dumps(c, indent=1)
     call = c["calls"][0]
     assert 1.0 < call["ratio_to_roofline"] < 1.1
     assert abs(call["prefill_vs_reference"] - 250 / 62) < 1e-9
-    out = bench_generate.analyse_card(_long_rows(280.0), settings)
+    out = generate_checks.analyse_card(_long_rows(280.0), settings)
     assert not out["checks"]["card24_512k_bf16"]["pass"]
     roof = [r for r in out["rooflines"] if r["context"] == 524288][0]
     assert roof["compute_from"].startswith("bound: no_card reviva_default call 1 at 262144")
-    slow = bench_generate.analyse_card(_long_rows(250.0, tok_s=0.6), settings)
+    slow = generate_checks.analyse_card(_long_rows(250.0, tok_s=0.6), settings)
     assert not slow["checks"]["card24_512k_bf16"]["calls"][0]["roofline_ok"]
     alone = [r for r in _long_rows(250.0) if r["context"] == 524288]
-    c = bench_generate.analyse_card(alone, settings)["checks"]["card24_512k_bf16"]
+    c = generate_checks.analyse_card(alone, settings)["checks"]["card24_512k_bf16"]
     assert not c["pass"] and any("prefill reference" in m for m in c["missing"])
     assert any("compute term" in m for m in c["missing"])
 
@@ -404,16 +408,16 @@ def test_card_512k_fp8_check_against_the_same_runs_bf16() -> None:
         )
     )
     settings = _settings(calls_per_worker=1)
-    c = bench_generate.analyse_card(rows, settings)["checks"]["card24_512k_fp8"]
+    c = generate_checks.analyse_card(rows, settings)["checks"]["card24_512k_fp8"]
     assert c["pass"] and abs(c["calls"][0]["decode_gain"] - 2.2 / 0.8) < 1e-9, c
     rows[-1]["decode_tok_s"] = 1.5  # 1.875x bf16's, but below 2.06 tok/s
-    assert not bench_generate.analyse_card(rows, settings)["checks"]["card24_512k_fp8"]["pass"]
+    assert not generate_checks.analyse_card(rows, settings)["checks"]["card24_512k_fp8"]["pass"]
     rows[-1]["decode_tok_s"] = 1.3  # 1.625x
-    assert not bench_generate.analyse_card(rows, settings)["checks"]["card24_512k_fp8"]["pass"]
+    assert not generate_checks.analyse_card(rows, settings)["checks"]["card24_512k_fp8"]["pass"]
     alone = [r for r in rows if r["contender"] != "reviva"]
-    c = bench_generate.analyse_card(alone, settings)["checks"]["card24_512k_fp8"]
+    c = generate_checks.analyse_card(alone, settings)["checks"]["card24_512k_fp8"]
     assert not c["pass"] and c["missing"]
-    spec = bench_generate.contender_spec("reviva_fp8", "24GB")
+    spec = generate_contenders.contender_spec("reviva_fp8", "24GB")
     assert spec == {"kind": "reviva", "vram_budget": "24GB", "kv_dtype": "fp8"}
 
 
@@ -434,7 +438,7 @@ def test_fp8_speed_checks_at_64k() -> None:
         rows.append(_row("card", "reviva_fp8", 65536, call, prefill_s=pre8, decode_tok_s=tok8))
         rows.append(_row("no_card", "reviva_default", 65536, call, decode_tok_s=whole))
         rows.append(_row("no_card", "reviva_default_fp8", 65536, call, decode_tok_s=whole8))
-    checks = bench_generate.analyse_card(rows, _settings())["checks"]
+    checks = generate_checks.analyse_card(rows, _settings())["checks"]
     card, whole = checks["card24_64k_fp8"], checks["whole_64k_fp8"]
     assert not card["pass"] and [c["ok"] for c in card["calls"]] == [False, False, False]
     assert abs(card["calls"][1]["prefill_vs_bf16"] - 4.08 / 3.79) < 1e-9
@@ -448,13 +452,13 @@ def test_fp8_speed_checks_at_64k() -> None:
                 for x in rows
                 if x["contender"] == "reviva" and x["call"] == r["call"]
             )
-    assert bench_generate.analyse_card(faster, _settings())["checks"]["card24_64k_fp8"]["pass"]
+    assert generate_checks.analyse_card(faster, _settings())["checks"]["card24_64k_fp8"]["pass"]
     slow = [dict(r) for r in rows]
     for r in slow:
         if r["contender"] == "reviva_default_fp8":
             r["decode_tok_s"] = 0.9 * 85.6
-    assert not bench_generate.analyse_card(slow, _settings())["checks"]["whole_64k_fp8"]["pass"]
-    spec = bench_generate.contender_spec("reviva_default_fp8", None)
+    assert not generate_checks.analyse_card(slow, _settings())["checks"]["whole_64k_fp8"]["pass"]
+    spec = generate_contenders.contender_spec("reviva_default_fp8", None)
     assert spec == {"kind": "reviva", "vram_budget": None, "kv_dtype": "fp8"}
 
 
@@ -462,7 +466,7 @@ def test_fp8_speed_checks_at_64k() -> None:
 
 
 def test_train_contender_names() -> None:
-    spec = bench_train.contender_spec
+    spec = train_contenders.contender_spec
     assert spec("reviva_all_min16K")["min_bytes"] == 16 << 10
     assert spec("reviva_8GB")["budget"] == "8GB"
     with pytest.raises(ValueError):
@@ -476,7 +480,7 @@ def test_train_card_check() -> None:
         return {
             "contender": name,
             "mode": mode,
-            "spec": bench_train.contender_spec(name),
+            "spec": train_contenders.contender_spec(name),
             "completed": True,
             **kw,
         }
@@ -487,14 +491,14 @@ def test_train_card_check() -> None:
         r("reviva_all", step_s=0.30, peak_gb=5.3, bytes_offloaded_per_step=14 * GB),
         r("reviva_8GB", step_s=0.2, peak_gb=7.9, budget="8GB", bytes_offloaded_per_step=GB),
     ]
-    info = bench_train.add_rooflines(rows)
+    info = train_analysis.add_rooflines(rows)
     assert info["pinned_copy_gbps_from"] == "DESIGN.md"
-    c = bench_train.train_card_check(rows, "24GB")
+    c = train_analysis.train_card_check(rows, "24GB")
     # roofline: max(0.05, 14/55.3) + max(0.108, 14/55.4) = 0.506 s: 0.30 s is below it
     assert c["offload_all"]["time_ok"] and c["offload_all"]["peak_ok"]
     assert c["offload_all"]["roofline_ok"] and c["budgets"]["reviva_8GB"]["ok"] and c["pass"]
     rows[3]["peak_gb"] = 8.1
-    assert not bench_train.train_card_check(rows, "24GB")["pass"]
+    assert not train_analysis.train_card_check(rows, "24GB")["pass"]
 
 
 # --- bench_lifetime helpers -----------------------------------------------------------------------
@@ -502,18 +506,18 @@ def test_train_card_check() -> None:
 
 def test_snapshot_sees_a_leftover_forward() -> None:
     m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    before = bench_lifetime.module_snapshot(m)
+    before = lifetime_measure.module_snapshot(m)
     m[1].forward = lambda x: x
-    diffs = bench_lifetime.snapshot_differences(before, bench_lifetime.module_snapshot(m))
+    diffs = lifetime_measure.snapshot_differences(before, lifetime_measure.module_snapshot(m))
     assert diffs and diffs[0].startswith("1: forward in __dict__ False -> True")
     del m[1].forward
-    assert not bench_lifetime.snapshot_differences(before, bench_lifetime.module_snapshot(m))
+    assert not lifetime_measure.snapshot_differences(before, lifetime_measure.module_snapshot(m))
 
 
 def test_pinned_figures_skip_traffic_counters() -> None:
     st = {"host_mb": 1.5, "bytes_to_host": 10, "pinned_bytes": 4, "stall_ms": 1.0, "x": True}
-    assert bench_lifetime.pinned_figures(st) == {"host_mb": 1.5, "pinned_bytes": 4}
-    assert bench_lifetime.pinned_in_bytes("host_mb", 1.0) == 1 << 20
+    assert lifetime_measure.pinned_figures(st) == {"host_mb": 1.5, "pinned_bytes": 4}
+    assert lifetime_measure.pinned_in_bytes("host_mb", 1.0) == 1 << 20
 
 
 def test_plan_check_compares_the_plan_with_measured_card_runs() -> None:
@@ -539,14 +543,16 @@ def test_plan_check_compares_the_plan_with_measured_card_runs() -> None:
         )
 
     rows = [card(262144, 62.6, 1.802), card(524288, 234.7, 0.818)]
-    c = bench_generate.plan_check(rows, settings)
+    c = generate_plan_check.plan_check(rows, settings)
     assert c is not None and c["pass"], json.dumps(c, indent=1)
     assert c["plan_1m_fp8"]["fits"] and c["plan_1m_fp8"]["host_bytes"] <= 128 * 2**30
     assert {x["attention_kernel"] for x in c["compared"]} == {"flash"}
-    slow = bench_generate.plan_check([card(262144, 1.3 * 62.1, 1.802, "flash"), rows[1]], settings)
+    slow = generate_plan_check.plan_check(
+        [card(262144, 1.3 * 62.1, 1.802, "flash"), rows[1]], settings
+    )
     assert slow is not None and not slow["pass"] and not slow["compared"][0]["prefill_s_ok"]
     # cuDNN rows are compared with the cuDNN forecast (faster attention than flash's).
-    fast = bench_generate.plan_check([card(262144, 62.6, 1.802, "cudnn")], settings)
+    fast = generate_plan_check.plan_check([card(262144, 62.6, 1.802, "cudnn")], settings)
     assert fast is not None and not fast["pass"] and fast["compared"][0]["prefill_s_error"] < -0.15
     assert any("524288" in m for m in fast["missing"])
-    assert bench_generate.plan_check(rows, _settings(num_layers=4)) is None
+    assert generate_plan_check.plan_check(rows, _settings(num_layers=4)) is None

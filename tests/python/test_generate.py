@@ -827,9 +827,9 @@ def test_prompt_lookup_and_assisted_decoding_identical(pages: int) -> None:
 
 
 def test_store_timeline_records_the_calls_copies() -> None:
-    """The store's timeline (Note [Traces]; benchmarks/diag_phases.py): on by default, each call's
-    own; every fill of a streamed layer is a copy_to_device event whose bytes are that layer's
-    valid tokens. With a capacity of 0 it keeps nothing (and the call has no trace)."""
+    """The store's timeline (Note [Traces]; benchmarks/diagnostics/diag_phases.py): on by default,
+    each call's own; every fill of a streamed layer is a copy_to_device event whose bytes are that
+    layer's valid tokens. With a capacity of 0 it keeps nothing (and the call has no trace)."""
     model = tiny_model("llama", seed=2)
     ids = torch.randint(1, 211, (1, 40), generator=torch.Generator().manual_seed(3))
     manager = RevivaManager(model, RevivaConfig(vram_budget=budget_for(model, 1, 40, 6, 2)))

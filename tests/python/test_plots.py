@@ -32,6 +32,10 @@ def _load_plots() -> Any:
 
 
 plots = _load_plots()
+# (plots.py put benchmarks/ on sys.path: its siblings, where the data and the label placement
+# live, import as themselves)
+import plot_data  # noqa: E402
+import plot_labels  # noqa: E402
 
 GENERATE_RESULTS = [
     "generate-card24-2026-12-02-50eb01c.json",  # card mode; reviva_paged's call 1 out of memory
@@ -148,34 +152,34 @@ def _no_overlaps(boxes: list[Any]) -> list[tuple[int, int]]:
 
 
 def test_labels_at_one_point_are_placed_apart_inside_the_axes() -> None:
-    Box = plots.Box
+    Box = plot_labels.Box
     anchors = [(200.0, 150.0)] * 8 + [(205.0, 152.0), (60.0, 40.0)]
     sizes = [(70.0, 10.0)] * 10
     bounds = Box(0.0, 0.0, 400.0, 300.0)
     markers = [Box(x - 5, y - 5, x + 5, y + 5) for x, y in anchors]
-    boxes = plots.place_labels(anchors, sizes, bounds, markers)
+    boxes = plot_labels.place_labels(anchors, sizes, bounds, markers)
     assert _no_overlaps(boxes) == []
     for box in boxes:
         assert box.inside(bounds)
         assert not any(box.overlaps(m) for m in markers)
-    assert boxes == plots.place_labels(anchors, sizes, bounds, markers)  # deterministic
+    assert boxes == plot_labels.place_labels(anchors, sizes, bounds, markers)  # deterministic
     # Alone, a label stays beside its point at its height.
-    (alone,) = plots.place_labels([(100.0, 100.0)], [(50.0, 10.0)], bounds)
+    (alone,) = plot_labels.place_labels([(100.0, 100.0)], [(50.0, 10.0)], bounds)
     assert alone.x0 > 100.0 and (alone.y0 + alone.y1) / 2 == 100.0
 
 
 def test_labels_leave_the_axes_only_when_there_is_no_room_inside() -> None:
-    Box = plots.Box
+    Box = plot_labels.Box
     bounds = Box(0.0, 0.0, 100.0, 30.0)
-    boxes = plots.place_labels([(50.0, 15.0)] * 4, [(30.0, 10.0)] * 4, bounds)
+    boxes = plot_labels.place_labels([(50.0, 15.0)] * 4, [(30.0, 10.0)] * 4, bounds)
     assert _no_overlaps(boxes) == []
     assert sum(box.inside(bounds) for box in boxes) >= 2
     with pytest.raises(ValueError, match="2 anchors but 1 sizes"):
-        plots.place_labels([(0.0, 0.0)] * 2, [(1.0, 1.0)], bounds)
+        plot_labels.place_labels([(0.0, 0.0)] * 2, [(1.0, 1.0)], bounds)
 
 
 def test_generate_rows_grouped_with_every_failed_call_kept() -> None:
-    series = {s.label: s for s in plots.generate_series(synthetic_generate())}
+    series = {s.label: s for s in plot_data.generate_series(synthetic_generate())}
     assert list(series) == ["reviva (card 24GB)", "hf (card 24GB)", "hf_offload (card 24GB)"]
     assert [p.context for p in series["reviva (card 24GB)"].points] == [16384, 65536, 131072]
     assert [p.failure_label() for p in series["reviva (card 24GB)"].points] == [None] * 3
@@ -184,11 +188,11 @@ def test_generate_rows_grouped_with_every_failed_call_kept() -> None:
     offload = series["hf_offload (card 24GB)"].points
     assert [p.failure_label() for p in offload] == ["OOM 1/3", "not run"]
     assert offload[0].decode_tok_s == [1.3, 1.3]
-    assert plots.generate_memory_key(synthetic_generate())[0] == "card_peak_used_gb"
+    assert plot_data.generate_memory_key(synthetic_generate())[0] == "card_peak_used_gb"
 
 
 def test_train_points_say_why_a_contender_has_none() -> None:
-    points = plots.train_points(synthetic_train())
+    points = plot_data.train_points(synthetic_train())
     assert [(p.label, p.failure) for p in points] == [
         ("plain", None),
         ("reviva_all", None),
@@ -199,10 +203,10 @@ def test_train_points_say_why_a_contender_has_none() -> None:
 
 
 def test_result_kind_from_the_rows() -> None:
-    assert plots.result_kind(synthetic_generate()) == "generate"
-    assert plots.result_kind(synthetic_train()) == "train"
+    assert plot_data.result_kind(synthetic_generate()) == "generate"
+    assert plot_data.result_kind(synthetic_train()) == "train"
     with pytest.raises(ValueError, match="neither 'context' nor 'step_s'"):
-        plots.result_kind({"runs": [{"contender": "x"}]})
+        plot_data.result_kind({"runs": [{"contender": "x"}]})
 
 
 def test_without_matplotlib_the_plot_is_skipped_with_one_line(
@@ -284,7 +288,7 @@ def test_generate_plot_of_a_committed_result(matplotlib: Any, name: str, tmp_pat
     result = json.loads((RESULTS / name).read_text())
     png = tmp_path / "generate.png"
     drawn = plots.plot_generate(result, png)
-    series = plots.generate_series(result)
+    series = plot_data.generate_series(result)
     check_drawn(drawn, [s.label for s in series], png)
     failed = sum(p.failure_label() is not None for s in series for p in s.points)
     assert len(drawn.labels) == 2 * failed  # each failure named in both panels
@@ -295,7 +299,7 @@ def test_train_plot_of_a_committed_result(matplotlib: Any, name: str, tmp_path: 
     result = json.loads((RESULTS / name).read_text())
     png = tmp_path / "train.png"
     drawn = plots.plot_train(result, png)
-    done = [p.label for p in plots.train_points(result) if p.failure is None]
+    done = [p.label for p in plot_data.train_points(result) if p.failure is None]
     check_drawn(drawn, done, png)
     assert sorted(label.get_text() for label in drawn.labels) == sorted(done)
 

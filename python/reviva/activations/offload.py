@@ -299,7 +299,7 @@ class ActivationOffload(SavedTensorHooks, LayerBoundaries, BudgetMode):
         """The model's tensor inputs are the caller's and stay alive through the step: one
         saved for backward (the embedding saves input_ids) is kept, not offloaded, since moving
         it would free nothing and bring a second copy back (H200: 64 KiB over checkpointing's
-        peak for a [4, 2048] batch, benchmarks/diag_ckpt_peak.py)."""
+        peak for a [4, 2048] batch, benchmarks/diagnostics/diag_ckpt_peak.py)."""
         for t in (*args, *kwargs.values()):
             if isinstance(t, torch.Tensor):
                 self._input_ptrs.add(t.untyped_storage().data_ptr())

@@ -33,9 +33,9 @@ log = logging.getLogger("reviva.decode_graphs")  # (the name users filter on)
 # Note [Decode graphs]
 # ~~~~~~~~~~~~~~~~~~~~
 # A decode step is tens of small kernels per layer, each issued by Python: on the H200's host
-# 1.05-1.15 ms per layer (benchmarks/diag_host.py; plain HF 0.94-1.34), about as long as a
-# streamed layer's K/V takes over PCIe at 64k. The host, not the copies, then set the pace, and
-# any noise on it showed as slower decode. So the compute before attention (input norm,
+# 1.05-1.15 ms per layer (benchmarks/diagnostics/diag_host.py; plain HF 0.94-1.34), about as
+# long as a streamed layer's K/V takes over PCIe at 64k. The host, not the copies, then set the
+# pace, and any noise on it showed as slower decode. So the compute before attention (input norm,
 # projections, q/k norms, RoPE) and after it (o_proj, residual, MLP) is captured as two CUDA
 # graphs per layer and replayed (0.20-0.26 ms per layer on the same host); what changes from
 # step to step stays outside them: the K/V write into the store and the attention over a length

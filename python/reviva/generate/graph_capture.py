@@ -20,9 +20,9 @@ from torch import nn
 # side stream per manager, each new manager's captures could take one more workspace that stays
 # allocated, so a later call's plan (its baseline: torch's allocated bytes) would have less room
 # than the first's. One capture stream per device and thread serves every manager instead.
-# Measured on the H200 with it (c53e840, benchmarks/diag_leftover.py): four calls, the fourth on a
-# new manager, leave 0.1 MB more allocated once their outputs are dropped; the per-manager stream
-# it replaces was not measured.
+# Measured on the H200 with it (c53e840, benchmarks/diagnostics/diag_leftover.py): four calls,
+# the fourth on a new manager, leave 0.1 MB more allocated once their outputs are dropped; the
+# per-manager stream it replaces was not measured.
 _capture_streams = threading.local()
 
 

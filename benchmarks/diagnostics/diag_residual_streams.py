@@ -3,7 +3,8 @@
 copies on the compute stream (the path until fd28304, kept here as the reference): an A/B in one
 process (a diagnostic).
 
-    python benchmarks/diag_residual_streams.py [--context 131072] [--rounds 2] [--out DIR]
+    python benchmarks/diagnostics/diag_residual_streams.py [--context 131072] [--rounds 2]
+        [--out DIR]
 
 Card mode (24 GB, torch's default allocator), Llama-3-8B shape, bf16, RevivaConfig(
 vram_budget="24GB", prefill_residual="host"), 2 new tokens; a warm-up call, then the variants
@@ -24,10 +25,10 @@ import torch
 
 import reviva
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import build_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from card import prepare_device  # noqa: E402
 from common import environment, write_result  # noqa: E402
+from generate_model import build_model  # noqa: E402
 
 
 def on_compute_stream(path: Any) -> Any:

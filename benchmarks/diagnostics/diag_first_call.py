@@ -1,6 +1,6 @@
 """Where the host time of a first generate goes, against the second (a diagnostic).
 
-    python benchmarks/diag_first_call.py [--out DIR] [--new-tokens N] [--shape 8b|32b]
+    python benchmarks/diagnostics/diag_first_call.py [--out DIR] [--new-tokens N] [--shape 8b|32b]
 
 Card mode as bench_generate runs it (24 GB, default allocator), Llama-3-8B shape, bf16, 64k
 prompt, RevivaConfig(vram_budget="24GB"); or (--shape 32b) as bench_weights' card24_32b runs it:
@@ -25,9 +25,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import reviva
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import build_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from card import prepare_device  # noqa: E402
+from generate_model import build_model  # noqa: E402
 
 
 def summary(prof: Any, wall_ms: float) -> dict[str, Any]:

@@ -3,7 +3,8 @@ fetches alternating) must give the same logits bit for bit. It fails today (benc
 "Two runs of one generate call in one process can differ"): prints each run's stats fields that
 differ (times aside) and each pair's relative logits difference per step, then asserts.
 Reproduce on a GPU (~15 s):
-    cd tests/python && python -m pytest -s -m gpu ../../benchmarks/repro_repeated_calls.py
+    cd tests/python
+    python -m pytest -s -m gpu ../../benchmarks/diagnostics/repro_repeated_calls.py
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "python"))
 from test_generate import budget_keeping, gpu_mistral_512  # noqa: E402
 
 from reviva import RevivaConfig, RevivaManager  # noqa: E402

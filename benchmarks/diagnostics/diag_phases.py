@@ -1,6 +1,6 @@
 """Where a 64k generate on a 24 GB card spends its time, call 1 against call 2 (a diagnostic).
 
-    python benchmarks/diag_phases.py [--out DIR]
+    python benchmarks/diagnostics/diag_phases.py [--out DIR]
 
 Card mode as bench_generate runs it (a ballast leaves 24 GB, default allocator), Llama-3-8B
 shape, bf16, 64k prompt, 32 new tokens, RevivaConfig(vram_budget="24GB"), two calls in one
@@ -28,9 +28,9 @@ import torch
 import reviva
 import reviva.generate.call
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import build_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from card import CallTimer, CardSampler, prepare_device  # noqa: E402
+from generate_model import build_model  # noqa: E402
 
 LAYERS = 32
 FIRST_STEPS = 12  # decode steps taken apart layer by layer

@@ -1,7 +1,7 @@
 """The host's share of a decode step (a diagnostic): how long the host takes to issue one decoder
 layer of a decode step, plain HF against Reviva (all layers resident, and some streamed).
 
-    python benchmarks/diag_host.py [--out DIR] [--profile]
+    python benchmarks/diagnostics/diag_host.py [--out DIR] [--profile]
 
 Reviva with CUDA graphs for decode (Note [Decode graphs]) and without. A Llama-layout model of
 32 layers, small enough (hidden 1024) that the device finishes each
@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import reviva
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import environment  # noqa: E402
 
 LAYERS, NEW = 32, 64

@@ -15,7 +15,8 @@ and its own, bottom-right causal), summed over the prompt, for several chunk siz
   shapes; K/V heads expanded when cuDNN refuses grouped heads);
 - `whole`: one causal call over the whole prompt (the no-card ideal, same FLOPs).
 
-    python benchmarks/diag_prefill_attention.py [--context 262144] [--chunks 3584,8192,22272]
+    python benchmarks/diagnostics/diag_prefill_attention.py [--context 262144]
+        [--chunks 3584,8192,22272]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import print_table, write_result  # noqa: E402
 
 from reviva.cache.block_attention import merge  # noqa: E402

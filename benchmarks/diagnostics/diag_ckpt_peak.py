@@ -1,7 +1,7 @@
 """What is alive at the peak of a training step under HF gradient checkpointing, with and without
 activation offload (a diagnostic for test_gpu_gradient_checkpointing_identical).
 
-    python benchmarks/diag_ckpt_peak.py [--out DIR]
+    python benchmarks/diagnostics/diag_ckpt_peak.py [--out DIR]
 
 The test's setup (a tiny Llama, bf16, eager attention, non-reentrant checkpointing, batch 4 x
 2048, autocast, ActivationOffload(min_bytes=64 KiB)). torch's allocator history is recorded for
@@ -24,7 +24,7 @@ import torch
 
 import reviva
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "python"))
 from test_training import tiny_llama  # noqa: E402
 
 

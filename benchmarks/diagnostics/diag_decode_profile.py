@@ -11,8 +11,8 @@ each also decodes --new tokens unprofiled (decode_tok_s_unprofiled). With --host
 side too: cProfile over the same two calls, each function's own time per decode step (the host
 work between the device's kernels: HF's generate loop, the layers' Python, the replays' launches).
 
-    python benchmarks/diag_decode_profile.py [--tokens 65536] [--new 16] [--runs auto,fp8,fp8_hf]
-                                             [--host] [--out DIR]
+    python benchmarks/diagnostics/diag_decode_profile.py [--tokens 65536] [--new 16]
+        [--runs auto,fp8,fp8_hf] [--host] [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import build_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import environment  # noqa: E402
+from generate_model import build_model  # noqa: E402
 
 IDLE_SPLIT_US = 20.0  # a device idle gap shorter than this: between two kernels of a graph
 

@@ -1,6 +1,6 @@
 """First-call cost of the whole-prompt attention at 64k, per K/V layout (a diagnostic).
 
-    python benchmarks/diag_sdpa_first_call.py strided|contiguous|flash
+    python benchmarks/diagnostics/diag_sdpa_first_call.py strided|contiguous|flash
 
 Run each layout in a fresh process (the first call in a process pays what the attention
 library builds once). strided: the keys and values as views of Reviva's token-major K/V rows
@@ -13,7 +13,7 @@ contiguous 0.12 s then 0.06 s, flash 0.12 s then 0.10 s
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import torch
@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 
 def main() -> None:
-    mode = sys.argv[1] if len(sys.argv) > 1 else ""
-    if mode not in ("strided", "contiguous", "flash"):
-        raise SystemExit(f"usage: diag_sdpa_first_call.py strided|contiguous|flash, got {mode!r}")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("layout", choices=("strided", "contiguous", "flash"))
+    mode = parser.parse_args().layout
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     tokens, heads, kv_heads, head_dim = 65536, 32, 8, 128

@@ -7,7 +7,7 @@ in fp32; and the chunks' forward alone. The whole call and the two-call chunks a
 SDPA's cuDNN and flash backends forced. Prints each variant's time (the second of two runs, the
 device synchronized), torch's peak allocated memory, and the kernel SDPA chooses.
 
-    python benchmarks/diag_attention_chunks.py TOKENS CHUNK      e.g. 65536 4096
+    python benchmarks/diagnostics/diag_attention_chunks.py TOKENS CHUNK      e.g. 65536 4096
 
 Results: benchmarks/results/attention-chunks-h200-2026-12-07-0c15a95.json (Note [Layers by chunks
 of query tokens] in python/reviva/train/chunked_layer.py).
@@ -15,7 +15,7 @@ of query tokens] in python/reviva/train/chunked_layer.py).
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from collections.abc import Callable
 
@@ -32,7 +32,13 @@ SCALE = HEAD_DIM**-0.5
 
 
 def main() -> None:
-    tokens, chunk = int(sys.argv[1]), int(sys.argv[2])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("tokens", type=int, help="the sequence's length, e.g. 65536")
+    parser.add_argument("chunk", type=int, help="query tokens a chunk, e.g. 4096")
+    args = parser.parse_args()
+    tokens, chunk = args.tokens, args.chunk
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(1, HEADS, tokens, HEAD_DIM, device=dev, dtype=dt)
     k = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, device=dev, dtype=dt)
