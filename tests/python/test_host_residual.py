@@ -280,7 +280,6 @@ def test_a_plan_never_pins_more_than_the_host_can_give(monkeypatch: pytest.Monke
     pool's unused pinned bytes): past it the call is refused with the numbers, before any work,
     instead of pushing the machine into swap."""
     import reviva.plan.memory_state as memory_state
-    import reviva.plan.planner as planner
 
     model = tiny_model("llama", seed=9)
     ids = torch.randint(1, 211, (1, 150), generator=torch.Generator().manual_seed(1))
@@ -291,7 +290,7 @@ def test_a_plan_never_pins_more_than_the_host_can_give(monkeypatch: pytest.Monke
     st = manager.get_memory_stats()
     assert st["streamed_layers"] > 0
     reviva.release_pinned_memory()  # nothing cached in the pool: the system alone counts
-    host = planner.host_state(manager.pool)
+    host = memory_state.host_state(manager.pool)
     assert host is not None and host.available <= host.system_available - (1 << 30)
     monkeypatch.setattr(memory_state, "_mem_available", lambda: (1 << 30) + 1000)
     with pytest.raises(reviva.RevivaOutOfMemoryError, match=r"pinned host memory .* host can give"):

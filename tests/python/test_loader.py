@@ -50,7 +50,7 @@ def test_a_saved_folder_loads_layer_by_layer_and_gives_hfs_tokens(
     assert st.weights_streamed, st.summary()
     # every decoder layer's weights filled into the manager's WeightStore (its pinned host
     # blocks on a GPU), equal to the saved model's
-    assert model.reviva.weights.streamed.num_layers == len(ref_model.model.layers)
+    assert model.reviva.weights.num_layers == len(ref_model.model.layers)
     for mine, theirs in zip(model.model.layers, ref_model.model.layers, strict=True):
         for (name, p), q in zip(mine.named_parameters(), theirs.parameters(), strict=True):
             assert not p.is_meta and torch.equal(p.detach().cpu(), q.detach()), name

@@ -369,7 +369,7 @@ def test_from_pretrained_keeps_the_model_real_and_close_gives_it_back(tmp_path: 
     ref = saved.generate(ids, **kw)
     reference = snapshot(saved)
     model = reviva.from_pretrained(str(tmp_path), dtype=torch.float32, device="cpu")
-    assert model.reviva.weights.host_embedding is not None
+    assert model.reviva.host_embedding is not None
     assert_the_model_is_real(model, reference, "loaded")
     assert torch.equal(model.generate(ids, **kw), ref)
     with model.reviva:

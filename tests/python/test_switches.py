@@ -11,7 +11,7 @@ import re
 import pytest
 
 from reviva import switches, trace
-from reviva.plan import planner
+from reviva.cache import window_rings
 
 PACKAGE = pathlib.Path(switches.__file__).parent
 
@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(switches.__file__).parent
 @pytest.mark.parametrize("word", ["0", "false", "off", "no", "OFF", "False", " no "])
 def test_off_reads_alike(monkeypatch: pytest.MonkeyPatch, word: str) -> None:
     monkeypatch.setenv("REVIVA_WINDOW_RINGS", word)
-    assert planner.rings_wanted() is False
+    assert window_rings.rings_wanted() is False
     monkeypatch.setenv("REVIVA_PROGRESS", word)
     assert trace.PrefillProgress.wanted(True, 1 << 20) is True  # (an explicit True: the caller's)
     assert trace.PrefillProgress.wanted("auto", 1 << 20) is False
@@ -33,7 +33,7 @@ def test_on_and_unset_read_alike(monkeypatch: pytest.MonkeyPatch, word: str | No
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, word)
-    assert planner.rings_wanted() and switches.fetch_windows() and switches.share_prompt()
+    assert window_rings.rings_wanted() and switches.fetch_windows() and switches.share_prompt()
 
 
 @pytest.mark.parametrize("word", ["2", "disable", "of"])
@@ -64,7 +64,7 @@ def test_valued_switches(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_environment_is_read_in_switches_alone() -> None:
     """No other module of the package reads os.environ or os.getenv."""
     readers = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         if path.name == "switches.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -139,7 +139,7 @@ def test_every_switch_is_read_by_the_package() -> None:
         if isinstance(f, ast.FunctionDef) and f.name not in ("flag", "check_all")
     }
     called = set()
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         if path.name == "switches.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
