@@ -3,8 +3,11 @@
 
 #include <reviva/arena_device_allocator.h>
 #include <reviva/backend.h>
+#include <reviva/checksum.h>
 #include <reviva/device_allocator.h>
 #include <reviva/device_arena.h>
+#include <reviva/disk_file.h>
+#include <reviva/disk_store.h>
 #include <reviva/error.h>
 #include <reviva/eviction_policy.h>
 #include <reviva/host_attention.h>

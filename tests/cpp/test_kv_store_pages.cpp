@@ -110,7 +110,9 @@ struct PagedRig {
     void* buffer = store->acquire(layer, *compute);
     const std::size_t first = store->length(layer);
     auto& e = expected[static_cast<std::size_t>(layer)];
-    if (check && first > 0) ASSERT_EQ(download(*staging, *compute, buffer, first * kTokenBytes), e);
+    if (check && first > 0) {
+      ASSERT_EQ(download(*staging, *compute, buffer, first * kTokenBytes), e);
+    }
     if (count > 0) {
       store->reserve(layer, first + count);
       std::vector<std::uint8_t> bytes = random_bytes(count * kTokenBytes, seed * 7);
