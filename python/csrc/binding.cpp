@@ -20,6 +20,7 @@ void bind_manager(py::module_& m);                                          // m
 void bind_kv_store(py::module_& m);                                         // kv_store.cpp
 void bind_weight_store(py::module_& m);                                     // weight_store.cpp
 void bind_row_ops(py::class_<Runtime, std::shared_ptr<Runtime>>& runtime);  // row_ops.cpp
+void bind_disk(py::module_& m);                                             // disk.cpp
 
 namespace {
 
@@ -493,6 +494,7 @@ PYBIND11_MODULE(_C, m) {
       py::exception<OutOfMemory>(m, "RevivaOutOfMemoryError", PyExc_MemoryError).ptr();
   static PyObject* backend_error =
       py::exception<BackendError>(m, "RevivaBackendError", base_error).ptr();
+  static PyObject* disk_error = py::exception<DiskError>(m, "RevivaDiskError", base_error).ptr();
   // Local: applies to exceptions from this module only, never to those of torch or others.
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
@@ -503,6 +505,8 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(oom_error, e.what());
     } catch (const BackendError& e) {
       PyErr_SetString(backend_error, e.what());
+    } catch (const DiskError& e) {
+      PyErr_SetString(disk_error, e.what());
     } catch (const Error& e) {
       PyErr_SetString(base_error, e.what());
     }
@@ -547,6 +551,7 @@ PYBIND11_MODULE(_C, m) {
            "host work and no synchronization.")
       .def("__repr__", &Runtime::repr);
   bind_row_ops(runtime);
+  bind_disk(m);
 
   py::class_<PinnedHostPool, std::shared_ptr<PinnedHostPool>>(m, "PinnedHostPool")
       .def(py::init([](const std::shared_ptr<Runtime>& rt, std::size_t capacity_bytes,

@@ -17,6 +17,7 @@ from reviva._C import (  # noqa: F401  (re-exported API)
     PinnedHostPool,
     PrefetchScheduler,
     RevivaBackendError,
+    RevivaDiskError,
     RevivaError,
     RevivaOutOfMemoryError,
     Runtime,
@@ -27,6 +28,8 @@ from reviva._C import (  # noqa: F401  (re-exported API)
 )
 from reviva._C import version as _core_version
 from reviva.activations.offload import ActivationOffload, offload_activations
+from reviva.cache.saved import SavedCache, SavedCacheError
+from reviva.cache.saved import load as load_cache
 from reviva.config import RevivaConfig
 from reviva.generate.loader import from_pretrained
 from reviva.resources import (
@@ -127,6 +130,10 @@ __all__ = [
     "Finetune",
     "FinetuneOutOfMemoryError",
     "parse_bytes",
+    "load_cache",
+    "RevivaDiskError",
+    "SavedCache",
+    "SavedCacheError",
 ]
 
 

@@ -25,11 +25,12 @@ def test_the_guide_has_its_four_parts() -> None:
 
 
 def test_the_readme_is_a_users_page() -> None:
-    """Short enough to read (under ~250 lines), the two commands first, and no development
+    """Short enough to read (under ~260 lines: a saved cache's snippet took the last ten), the two
+    commands first, and no development
     history: measurements live in benchmarks/README.md, design in docs/."""
     text = README.read_text()
     lines = text.splitlines()
-    assert len(lines) <= 250, f"README.md is {len(lines)} lines"
+    assert len(lines) <= 260, f"README.md is {len(lines)} lines"
     first = re.search(r"```bash\n(.*?)```", text, re.S)
     assert first is not None and [x.split()[0] for x in first.group(1).splitlines()] == [
         "scripts/demo",
@@ -45,7 +46,7 @@ def test_the_guide_runs_as_written(tmp_path: pathlib.Path) -> None:
         [sys.executable, "-c", python], cwd=tmp_path, capture_output=True, text=True, timeout=900
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert "layers streamed in prefill" in run.stdout and "generate-trace.json" in run.stdout
+    assert "generate-trace.json" in run.stdout and (tmp_path / "prompt.rkv").stat().st_size > 0
     assert "bytes of activations went to the host" in run.stdout
     for lang, code in snippets():
         if lang != "bash":

@@ -55,6 +55,7 @@ def test_public_names_are_the_package_exports() -> None:
     assert reviva.Finetune.__module__ == "reviva.train.finetune"
     assert reviva.ActivationOffload.__module__ == "reviva.activations.offload"
     assert reviva.RevivaOffloadCallback.__module__ == "reviva.activations.hf_trainer"
+    assert reviva.SavedCache.__module__ == reviva.load_cache.__module__ == "reviva.cache.saved"
 
 
 @pytest.mark.parametrize("command", ["demo", "transfers", "plan"])

@@ -20,6 +20,7 @@ from reviva import switches
 from reviva.adapters import DecoderLayout
 from reviva.cache.fp8 import row_bytes as fp8rows_width
 from reviva.cache.kv_cache import RevivaCache
+from reviva.cache.saved import SavedCache
 from reviva.config import RevivaConfig
 from reviva.hf_versions import pop_cache
 from reviva.plan.call_plan import Plan
@@ -95,7 +96,11 @@ def read_call(layout: DecoderLayout, inputs: Any, kwargs: dict[str, Any]) -> Cal
             # turn: HF runs the whole prompt into it, as into the cache it makes itself; the
             # call's own cache holds its K/V and is the one returned: Note [A returned cache])
             past = None
-    continued = None if past is None else parked_of(layout, past, shape, embeds is not None)
+    continued = (
+        None
+        if past is None
+        else parked_of(layout, past, shape, embeds is not None, inputs if embeds is None else None)
+    )
     if kwargs.get("cache_implementation") is not None:
         # (transformers takes cache_implementation from a fixed list, with no registry to
         # add one to: the manager supplies its cache itself, as past_key_values)
@@ -278,17 +283,28 @@ def check_host_residual(
         )
 
 
-def parked_of(layout: DecoderLayout, past: Any, shape: tuple[int, ...], embeds: bool) -> Parked:
+def parked_of(
+    layout: DecoderLayout,
+    past: Any,
+    shape: tuple[int, ...],
+    embeds: bool,
+    ids: torch.Tensor | None = None,
+) -> Parked:
     """Note [A returned cache] (cache/returned.py): the K/V of a cache to continue from, per layer
     [batch, kv_heads, tokens, D] (fp8 rows for an fp8 RevivaCache), whether fp8, and its
-    tokens; raises naming what does not fit the model or the call."""
+    tokens; raises naming what does not fit the model or the call (a saved cache's model and
+    first tokens too, against the call's token ids `ids`)."""
     lay = layout
     if embeds:
         raise ValueError(
             "RevivaManager.generate: past_key_values with inputs_embeds is not supported; "
             "continue from the cache with token ids"
         )
-    if isinstance(past, RevivaCache):
+    if isinstance(past, SavedCache):
+        # Note [Saved caches] (cache/saved.py): the model and the prompt's first tokens checked
+        past.check(lay.model, ids)
+        parked, fp8, length = past.parked, past.fp8, past.parked_length
+    elif isinstance(past, RevivaCache):
         if past.parked is None:
             raise ValueError(
                 "RevivaManager.generate: the RevivaCache passed as past_key_values holds no "
@@ -326,7 +342,8 @@ def parked_of(layout: DecoderLayout, past: Any, shape: tuple[int, ...], embeds: 
     else:
         raise ValueError(
             "RevivaManager.generate: past_key_values must be a cache a RevivaManager call "
-            "returned (return_dict_in_generate=True) or an HF Cache with keys and values per "
+            "returned (return_dict_in_generate=True), one reviva.load_cache read back, or an "
+            "HF Cache with keys and values per "
             f"layer (e.g. DynamicCache), got {type(past).__name__}"
         )
     if len(parked) != lay.num_layers:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from reviva.adapters import DecoderLayout, base_model_of, inspect_model
+from reviva.cache import saved
 from reviva.cache.block_attention import resolve_kernel
 from reviva.cache.kv_cache import RevivaCache
 from reviva.cache.window_rings import rings_wanted
@@ -402,6 +403,50 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
         with self._generate_lock:
             self._check_open()
             return self._generate(inputs, kwargs)
+
+    def save_cache(
+        self,
+        cache_or_output: Any,
+        path: str | os.PathLike[str],
+        *,
+        input_ids: torch.Tensor | None = None,
+        overwrite: bool = False,
+    ) -> int:
+        """Writes a call's K/V to `path` (Note [Saved caches] in cache/saved.py), for another
+        process to continue from: `reviva.load_cache(path)` reads it back, and `generate(ids,
+        past_key_values=loaded)` continues from it when `ids` starts with the tokens it holds.
+        `cache_or_output` is a generate output (return_dict_in_generate=True: its sequences say
+        which tokens the cache holds) or the cache it returned, then with `input_ids` (those
+        tokens, [batch, >= the cache's length]). Returns the file's size in bytes."""
+        self._check_open()
+        cache = cache_or_output
+        if not isinstance(cache_or_output, RevivaCache):
+            cache = getattr(cache_or_output, "past_key_values", None) or getattr(
+                cache_or_output, "cache", None
+            )
+            if input_ids is None:
+                input_ids = getattr(cache_or_output, "sequences", None)
+        if not isinstance(cache, RevivaCache) or cache.parked is None:
+            raise ValueError(
+                "RevivaManager.save_cache: needs a cache a call returned (generate(..., "
+                "return_dict_in_generate=True)) or that call's output, got "
+                f"{type(cache_or_output).__name__}"
+            )
+        length = cache.parked_length
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(
+                "RevivaManager.save_cache: the tokens the cache holds are needed: pass the "
+                "call's output, or input_ids=[batch, tokens]"
+            )
+        rows = cache.parked[0][0].shape[0]
+        if input_ids.shape[0] != rows or input_ids.shape[1] < length:
+            raise ValueError(
+                f"RevivaManager.save_cache: input_ids of shape {tuple(input_ids.shape)} for a "
+                f"cache of {rows} rows and {length} tokens"
+            )
+        return saved.save(
+            self.layout.model, cache.parked, cache.fp8, input_ids[:, :length], path, overwrite
+        )
 
     def close(self) -> None:
         """Gives the model back as it was: every parameter and buffer where it was before this
