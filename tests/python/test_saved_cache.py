@@ -49,6 +49,8 @@ def test_a_saved_cache_continues_as_the_returned_one(
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     assert not list(tmp_path.glob(".*.tmp"))  # (written under a temporary name, renamed)
     loaded = reviva.load_cache(path, model)
+    # (opening reads the header and the tokens alone: the layers are read by the call)
+    assert loaded.parked.file.counters()["bytes_read"] == loaded.token_ids.numel() * 8
     assert loaded.get_seq_length() == out.past_key_values.get_seq_length()
     assert torch.equal(loaded.token_ids, out.sequences[:, : loaded.parked_length])
     for (k, v), (k0, v0) in zip(loaded.parked, out.past_key_values.parked, strict=True):
@@ -150,13 +152,25 @@ def test_a_truncated_or_damaged_file_is_refused(tmp_path: Path) -> None:
         p.write_bytes(body)
         return p
 
+    # a damaged layer is found when a call reads it: the call raises naming it, and the manager
+    # goes on (the intact file continues)
+    flipped = bytearray(data)
+    flipped[start + sec["offset"] + 7] ^= 0x40
+    damaged = reviva.load_cache(variant("flip.rkv", bytes(flipped)))
+    with pytest.raises(SavedCacheError, match=r"section layer1.v is damaged: .*checksum 0x"):
+        manager.generate(more, past_key_values=damaged, **KW)
+    good = manager.generate(more, past_key_values=reviva.load_cache(path), **KW)
+    assert torch.equal(
+        good.sequences, manager.generate(more, past_key_values=out.past_key_values, **KW).sequences
+    )
     cut = variant("cut.rkv", data[: start + sec["offset"] + 100])
     with pytest.raises(SavedCacheError, match=r"is truncated: \d+ bytes of the \d+"):
         reviva.load_cache(cut)
+    tokens = next(s for s in header["sections"] if s["name"] == "tokens")
     flipped = bytearray(data)
-    flipped[start + sec["offset"] + 7] ^= 0x40
-    with pytest.raises(SavedCacheError, match=r"section layer1.v is damaged: .*checksum 0x"):
-        reviva.load_cache(variant("flip.rkv", bytes(flipped)))
+    flipped[start + tokens["offset"] + 3] ^= 0x01
+    with pytest.raises(SavedCacheError, match=r"section tokens is damaged: .*checksum 0x"):
+        reviva.load_cache(variant("flip-tokens.rkv", bytes(flipped)))
     head = bytearray(data)
     head[PREAMBLE.size + 20] ^= 0x01
     with pytest.raises(SavedCacheError, match="its header is damaged"):

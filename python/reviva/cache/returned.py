@@ -6,6 +6,7 @@ cache's parked, parked_length and parked_bytes (and, through write, the store).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -114,7 +115,7 @@ class ReturnedCache:
         return host
 
     def load_parked(
-        self, parked: list[tuple[torch.Tensor, torch.Tensor]], fp8: bool, length: int = 0
+        self, parked: Sequence[tuple[torch.Tensor, torch.Tensor]], fp8: bool, length: int = 0
     ) -> None:
         """Note [A returned cache]: writes a parked cache's tokens ([batch, kv_heads, tokens, D]
         per layer; fp8 rows when `fp8`) into this empty cache, layer by layer. A layer holding

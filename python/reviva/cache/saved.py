@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,13 @@ from reviva._C import DiskFile, RevivaDiskError, crc32c
 # or foreign file), the file's size against the sections (a truncated one); then each block's
 # checksum as it is read. A call continuing from the loaded cache checks the model (class,
 # dtype, config, a sample of the weights: Fingerprint) and that its prompt starts with the
-# tokens the cache holds; each difference is refused by name. The sections are read into pinned
-# host memory (where CUDA is there), straight from the disk where their memory is aligned, else
-# through the DiskFile's staging blocks: never through a pageable copy of the whole cache. The
-# call then writes them into its own tiers as it does a returned cache's.
+# tokens the cache holds; each difference is refused by name. The call then reads the layers one
+# at a time (SavedLayers), each into new pinned host memory (where CUDA is there; straight from
+# the disk where that memory is aligned, else through the DiskFile's staging blocks), and writes
+# it into its own tiers as it does a returned cache's layers before dropping it: the whole cache
+# is never held twice, nor copied through pageable memory. A damaged section raises then, naming
+# it, and the call gives back what it took as after any failure. The file stays open while the
+# SavedCache lives, so it can be continued from any number of times.
 
 MAGIC = b"REVIVAKV"
 VERSION = 1
@@ -98,16 +102,57 @@ class Fingerprint:
         return out
 
 
+class SavedLayers(Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    """A saved cache's layers, read from its file when asked for: layers[i] is layer i's
+    (K, V) as a returned cache parks them, in new pinned host memory (where CUDA is there) that
+    the caller drops once it has written them into its tiers; each block's checksum is checked
+    as it is read (SavedCacheError naming the section)."""
+
+    def __init__(self, path: str, file: DiskFile, start: int, sections: list[dict[str, Any]]):
+        self.path, self.file, self.start, self.sections = path, file, start, sections
+
+    def __len__(self) -> int:
+        return len(self.sections) // 2
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        """Layer i's K shape, without reading it."""
+        return tuple(self.sections[2 * i]["shape"])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"layer {i} of a saved cache of {len(self)} layers")
+        i %= len(self)
+        k, v = (
+            _read(self.path, self.file, self.start, s) for s in self.sections[2 * i : 2 * i + 2]
+        )
+        return k, v
+
+
+def _read(path: str, file: DiskFile, start: int, s: dict[str, Any]) -> torch.Tensor:
+    t = torch.empty(
+        s["shape"], dtype=getattr(torch, s["dtype"]), pin_memory=torch.cuda.is_available()
+    )
+    if s["bytes"]:
+        try:
+            file.read(
+                t.view(-1).view(torch.uint8),
+                start + s["offset"],
+                [int(c, 16) for c in s["checksums"]],
+            )
+        except RevivaDiskError as e:
+            raise SavedCacheError(f"{path}: section {s['name']} is damaged: {e}") from e
+    return t
+
+
 @dataclass
 class SavedCache:
-    """A saved cache read back (load): RevivaManager.generate(..., past_key_values=it)
-    continues from it. Its K/V per layer as a returned cache parks them, in pinned host memory
-    where CUDA is there."""
+    """A saved cache opened (load): RevivaManager.generate(..., past_key_values=it) continues
+    from it, reading each layer from the file as the call writes it into its own tiers."""
 
     path: str
     fingerprint: Fingerprint
     token_ids: torch.Tensor  # [batch, tokens] int64: the tokens whose K/V it holds
-    parked: list[tuple[torch.Tensor, torch.Tensor]]
+    parked: SavedLayers
     fp8: bool
 
     @property
@@ -229,8 +274,9 @@ def save(
 
 
 def load(path: str | os.PathLike[str], model: torch.nn.Module | None = None) -> SavedCache:
-    """Note [Saved caches]: the cache saved in `path`, its K/V in pinned host memory (where CUDA
-    is there). With `model`, refuses at once a model other than the one it was saved from."""
+    """Note [Saved caches]: the cache saved in `path`, opened: its header and tokens read and
+    checked, its layers read when a call continuing from it writes them. With `model`, refuses
+    at once a model other than the one it was saved from."""
     path = str(path)
     size = os.path.getsize(path)
     with open(path, "rb") as raw:
@@ -243,10 +289,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module | None = None) -> 
                 f"{path} is a saved cache of format {version}; this Reviva reads format {VERSION}"
             )
         text = raw.read(nbytes) if nbytes <= size else b""
-    if (
-        len(text) != nbytes
-        or crc32c(torch.frombuffer(bytearray(text), dtype=torch.uint8)) != crc
-    ):
+    if len(text) != nbytes or crc32c(torch.frombuffer(bytearray(text), dtype=torch.uint8)) != crc:
         raise SavedCacheError(f"{path}: its header is damaged or cut short (checksum)")
     header = json.loads(text)
     data_start = _round(PREAMBLE.size + nbytes)
@@ -263,19 +306,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module | None = None) -> 
                 f"the cache in {path} was saved from another model: " + "; ".join(diff)
             )
     f = DiskFile(path, "read", block_bytes=header["block_bytes"])
-    pin = torch.cuda.is_available()
-    tensors = []
-    for s in sections:
-        t = torch.empty(s["shape"], dtype=getattr(torch, s["dtype"]), pin_memory=pin)
-        if s["bytes"]:
-            try:
-                f.read(
-                    t.view(-1).view(torch.uint8),
-                    data_start + s["offset"],
-                    [int(c, 16) for c in s["checksums"]],
-                )
-            except RevivaDiskError as e:
-                raise SavedCacheError(f"{path}: section {s['name']} is damaged: {e}") from e
-        tensors.append(t)
-    parked = [(tensors[i], tensors[i + 1]) for i in range(1, len(tensors), 2)]
-    return SavedCache(path, fp, tensors[0], parked, bool(header["fp8"]))
+    tokens = _read(path, f, data_start, sections[0])
+    return SavedCache(
+        path, fp, tokens, SavedLayers(path, f, data_start, sections[1:]), bool(header["fp8"])
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from reviva.hf_versions import pop_cache
 from reviva.plan.call_plan import Plan
 
 # A returned cache's K/V per layer, whether fp8 rows, and its tokens (Note [A returned cache]).
-Parked = tuple[list[tuple[torch.Tensor, torch.Tensor]], bool, int]
+Parked = tuple[Sequence[tuple[torch.Tensor, torch.Tensor]], bool, int]
 
 
 @dataclasses.dataclass
@@ -351,7 +352,12 @@ def parked_of(
             f"RevivaManager.generate: the cache passed as past_key_values has {len(parked)} "
             f"layers, the model {lay.num_layers}"
         )
-    k = parked[0][0]
+    # (a saved cache's first layer by its shape: its K/V are read when the call writes them)
+    k = (
+        torch.empty(parked.shape(0), device="meta")
+        if isinstance(past, SavedCache)
+        else parked[0][0]
+    )
     width = fp8rows_width(lay.head_dim) if fp8 else lay.head_dim
     if k.dim() != 4 or k.shape[1] != lay.num_kv_heads or k.shape[3] != width:
         raise ValueError(
