@@ -15,19 +15,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "test_util.h"
+
 namespace reviva {
 namespace {
 
-constexpr std::size_t kBlock = 16 << 10;
+using test::what_of;
 
-std::string what_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(nothing raised)";
-}
+constexpr std::size_t kBlock = 16 << 10;
 
 class DiskFileTest : public ::testing::TestWithParam<DiskEngine> {
  protected:

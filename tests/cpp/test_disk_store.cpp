@@ -29,6 +29,8 @@
 namespace reviva {
 namespace {
 
+using test::what_of;
+
 constexpr std::size_t kBlock = 64 << 10;  // small blocks: many per extent
 
 struct AlignedBuffer {
@@ -61,15 +63,6 @@ int store_fd(const DiskStore& store) {
       return std::stoi(entry.path().filename().string());
   }
   return -1;
-}
-
-std::string what_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(nothing raised)";
 }
 
 struct Mode {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -165,5 +166,15 @@ class StreamGate {
   };
   std::shared_ptr<State> state_ = std::make_shared<State>();
 };
+
+// The message of what `f` raises ("(nothing raised)" if nothing): tests match its parts.
+inline std::string what_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(nothing raised)";
+}
 
 }  // namespace reviva::test
