@@ -594,3 +594,25 @@ def test_gpu_fp8_decode_logits_against_bf16() -> None:
     ]
     # while the context agrees, within 5%; a flip only at a near-tie of bf16's own logits
     assert assert_close_to_exact(outs["fp8"], outs["auto"], 8192) >= 1, errs
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_graphs_of_one_call_are_not_replayed_over_another_capacity() -> None:
+    """Note [fp8 attention in the decode graphs]: calls of one manager whose prompts differ in
+    length (4096, 4166, 4103, then 4166 again) each give finite logits and a fresh manager's
+    tokens and logits for the same call. Before the graphs were captured again for a new
+    capacity, the 4166- and 4103-token calls after a 4096-token one gave NaN logits from their
+    second decode step (greedy token 0) on the H100."""
+    model = gpu_llama(4, 8192, torch.bfloat16)
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    manager = RevivaManager(model, RevivaConfig(kv_dtype="fp8"))
+    for n in (4096, 4166, 4103, 4166):
+        g = torch.Generator(device="cuda").manual_seed(n)
+        ids = torch.randint(1, 32000, (1, n), device="cuda", generator=g)
+        out = manager.generate(ids, **kw)
+        assert all(torch.isfinite(x).all() for x in out.logits), n
+        fresh = RevivaManager(model, RevivaConfig(kv_dtype="fp8")).generate(ids, **kw)
+        assert torch.equal(out.sequences, fresh.sequences), n
+        for a, b in zip(out.logits, fresh.logits, strict=True):
+            assert torch.allclose(a, b, rtol=0, atol=1e-3), n
+    assert manager.get_memory_stats()["decode_graph_captures"] > 0

@@ -93,7 +93,11 @@ log = logging.getLogger("reviva.decode_graphs")  # (the name users filter on)
 # a step (shared by every layer), the rows' addresses from two device words per layer, filled
 # when the layer's buffer moved (a new call's cache, a streamed layer's staging slot). The
 # splits are fixed at capture by the layer's capacity and each replay cuts its keys among
-# them. Around each replay the host still reserves the new row and reports it written (the
+# them; so a layer's graph serves the calls whose cache gives the layer the capacity it was
+# captured for, and is captured again in a call that gives it another (replayed over another
+# capacity it gave NaN logits from the second decode step on: H100, fp8, 1B widths, a 4096-token
+# call then a 4166- or a 4103-token one in one manager; graphs off, or a fresh manager, finite).
+# Around each replay the host still reserves the new row and reports it written (the
 # store's bookkeeping, and a streamed layer's copy to its host row). Measured on the H200 (64k, 8B
 # shape, every layer resident on a 24 GB card): 87.1-88.7 tok/s in one graph per layer (c27175f)
 # against 87.4-90.5 with the attention eager between two replays as bf16's is (33e5ea4): the step
@@ -144,6 +148,9 @@ class DecodeGraphs:
         self._rows_dev: dict[int, torch.Tensor] = {}
         self._rows_at: dict[int, tuple[int, int]] = {}
         self._length_at: int | None = None
+        # the layer's capacity in the cache its one graph was captured for: the fused call's
+        # splits and workspace were set by it (Note [fp8 attention in the decode graphs])
+        self._fused_capacity: dict[int, int] = {}
         # Note [Decode row ops]: the fused layers whose graph runs them, why layers of each
         # parameter shape may not (None: they may), and the step that runs them.
         self.row_ops: set[int] = set()
@@ -175,8 +182,16 @@ class DecodeGraphs:
         st = self._static.get("h")
         if st is None or st.shape[0] != h.shape[0] or st.dtype != h.dtype:
             return False
-        if i in self.fused and (self.cache is None or not self.cache.fp8_graphable(i)):
-            del self.layers[i]  # (this call's cache attends it otherwise: captured again)
+        if i in self.fused and (
+            self.cache is None
+            or not self.cache.fp8_graphable(i)
+            or self.cache.store.capacity(i) != self._fused_capacity.get(i)
+        ):
+            # (this call's cache attends it otherwise, or holds another capacity than the one
+            # its graph's launch was set up for: captured again. Replayed over another
+            # capacity, the graph of a 4096-token call gave NaN from the second decode step of
+            # a 4166-token one on the H100, in calls of one manager; see the Note.)
+            del self.layers[i]
             self.fused.discard(i)
             self.row_ops.discard(i)
             return False
@@ -361,6 +376,7 @@ class DecodeGraphs:
             self.row_ops.discard(i)
             if graphs[1] is None:
                 self.fused.add(i)
+                self._fused_capacity[i] = self.cache.store.capacity(i)
             if ops is not None:
                 self.row_ops.add(i)
             self.captured += 1
