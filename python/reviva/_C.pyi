@@ -39,6 +39,49 @@ class RevivaOutOfMemoryError(MemoryError):
 class RevivaBackendError(RevivaError):
     pass
 
+class RevivaDiskError(RevivaError):
+    pass
+
+class DiskFile:
+    def __init__(
+        self,
+        path: str,
+        mode: str,
+        block_bytes: typing.SupportsInt = 1048576,
+        queue_depth: typing.SupportsInt = 8,
+        engine: str = "auto",
+        direct: str = "auto",
+    ) -> None: ...
+    def write(self, tensor: torch.Tensor, offset: typing.SupportsInt) -> list[int]:
+        """
+        Writes the tensor's bytes at `offset` (a multiple of block_bytes); returns each block's
+        CRC-32C, which a read of them is given.
+        """
+    def read(
+        self,
+        tensor: torch.Tensor,
+        offset: typing.SupportsInt,
+        checksums: collections.abc.Sequence[int],
+    ) -> None:
+        """
+        Reads the tensor's bytes from `offset`, each block checked against `checksums`;
+        RevivaDiskError names the block, the offset and the file on any failure.
+        """
+    def reserve(self, bytes: typing.SupportsInt) -> None: ...
+    def size(self) -> int: ...
+    def sync(self) -> None: ...
+    def counters(self) -> dict: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def direct_io(self) -> bool: ...
+    @property
+    def io_uring(self) -> bool: ...
+    @property
+    def why_not_io_uring(self) -> str: ...
+
 class Runtime:
     def __init__(self, device: str | None = None) -> None: ...
     def __repr__(self) -> str: ...
@@ -479,6 +522,11 @@ class WeightStore:
     def order(self) -> list[int]: ...
     @property
     def slot_bytes(self) -> int: ...
+
+def crc32c(tensor: torch.Tensor, crc: typing.SupportsInt = 0) -> int:
+    """
+    CRC-32C of a contiguous CPU tensor's bytes, continuing from `crc`.
+    """
 
 def cuda_available() -> bool: ...
 def cuda_device_count() -> int: ...
