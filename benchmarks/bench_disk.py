@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, print_table, write_result  # noqa: E402
 
 from reviva import _C  # noqa: E402
+from reviva.cache.saved import aligned_empty  # noqa: E402
 
 MiB = 1 << 20
 
@@ -65,8 +66,10 @@ def dd_rate(folder: str, gb: float) -> dict[str, float]:
 def reviva_rate(folder: str, gb: float, engine: str, depth: int) -> dict[str, Any]:
     nbytes = int(gb * 1024) * MiB
     pin = torch.cuda.is_available()
-    # (pinned memory from cudaHostAlloc is page-aligned; a plain CPU tensor this large is too)
-    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    # (4 KiB-aligned, as the K/V tier's staging is: every whole block read and written in place;
+    # torch's own pinned tensor was not aligned so on the H100 machine, and every block was
+    # staged, a copy each)
+    buf = aligned_empty([nbytes], torch.uint8, pin)
     buf.random_(0, 256, generator=torch.Generator().manual_seed(0))
     want = _C.crc32c(buf)
     f = _C.DiskFile(folder, "temporary", queue_depth=depth, engine=engine)
@@ -75,7 +78,7 @@ def reviva_rate(folder: str, gb: float, engine: str, depth: int) -> dict[str, An
     sums = f.write(buf, 0)
     f.sync()
     write_s = time.perf_counter() - t0
-    back = torch.zeros_like(buf)
+    back = aligned_empty([nbytes], torch.uint8, pin).zero_()  # (its pages resident, as pinned)
     t0 = time.perf_counter()
     f.read(back, 0, sums)
     read_s = time.perf_counter() - t0

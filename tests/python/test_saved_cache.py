@@ -18,7 +18,7 @@ from test_generate import budget_for, tiny_model
 import reviva
 from reviva import RevivaConfig, RevivaManager
 from reviva._C import DiskFile
-from reviva.cache.saved import BLOCK_BYTES, PREAMBLE, SavedCacheError
+from reviva.cache.saved import BLOCK_BYTES, PREAMBLE, SavedCacheError, aligned_empty
 
 KW = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
 
@@ -105,6 +105,27 @@ def test_a_new_process_continues_with_the_uninterrupted_calls_tokens(tmp_path: P
     assert run.returncode == 0, run.stderr[-3000:]
     uninterrupted = RevivaManager(model).generate(more, **KW).sequences
     assert torch.equal(torch.load(tmp_path / "seq.pt"), uninterrupted)
+
+
+def test_layers_are_read_into_aligned_memory_straight_from_the_disk(tmp_path: Path) -> None:
+    """A section's whole blocks land in its memory without the DiskFile's staging (aligned_empty:
+    torch's allocations are not always 4 KiB-aligned); only a partial last block is staged."""
+    for shape, dtype in (
+        ([3, 1000, 129], torch.bfloat16),
+        ([7], torch.int64),
+        ([0, 4], torch.float32),
+    ):
+        t = aligned_empty(shape, dtype, pin=False)
+        assert list(t.shape) == shape and t.dtype == dtype and t.data_ptr() % 4096 == 0
+    data = torch.randint(0, 256, (3 * BLOCK_BYTES + 100,), dtype=torch.uint8)
+    f = DiskFile(str(tmp_path / "x"), "create", block_bytes=BLOCK_BYTES)
+    sums = f.write(data, 0)
+    r = DiskFile(str(tmp_path / "x"), "read", block_bytes=BLOCK_BYTES)
+    back = aligned_empty([data.numel()], torch.uint8, pin=False)
+    r.read(back, 0, sums)
+    assert torch.equal(back, data)
+    if r.direct_io:
+        assert r.counters()["staged_blocks"] == 1  # (the partial last block alone)
 
 
 def test_another_model_or_prompt_is_refused_by_name(tmp_path: Path) -> None:

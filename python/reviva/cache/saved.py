@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ from reviva._C import DiskFile, RevivaDiskError, crc32c
 MAGIC = b"REVIVAKV"
 VERSION = 1
 BLOCK_BYTES = 1 << 20
+ALIGNMENT = 4096  # O_DIRECT's (kDiskAlignment in the core)
 PREAMBLE = struct.Struct("<8sIQI")  # magic, version, header bytes, header CRC-32C
 # config keys that say how a model was saved or run, not what it computes
 VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
@@ -128,10 +130,18 @@ class SavedLayers(Sequence[tuple[torch.Tensor, torch.Tensor]]):
         return k, v
 
 
+def aligned_empty(shape: list[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialized host tensor whose memory starts on a 4 KiB boundary, so that O_DIRECT
+    reads land in it straight (torch's pinned and CPU allocations are not always aligned so:
+    then every block went through the DiskFile's staging, a copy each, on the H100 machine)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGNMENT
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
+
+
 def _read(path: str, file: DiskFile, start: int, s: dict[str, Any]) -> torch.Tensor:
-    t = torch.empty(
-        s["shape"], dtype=getattr(torch, s["dtype"]), pin_memory=torch.cuda.is_available()
-    )
+    t = aligned_empty(s["shape"], getattr(torch, s["dtype"]), torch.cuda.is_available())
     if s["bytes"]:
         try:
             file.read(
