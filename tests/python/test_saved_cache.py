@@ -107,6 +107,23 @@ def test_a_new_process_continues_with_the_uninterrupted_calls_tokens(tmp_path: P
     assert torch.equal(torch.load(tmp_path / "seq.pt"), uninterrupted)
 
 
+@pytest.mark.parametrize("saved_as, continued_as", [("auto", "fp8"), ("fp8", "auto")])
+def test_a_cache_saved_in_one_kv_dtype_continues_in_the_other(
+    tmp_path: Path, saved_as: str, continued_as: str
+) -> None:
+    """The K/V dtype is the continuing manager's: bf16 values are quantized into its fp8 rows, fp8
+    rows dequantized into its values, as the returned cache itself is in that manager."""
+    model, manager, out, more = first_turn(kv_dtype=saved_as)
+    manager.save_cache(out, tmp_path / "c.rkv")
+    other = RevivaManager(model, RevivaConfig(kv_dtype=continued_as))
+    kw = dict(KW, output_logits=True)
+    want = other.generate(more, past_key_values=out.past_key_values, **kw)
+    got = other.generate(more, past_key_values=reviva.load_cache(tmp_path / "c.rkv"), **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_layers_are_read_into_aligned_memory_straight_from_the_disk(tmp_path: Path) -> None:
     """A section's whole blocks land in its memory without the DiskFile's staging (aligned_empty:
     torch's allocations are not always 4 KiB-aligned); only a partial last block is staged."""
