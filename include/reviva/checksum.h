@@ -1,5 +1,5 @@
 // CRC-32C (Castagnoli): the checksum of the disk tier's blocks and of files Reviva writes
-// (Note [Checksums] in disk_store.cpp). The SSE4.2 instruction where the CPU has it (checked at
+// (Note [Checksums] in src/disk_file.cpp). The SSE4.2 instruction where the CPU has it (checked at
 // run time), tables otherwise; both give the same value.
 #pragma once
 
