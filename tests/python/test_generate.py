@@ -11,6 +11,7 @@ import dataclasses
 import gc
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -1743,6 +1744,54 @@ def poison_stale_windows(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int
     return poisoned
 
 
+def greedy_runs_agree(run: Any, ref: Any, rel: float) -> int:
+    """Two greedy runs of one call (sequences [1, n], one logits tensor per new token) agree
+    within `rel` (relative norm of each step's logits): every step's logits until the first
+    token that differs, that step's included. A token may differ only where the two runs'
+    logits are that close (a near tie, flipped by rounding); the sequences part there, so later
+    steps are not compared. Returns the number of steps whose tokens agree."""
+    new = len(ref.logits)
+    assert len(run.logits) == new and run.sequences.shape == ref.sequences.shape
+    assert torch.equal(run.sequences[:, :-new], ref.sequences[:, :-new])  # (the prompts)
+    for j, (a, b) in enumerate(zip(run.logits, ref.logits, strict=True)):
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert err < rel, (j, err)
+        if not torch.equal(run.sequences[:, j - new], ref.sequences[:, j - new]):
+            return j
+    return new
+
+
+def test_greedy_runs_agree_up_to_a_near_tie_and_not_past_a_real_difference() -> None:
+    """The comparison above, on made-up runs: equal runs agree at every step; a flip where the
+    logits are close stops the comparison; logits that differ beyond `rel` fail, flipped or not;
+    so does a NaN."""
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(1, 50, generator=g) for _ in range(6)]
+    seq = torch.cat([torch.tensor([[7, 8]]), torch.stack([x.argmax(-1) for x in logits], 1)], 1)
+    ref = SimpleNamespace(sequences=seq, logits=logits)
+    assert (
+        greedy_runs_agree(SimpleNamespace(sequences=seq.clone(), logits=list(logits)), ref, 1e-3)
+        == 6
+    )
+    near = [x + 1e-4 * torch.randn(1, 50, generator=g) for x in logits]
+    flipped = seq.clone()
+    flipped[0, 2 + 3] = (flipped[0, 2 + 3] + 1) % 50  # (a flip at step 3, then other tokens)
+    after = [*near[:4], *(torch.randn(1, 50, generator=g) for _ in range(2))]
+    assert greedy_runs_agree(SimpleNamespace(sequences=flipped, logits=after), ref, 1e-3) == 3
+    far = list(logits)
+    far[1] = logits[1] * 1.5
+    with pytest.raises(AssertionError):
+        greedy_runs_agree(SimpleNamespace(sequences=seq.clone(), logits=far), ref, 1e-3)
+    with pytest.raises(AssertionError):  # (a real difference that flips a token is no near tie)
+        greedy_runs_agree(
+            SimpleNamespace(sequences=flipped, logits=[*logits[:3], far[1], *logits[4:]]), ref, 1e-3
+        )
+    nan = list(logits)
+    nan[0] = torch.full_like(logits[0], float("nan"))
+    with pytest.raises(AssertionError):
+        greedy_runs_agree(SimpleNamespace(sequences=seq.clone(), logits=nan), ref, 1e-3)
+
+
 @pytest.mark.gpu
 def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [Fetch tails] on CUDA: a Mistral-shaped model (1B widths, 8 layers, a 512-token
@@ -1809,20 +1858,19 @@ def test_gpu_sliding_layers_fetch_their_window(monkeypatch: pytest.MonkeyPatch) 
     assert set(st.streamed_layer_ids) <= streamed and max(n for _, n in poisoned) > 4096, poisoned
     for logits in (out.logits, cont.logits):
         assert all(torch.isfinite(x).all() for x in logits)  # (no stale byte was read)
-    assert torch.equal(out.sequences, out0.sequences)
-    assert torch.equal(cont.sequences, cont0.sequences)
     # Within bf16 rounding, not bit for bit: two runs of one call in one process can differ,
     # windowed or not. On the H100 at 108a154, five runs in one process (graphs off): the
     # windowed, the whole-fetch and the poisoned windowed runs gave bit-identical logits, and the
     # second run (windowed) differed from them from decode step 6 on (relative 0.0082, then
     # ~0.007); with graphs, the second run from step 5 (0.0128). Which step, and whether, varies
-    # between processes: tracked as a finding (the run's cause is not known yet).
+    # between processes: tracked as a finding (the run's cause is not known yet). Such a
+    # difference can flip a greedy token of random weights (the continued turn's, in 1 of 3 runs
+    # at 1161262 and at 100e442 alike, H100): the runs are compared as greedy_runs_agree says.
     print(
         "streamed layers, windowed and whole:", st["streamed_layer_ids"], st0["streamed_layer_ids"]
     )
-    for j, (a, b) in enumerate(zip(out.logits, out0.logits, strict=True)):
-        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
-        assert rel < 2e-2, (j, rel)
+    if greedy_runs_agree(out, out0, 2e-2) == len(out0.logits):  # (else the turns differ)
+        greedy_runs_agree(cont, cont0, 2e-2)
     # Fewer bytes: a streamed layer's decode fetch is its window, not the whole layer's K/V
     # (what the whole-fetch run moved, when it streamed layers too; else what whole fetches of
     # the windowed run's streamed layers would have moved in its decode steps).
