@@ -31,16 +31,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from card import CallTimer, child_environment, prepare_device  # noqa: E402
 from common import environment, print_table, write_result  # noqa: E402
+from generate_contenders import parse_tokens  # noqa: E402
 from generate_model import build_model  # noqa: E402
 
 CARD_BYTES = 24 * 10**9
-
-
-def parse_tokens(text: str) -> int:
-    m = re.fullmatch(r"(\d+)([kKmM]?)", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"--context {text!r}: a count like 256k or 1M")
-    return int(m.group(1)) * {"": 1, "k": 1024, "K": 1024, "m": 1 << 20, "M": 1 << 20}[m.group(2)]
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:

@@ -88,6 +88,14 @@ class Fingerprint:
             digest.hexdigest(),
         )
 
+    def refuse_other(self, model: torch.nn.Module, path: str) -> None:
+        """SavedCacheError naming what differs, when `model` is not the one saved (self)."""
+        diff = self.differences(Fingerprint.of(model))
+        if diff:
+            raise SavedCacheError(
+                f"the cache in {path} was saved from another model: " + "; ".join(diff)
+            )
+
     def differences(self, other: Fingerprint) -> list[str]:
         """What differs, named ("config num_hidden_layers: 4 saved, 2 now"), saved = self."""
         out = []
@@ -134,7 +142,7 @@ def aligned_empty(shape: list[int], dtype: torch.dtype, pin: bool) -> torch.Tens
     """An uninitialized host tensor whose memory starts on a 4 KiB boundary, so that O_DIRECT
     reads land in it straight (torch's pinned and CPU allocations are not always aligned so:
     then every block went through the DiskFile's staging, a copy each, on the H100 machine)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % ALIGNMENT
     return raw[skip : skip + nbytes].view(dtype).view(shape)
@@ -175,11 +183,7 @@ class SavedCache:
     def check(self, model: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """Refuses, by name, a model other than the one the cache was saved from, and a prompt
         that does not start with the cache's tokens."""
-        diff = self.fingerprint.differences(Fingerprint.of(model))
-        if diff:
-            raise SavedCacheError(
-                f"the cache in {self.path} was saved from another model: " + "; ".join(diff)
-            )
+        self.fingerprint.refuse_other(model, self.path)
         if input_ids is None:
             raise SavedCacheError(
                 f"a call continuing from the cache in {self.path} needs token ids (the cache "
@@ -203,6 +207,11 @@ def _sections(token_ids: torch.Tensor, parked: list[tuple[torch.Tensor, torch.Te
     for i, (k, v) in enumerate(parked):
         tensors += [(f"layer{i}.k", k), (f"layer{i}.v", v)]
     return tensors
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    """Bytes as a uint8 tensor (what the binding's crc32c and DiskFile take)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _round(n: int) -> int:
@@ -266,13 +275,10 @@ def save(
             s["checksums"] = [f"{c:08x}" for c in f.write(flat, data_start + s["offset"])]
         text = json.dumps(header).encode()
         head = torch.zeros(data_start, dtype=torch.uint8)
-        crc = crc32c(torch.frombuffer(bytearray(text), dtype=torch.uint8))
-        head[: PREAMBLE.size] = torch.frombuffer(
-            bytearray(PREAMBLE.pack(MAGIC, VERSION, len(text), crc)), dtype=torch.uint8
+        head[: PREAMBLE.size] = _as_tensor(
+            PREAMBLE.pack(MAGIC, VERSION, len(text), crc32c(_as_tensor(text)))
         )
-        head[PREAMBLE.size : PREAMBLE.size + len(text)] = torch.frombuffer(
-            bytearray(text), dtype=torch.uint8
-        )
+        head[PREAMBLE.size : PREAMBLE.size + len(text)] = _as_tensor(text)
         f.write(head, 0)
         f.sync()
         del f
@@ -299,7 +305,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module | None = None) -> 
                 f"{path} is a saved cache of format {version}; this Reviva reads format {VERSION}"
             )
         text = raw.read(nbytes) if nbytes <= size else b""
-    if len(text) != nbytes or crc32c(torch.frombuffer(bytearray(text), dtype=torch.uint8)) != crc:
+    if len(text) != nbytes or crc32c(_as_tensor(text)) != crc:
         raise SavedCacheError(f"{path}: its header is damaged or cut short (checksum)")
     header = json.loads(text)
     data_start = _round(PREAMBLE.size + nbytes)
@@ -310,11 +316,7 @@ def load(path: str | os.PathLike[str], model: torch.nn.Module | None = None) -> 
     m = header["model"]
     fp = Fingerprint(m["class"], m["dtype"], m["config"], m["weights"])
     if model is not None:
-        diff = fp.differences(Fingerprint.of(model))
-        if diff:
-            raise SavedCacheError(
-                f"the cache in {path} was saved from another model: " + "; ".join(diff)
-            )
+        fp.refuse_other(model, path)
     f = DiskFile(path, "read", block_bytes=header["block_bytes"])
     tokens = _read(path, f, data_start, sections[0])
     return SavedCache(

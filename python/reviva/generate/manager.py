@@ -23,7 +23,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from reviva.generate.hf_surface import _MISSING, HFSurface
 from reviva.generate.host_copies import _reserve_host_copies
 from reviva.generate.llama_layer import LlamaLayerPath
 from reviva.generate.phases import CallPhases
-from reviva.hf_versions import check_transformers
+from reviva.hf_versions import check_transformers, layer_cache
 from reviva.placement import Placement
 from reviva.plan.call_plan import Plan
 from reviva.plan.decode_placement import DecodePlacement
@@ -421,9 +421,8 @@ class RevivaManager(HFSurface, CallPhases, DecodePlacement, GenerateCall):
         self._check_open()
         cache = cache_or_output
         if not isinstance(cache_or_output, RevivaCache):
-            cache = getattr(cache_or_output, "past_key_values", None) or getattr(
-                cache_or_output, "cache", None
-            )
+            # (an output is a mapping; its cache under either name, as HF's version calls it)
+            cache = layer_cache(cache_or_output) if isinstance(cache_or_output, Mapping) else None
             if input_ids is None:
                 input_ids = getattr(cache_or_output, "sequences", None)
         if not isinstance(cache, RevivaCache) or cache.parked is None:
