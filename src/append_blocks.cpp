@@ -163,6 +163,8 @@ bool OffloadManager::keep_resident(BlockId id) {
       REVIVA_CHECK_ARG(b.append, "keep_resident: block ", id, " (", b.name,
                        ") is not an append block");
       if (b.keep) return true;
+      REVIVA_CHECK_ARG(b.state != BlockState::Disk, "keep_resident: block ", id, " (", b.name,
+                       ") is on disk (its host copy was detached): attach_host first");
       if (b.state == BlockState::ToHost) {
         landing = b.transfer;
       } else if ((b.state == BlockState::Device || b.state == BlockState::ToDevice) &&
@@ -370,6 +372,57 @@ void OffloadManager::host_wrote(BlockId id, std::size_t offset, const void* src,
   Impl::Block& b = m.find(id);
   b.valid = std::max(b.valid, offset + bytes);
   b.busy = false;
+  m.changed.notify_all();
+}
+
+PinnedBlock OffloadManager::detach_host(BlockId id) {
+  Impl& m = *impl_;
+  m.poll(/*wait_for_turn=*/false);  // (an eviction that has landed leaves the block Host)
+  Transfer last;
+  {
+    std::unique_lock<std::mutex> lock(m.mutex);
+    Impl::Block& b = m.wait_idle(lock, id);
+    REVIVA_CHECK_ARG(b.append, "detach_host: block ", id, " (", b.name, ") is not an append block");
+    REVIVA_CHECK_ARG(b.state == BlockState::Host && b.pins == 0 && !b.keep, "detach_host: block ",
+                     id, " (", b.name, ") is ", to_string(b.state), b.keep ? " and kept" : "",
+                     ", not Host (offload it first)");
+    last = b.last_write;
+    b.busy = true;  // (no copy may start on it while its last write lands)
+  }
+  try {
+    wait_transfer(last);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    m.find(id).busy = false;
+    m.changed.notify_all();
+    throw;
+  }
+  Graveyard trash;
+  std::lock_guard<std::mutex> lock(m.mutex);
+  Impl::Block& b = m.find(id);
+  PinnedBlock host = std::move(b.host);
+  b.host = PinnedBlock();
+  b.host_valid = false;
+  trash.transfers.push_back(std::move(b.last_write));
+  b.last_write = Transfer();
+  b.state = BlockState::Disk;
+  b.busy = false;
+  m.changed.notify_all();
+  return host;
+}
+
+void OffloadManager::attach_host(BlockId id, PinnedBlock host) {
+  Impl& m = *impl_;
+  std::unique_lock<std::mutex> lock(m.mutex);
+  Impl::Block& b = m.wait_idle(lock, id);
+  REVIVA_CHECK_ARG(b.state == BlockState::Disk, "attach_host: block ", id, " (", b.name, ") is ",
+                   to_string(b.state), ", not Disk");
+  REVIVA_CHECK_ARG(host && host.size() >= b.capacity, "attach_host: a host copy of ",
+                   host ? host.size() : 0, " bytes for block ", id, " (", b.name, ") of capacity ",
+                   b.capacity);
+  b.host = std::move(host);
+  b.host_valid = true;
+  b.state = BlockState::Host;
   m.changed.notify_all();
 }
 

@@ -50,6 +50,9 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceA
                    "KVStore: layers of their own capacity (layer_capacity_tokens) cannot be paged "
                    "(page_tokens ",
                    options_.page_tokens, ")");
+  REVIVA_CHECK_ARG(options_.disk_staged_layers == 0 || options_.disk_staged_layers >= 2,
+                   "KVStore: disk_staged_layers must be 0 (prefetch_layers + 3) or >= 2, got ",
+                   options_.disk_staged_layers);
   allocator_ = std::make_shared<ArenaDeviceAllocator>(arena_);
   OffloadManagerOptions mo;
   mo.budget_bytes = 1;  // set_budget(): a layer's bytes per resident layer and per slot
@@ -68,6 +71,7 @@ KVStore::KVStore(std::shared_ptr<TransferEngine> engine, std::shared_ptr<DeviceA
     page_acquired_.emplace_back(per_layer, nullptr);
   }
   cycle_write_page_.assign(blocks_.size(), 1);
+  spills_.resize(blocks_.size());
   resident_.assign(blocks_.size(), false);
   host_attended_.assign(blocks_.size(), false);
   acquired_.assign(blocks_.size(), nullptr);
@@ -90,6 +94,7 @@ KVStore::~KVStore() {
 void KVStore::close() {
   if (closed_) return;
   closed_ = true;
+  forget_spills();  // (its reads and write-backs are waited for)
   scheduler_.reset();
   manager_.reset();  // waits for its copies; every block's memory and host copy go back
   allocator_->trim();
@@ -183,6 +188,8 @@ void KVStore::make_resident(int layer) {
   REVIVA_CHECK_ARG(!resident_[i], "KVStore::make_resident: layer ", layer, " is already resident");
   REVIVA_CHECK_ARG(!started_, "KVStore::make_resident: layer ", layer,
                    ": residency is fixed once a layer was acquired (use promote)");
+  REVIVA_CHECK_ARG(!spills_[i].on, "KVStore::make_resident: layer ", layer,
+                   " spills to disk (spill_to_disk)");
   manager_->keep_resident(id);  // Empty: nothing to fetch, always kept
   for (BlockId page : pages_[i]) manager_->unregister(page);  // (Empty) the layer stays whole
   pages_[i].clear();
@@ -236,6 +243,10 @@ bool KVStore::promote(int layer) {
     ++counts_.promotions;
     return true;
   }
+  if (spills_[i].on) {
+    finish_ready_spills();
+    bring_back(layer);  // its host copy first (Note [Spilled layers])
+  }
   ++counts_.resident_layers;
   resident_bytes_ += layer_bytes(layer);
   set_budget();  // room for it beside the slots
@@ -255,6 +266,12 @@ bool KVStore::promote(int layer) {
   resident_[i] = true;
   --counts_.streamed_layers;
   ++counts_.promotions;
+  if (spills_[i].on) {  // on the device for good: the disk's copy goes
+    Spill& sp = spills_[i];
+    if (sp.extent != 0) options_.disk->release(sp.extent);
+    sp = Spill();
+    --spilled_count_;
+  }
   declare_cycle();
   return true;
 }
@@ -321,6 +338,8 @@ void* KVStore::acquire(int layer, const Stream& compute) {
   REVIVA_CHECK_ARG(!host_attended_[i], "KVStore::acquire: layer ", layer,
                    " is attended on the host (attend_on_host): read host_rows() instead");
   started_ = true;
+  advance_spill(layer);  // Note [Spilled layers]
+  if (spills_[i].on) bring_back(layer);
   if (!resident_[i]) {
     const BlockState state = manager_->state(id);
     if (state == BlockState::Device || state == BlockState::ToDevice) {
@@ -373,6 +392,7 @@ void KVStore::wrote(int layer, std::size_t first, std::size_t count, const Strea
                    " tokens are): call reserve() before compute writes them");
   counts_.bytes_to_host +=
       manager_->wrote(id, first * options_.token_bytes, count * options_.token_bytes, compute);
+  if (spills_[static_cast<std::size_t>(layer)].on) note_staged();  // (a first write pins one)
 }
 
 void KVStore::release(int layer, const Stream& compute) {
@@ -381,6 +401,7 @@ void KVStore::release(int layer, const Stream& compute) {
   acquired_[i] = nullptr;
   const BlockId id = blocks_[i];
   scheduler_->release_group({&id, 1}, compute);
+  finish_ready_spills();  // (reads that landed: the next acquire may prefetch those layers)
 }
 
 std::size_t KVStore::length(int layer) const {
@@ -413,7 +434,10 @@ void KVStore::truncate(int layer, std::size_t tokens) {
                    "'s ", length);
   REVIVA_CHECK_ARG(acquired_[i] == nullptr, "KVStore::truncate: layer ", layer, " is acquired");
   if (!paged(layer)) {
+    Spill& sp = spills_[i];
+    if (sp.request) finish_spill(layer, /*take_back=*/false);
     manager_->truncate(id, tokens * options_.token_bytes);
+    sp.on_disk = std::min(sp.on_disk, tokens * options_.token_bytes);
     return;
   }
   for (void* p : page_acquired_[i])
@@ -438,6 +462,8 @@ void KVStore::attend_on_host(int layer) {
   REVIVA_CHECK_ARG(acquired_[i] == nullptr, "KVStore::attend_on_host: layer ", layer,
                    " is acquired");
   if (host_attended_[i]) return;
+  REVIVA_CHECK_ARG(!spills_[i].on, "KVStore::attend_on_host: layer ", layer,
+                   " spills to disk (its host copy is pinned only around its use)");
   REVIVA_CHECK_ARG(manager_->host_bytes(id) > 0, "KVStore::attend_on_host: layer ", layer,
                    " has no host copy yet (no tokens written)");
   manager_->settle(id);   // (a prefetch in flight lands first)
@@ -498,7 +524,7 @@ KVStoreStats KVStore::stats() {
   st.compute_stall_ms = mm.compute_stall_ms;
   st.copy_to_device_ms = mm.to_device_busy_ms;
   st.overlap_ratio = mm.overlap_ratio;
-  st.host_copy_wait_ms = mm.host_copy_alloc_ms;
+  st.host_copy_wait_ms = mm.host_copy_alloc_ms + counts_.host_copy_wait_ms;
   const ArenaAllocatorStats as = allocator_->stats();  // mapped for the store: held and cached
   st.device_bytes = as.live_bytes + as.cached_bytes;
   st.peak_device_bytes = as.peak_bytes;
@@ -509,6 +535,16 @@ KVStoreStats KVStore::stats() {
     for (BlockId id : pages) st.host_bytes += manager_->host_bytes(id);
   }
   st.page_slots = page_slots_;
+  st.spilled_layers = spilled_count_;
+  st.staged_layers = 0;
+  st.disk_bytes = 0;
+  for (int i = 0; i < options_.num_layers; ++i) {
+    const Spill& sp = spills_[static_cast<std::size_t>(i)];
+    if (!sp.on) continue;
+    st.staged_layers += staged(i);
+    if (sp.block) st.host_bytes += sp.block.size();
+    if (sp.extent != 0) st.disk_bytes += options_.disk->extent_bytes(sp.extent);
+  }
   return st;
 }
 
@@ -523,6 +559,7 @@ void KVStore::clear() {
   for (const auto& acquired : page_acquired_)
     for (void* p : acquired) REVIVA_CHECK_ARG(p == nullptr, "KVStore::clear: a page is acquired");
   manager_->synchronize();
+  forget_spills();
   for (BlockId id : blocks_) manager_->discard(id);
   for (const auto& pages : pages_)
     for (BlockId id : pages) manager_->discard(id);

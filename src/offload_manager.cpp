@@ -14,6 +14,7 @@ const char* to_string(BlockState state) noexcept {
     case BlockState::ToHost: return "ToHost";
     case BlockState::Host: return "Host";
     case BlockState::ToDevice: return "ToDevice";
+    case BlockState::Disk: return "Disk";
   }
   return "?";
 }
@@ -205,6 +206,10 @@ void* OffloadManager::acquire(BlockId id, const Stream& compute, Access access) 
         case BlockState::ToHost: in_flight_d2h = b.transfer; break;
         case BlockState::Host:
         case BlockState::Empty: b.busy = true; break;
+        case BlockState::Disk:
+          throw InvalidArgument(
+              detail::concat("acquire: block ", id, " (", b.name,
+                             ") is on disk (its host copy was detached): ", "attach_host first"));
       }
     }
     if (in_flight_d2h.valid()) {
@@ -387,7 +392,7 @@ void OffloadManager::discard(BlockId id) {
         bytes = b.bytes;
         release = std::move(b.release_adopted);
         b.release_adopted = nullptr;
-      } else {  // Host or Empty: only the host copy to drop
+      } else {  // Host, Disk or Empty: only the host copy (if any) to drop
         trash.blocks.push_back(std::move(b.host));
         b.host = PinnedBlock();
         b.host_valid = false;

@@ -95,6 +95,11 @@ void OffloadManager::check_invariants() const {
         REVIVA_ASSERT(b.device == nullptr && b.host && b.host_valid && b.pins == 0, "Host block ",
                       id, " without a valid host copy");
         break;
+      case BlockState::Disk:
+        REVIVA_ASSERT(b.append && b.device == nullptr && !b.host && !b.host_valid && b.pins == 0 &&
+                          !b.keep && !b.transfer.valid(),
+                      "Disk block ", id, " holds memory, a host copy or a copy");
+        break;
     }
     if (b.pins > 0) REVIVA_ASSERT(b.state == BlockState::Device);
   }

@@ -31,12 +31,19 @@
 // of its own, so that decode brings a streamed layer in page by page (the staging room is a few
 // pages, not whole layers) and a promotion keeps its pages on the device. Such a layer is used
 // through the *_page calls; the whole-layer calls refuse it.
+//
+// Spilled layers (Note [Spilled layers] in kv_store_disk.cpp): a streamed whole layer whose K/V
+// lives on disk (options.disk) between its uses, when pinned host memory cannot hold every
+// streamed layer: only a few such layers hold a pinned host copy at a time, read back from disk
+// ahead of their turn in the cycle and written back (the rows they gained) after it.
 #pragma once
 
 #include <reviva/arena_device_allocator.h>
 #include <reviva/device_arena.h>
+#include <reviva/disk_store.h>
 #include <reviva/export.h>
 #include <reviva/offload_manager.h>
+#include <reviva/pinned_host_pool.h>
 #include <reviva/prefetch_scheduler.h>
 #include <reviva/stream.h>
 #include <reviva/transfer_engine.h>
@@ -59,6 +66,11 @@ struct KVStoreOptions {
   // kv_store.cpp): num_layers entries, each in [1, capacity_tokens]; empty: capacity_tokens each.
   // A sliding-window layer kept as a ring of its window holds fewer. Not with page_tokens.
   std::vector<std::size_t> layer_capacity_tokens;
+  // Where spilled layers keep their K/V (spill_to_disk); null: no layer may spill.
+  std::shared_ptr<DiskStore> disk;
+  // Spilled layers that may hold a pinned host copy at once (the one just used, the one in use,
+  // the window's, and those being read ahead); 0: prefetch_layers + 3. At least 2.
+  int disk_staged_layers = 0;
 };
 
 struct KVStoreStats {
@@ -87,6 +99,16 @@ struct KVStoreStats {
   double host_copy_wait_ms = 0.0;     // host time taking host copies from the pool (pinning)
   std::size_t device_bytes = 0;       // arena bytes mapped for the store now (held and cached)
   std::size_t peak_device_bytes = 0;  // the most at once
+  // Note [Spilled layers]
+  int spilled_layers = 0;          // layers whose K/V lives on disk between uses
+  int staged_layers = 0;           // of those, holding a pinned host copy now
+  int peak_staged_layers = 0;      // the most at once
+  std::uint64_t disk_reads = 0;    // spilled layers read back from disk
+  std::uint64_t staging_hits = 0;  // stagings that found the host copy still pinned (no read)
+  std::uint64_t bytes_from_disk = 0;
+  std::uint64_t bytes_to_disk = 0;
+  double disk_wait_ms = 0.0;   // the calling thread's waits for disk reads and write-backs
+  std::size_t disk_bytes = 0;  // disk space the spilled layers hold now
 };
 
 class REVIVA_API KVStore {
@@ -173,6 +195,11 @@ class REVIVA_API KVStore {
   // host] in host_attention.cpp): it leaves the device (clean: its host copy is whole), the cycle
   // no longer brings it in, and acquire refuses it. Not while acquired; not for a resident or a
   // paged layer. Until clear() (or the store's end).
+  // Note [Spilled layers]: a streamed whole layer whose K/V lives on disk between its uses.
+  // Only before the first acquire; not for a resident or paged layer; options.disk must be set.
+  void spill_to_disk(int layer);
+  bool spilled(int layer) const;
+
   void attend_on_host(int layer);
   bool host_attended(int layer) const;
   // A host-attended layer's rows (token-major, token_bytes each, its first length() tokens
@@ -212,6 +239,19 @@ class REVIVA_API KVStore {
   void set_budget();
   void declare_cycle();
   void check_open(const char* what) const;
+  // Note [Spilled layers] (kv_store_disk.cpp)
+  int staged_limit() const;
+  bool staged(int layer) const;
+  void advance_spill(int current);
+  void finish_ready_spills();
+  void finish_spill(int layer, bool take_back);
+  void note_staged();
+  void make_staging_room();
+  void check_not_lost(int layer, const char* what) const;
+  void stage(int layer);
+  void unstage(int layer);
+  void bring_back(int layer);
+  void forget_spills();
 
   std::shared_ptr<TransferEngine> engine_;
   std::shared_ptr<DeviceArena> arena_;
@@ -236,6 +276,21 @@ class REVIVA_API KVStore {
   int promoted_pages_ = 0;        // paged layers promoted (resident, counted by their kept pages)
   int prefill_order_layer_ = -1;  // the paged layer whose prefill order is declared, or -1
   int page_slots_ = 0;
+  // Note [Spilled layers]: each spilled layer's room on disk, the bytes of its valid prefix the
+  // disk holds, and, while a read fills it or a write-back empties it, its host copy and that
+  // request (the host copy is otherwise the manager's, or nowhere: the block is Disk).
+  struct Spill {
+    bool on = false;
+    DiskExtent extent = 0;
+    std::size_t on_disk = 0;
+    std::size_t written_from = 0;  // the write-back in flight's first byte
+    PinnedBlock block;
+    DiskRequest request;
+    bool reading = false;
+    bool lost = false;  // a read or write-back failed: its rows are gone (until clear())
+  };
+  std::vector<Spill> spills_;
+  int spilled_count_ = 0;
   KVStoreStats counts_;   // what the store counts itself (the rest comes from the manager)
   bool started_ = false;  // a layer was acquired: residency is fixed (promotion aside)
   bool closed_ = false;

@@ -7,6 +7,8 @@
 //   ToHost    a D2H copy is in flight; its device memory is freed when the copy completes
 //   Host      only the pinned host copy holds the contents
 //   ToDevice  an H2D copy is in flight into fresh device memory
+//   Disk      an append block whose contents the caller's disk tier holds: its host copy was
+//             handed over (detach_host) and nothing here holds them until attach_host
 // Every transition is a copy on a copy stream bracketed by events, following the lifetime
 // protocol to the letter (see Note [Lifetime protocol] in offload_manager_impl.h).
 //
@@ -32,7 +34,7 @@
 
 namespace reviva {
 
-enum class BlockState { Empty, Device, ToHost, Host, ToDevice };
+enum class BlockState { Empty, Device, ToHost, Host, ToDevice, Disk };
 REVIVA_API const char* to_string(BlockState state) noexcept;
 
 // How compute will use an acquired block.
@@ -124,6 +126,15 @@ class REVIVA_API OffloadManager {
   // naming the block otherwise.
   const void* host_rows(BlockId id);
   void host_wrote(BlockId id, std::size_t offset, const void* src, std::size_t bytes);
+  // Note [Spilled layers] (kv_store_disk.cpp): an append block whose host copy moves to the
+  // caller's disk tier between uses. detach_host: the block must be Host (not acquired, kept or
+  // busy); waits for its last write-through to land, then hands the host copy over (its first
+  // valid_bytes() are the contents) and the block is Disk: acquire refuses it by name, prefetch
+  // and offload pass it over, discard empties it. attach_host: a Disk block takes `host` (at
+  // least its capacity, holding its first valid_bytes() again) as its host copy and is Host.
+  // Both throw InvalidArgument naming the block and its state otherwise.
+  PinnedBlock detach_host(BlockId id);
+  void attach_host(BlockId id, PinnedBlock host);
 
   // The block's device address, valid for work submitted to `compute` from now until release().
   void* acquire(BlockId id, const Stream& compute, Access access = Access::ReadWrite);
