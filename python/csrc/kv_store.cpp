@@ -16,6 +16,8 @@
 
 #include <atomic>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace py = pybind11;
@@ -70,7 +72,8 @@ class PyKVStore {
   PyKVStore(py::object engine, std::shared_ptr<DeviceArena> arena, int num_layers, int64_t batch,
             int64_t kv_heads, int64_t head_dim, py::object dtype, int64_t capacity_tokens,
             int prefetch_layers, std::size_t timeline_capacity, int64_t page_tokens,
-            const std::vector<int64_t>& layer_capacity_tokens)
+            const std::vector<int64_t>& layer_capacity_tokens,
+            const std::optional<std::string>& disk_path, int disk_staged_layers)
       : rt_(runtime_of(engine)) {
     REVIVA_CHECK_ARG(arena != nullptr, "KVStore: arena is None");
     REVIVA_CHECK_ARG(batch > 0 && kv_heads > 0 && head_dim > 0,
@@ -101,6 +104,16 @@ class PyKVStore {
       REVIVA_CHECK_ARG(c > 0, "KVStore: layer_capacity_tokens must be > 0, got ", c);
       o.layer_capacity_tokens.push_back(static_cast<std::size_t>(c));
     }
+    // Note [Spilled layers] (src/kv_store_disk.cpp): a disk for layers that spill ("" a new
+    // folder under $TMPDIR)
+    REVIVA_CHECK_ARG(disk_staged_layers >= 0, "KVStore: disk_staged_layers must be >= 0, got ",
+                     disk_staged_layers);
+    if (disk_path) {
+      DiskStoreOptions d;
+      d.directory = *disk_path;
+      o.disk = std::make_shared<DiskStore>(d);
+    }
+    o.disk_staged_layers = disk_staged_layers;
     store_ = std::make_shared<KVStore>(engine_of(engine), std::move(arena), o);
   }
 
@@ -484,6 +497,24 @@ class PyKVStore {
     r["peak_device_bytes"] = st.peak_device_bytes;
     r["host_attended_layers"] = st.host_attended_layers;
     r["bytes_written_on_host"] = st.bytes_written_on_host;
+    r["spilled_layers"] = st.spilled_layers;
+    r["staged_layers"] = st.staged_layers;
+    r["peak_staged_layers"] = st.peak_staged_layers;
+    r["disk_reads"] = st.disk_reads;
+    r["staging_hits"] = st.staging_hits;
+    r["bytes_from_disk"] = st.bytes_from_disk;
+    r["bytes_to_disk"] = st.bytes_to_disk;
+    r["disk_wait_s"] = st.disk_wait_ms / 1e3;
+    r["disk_bytes"] = st.disk_bytes;
+    const auto& disk = store_->options().disk;
+    if (disk) {
+      const DiskStoreStats ds = disk->stats();
+      r["disk_file"] = ds.file;
+      r["disk_io_uring"] = ds.io_uring;
+      r["disk_direct_io"] = ds.direct_io;
+      r["disk_staged_blocks"] = ds.io.staged_blocks;
+      r["disk_peak_bytes"] = ds.peak_bytes_in_use;
+    }
     return r;
   }
 
@@ -617,12 +648,20 @@ void bind_kv_store(py::module_& m) {
                         "host memory, append blocks of an OffloadManager driven by a "
                         "PrefetchScheduler (see include/reviva/kv_store.h)")
       .def(py::init<py::object, std::shared_ptr<DeviceArena>, int, int64_t, int64_t, int64_t,
-                    py::object, int64_t, int, std::size_t, int64_t, const std::vector<int64_t>&>(),
+                    py::object, int64_t, int, std::size_t, int64_t, const std::vector<int64_t>&,
+                    const std::optional<std::string>&, int>(),
            py::arg("engine"), py::arg("arena"), py::arg("num_layers"), py::arg("batch"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("capacity_tokens"),
            py::arg("prefetch_layers") = 2, py::arg("timeline_capacity") = 0,
-           py::arg("page_tokens") = 0, py::arg("layer_capacity_tokens") = std::vector<int64_t>{})
+           py::arg("page_tokens") = 0, py::arg("layer_capacity_tokens") = std::vector<int64_t>{},
+           py::arg("disk_path") = std::nullopt, py::arg("disk_staged_layers") = 0)
       .def("make_resident", [](PyKVStore& s, int layer) { s.store().make_resident(layer); })
+      .def(
+          "spill_to_disk", [](PyKVStore& s, int layer) { s.store().spill_to_disk(layer); },
+          py::arg("layer"))
+      .def(
+          "spilled", [](PyKVStore& s, int layer) { return s.store().spilled(layer); },
+          py::arg("layer"))
       .def(
           "promote",
           [](PyKVStore& s, int layer) {

@@ -6,6 +6,7 @@ the config stands alone so that it can be checked and documented first.)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from reviva.sizes import parse_bytes
@@ -29,8 +30,14 @@ class RevivaConfig:
                     vram_threshold. Either is capped by what the device can give at each call.
     prefetch_layers: streamed layers kept in flight ahead of compute (0 to 256; at most the
                     model's layers are used).
-    offload_device: where offloaded K/V and activations go: "cpu" (pinned host memory).
-                    "disk" is reserved for the disk tier and not available yet.
+    offload_device: where streamed K/V goes: "cpu" (pinned host memory: a call whose streamed
+                    K/V needs more than host_memory, or than the host can pin, is refused), or
+                    "disk": the streamed layers whose K/V does not fit there spill to a file
+                    under disk_path, read back a few layers ahead of their turn in each decode
+                    step (Note [Spilled layers] in src/kv_store_disk.cpp); a few layers' pinned
+                    copies are the staging.
+    disk_path:      the folder for offload_device="disk"'s file (created 0600, unlinked once
+                    open, so nothing is left behind); None: a new folder under $TMPDIR.
     pin_memory:     use pinned host memory (True); pageable memory copies at a third of the speed.
     host_memory:    cap on pinned host memory ("64GB", bytes), None for no cap.
     chunk_tokens:   token chunk of the MLP/projections in prefill (> 0), None to choose it
@@ -95,6 +102,7 @@ class RevivaConfig:
     vram_budget: int | str | None = None
     prefetch_layers: int = 2
     offload_device: str = "cpu"
+    disk_path: str | None = None
     pin_memory: bool = True
     host_memory: int | str | None = None
     chunk_tokens: int | None = None
@@ -135,11 +143,14 @@ class RevivaConfig:
             raise ValueError(
                 f"offload_device must be one of {_OFFLOAD_DEVICES}, got {self.offload_device!r}"
             )
-        if self.offload_device == "disk":
-            raise ValueError(
-                "offload_device='disk' needs the disk tier, which this version does not have yet; "
-                "use 'cpu'"
-            )
+        if self.disk_path is not None:
+            if self.offload_device != "disk":
+                raise ValueError(
+                    f"disk_path={self.disk_path!r} is for offload_device='disk', got "
+                    f"offload_device={self.offload_device!r}"
+                )
+            if not isinstance(self.disk_path, str) or not os.path.isdir(self.disk_path):
+                raise ValueError(f"disk_path must name an existing folder, got {self.disk_path!r}")
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"pin_memory must be True or False, got {self.pin_memory!r}")
         if self.host_memory is not None and parse_bytes(self.host_memory) <= 0:

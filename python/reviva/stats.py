@@ -178,6 +178,22 @@ class GenerateStats(Mapping[str, Any]):
     # Note [Window rings]: sliding layers kept as rings of their window (and the rows of each)
     window_ring_layers: int = 0
     window_ring_tokens: int = 0
+    # Note [Spilled layers] (src/kv_store_disk.cpp): offload_device="disk"'s layers whose K/V
+    # lives on disk, how many of them held pinned copies at once (limit, most), the disk's space
+    # (the most the call held), its reads and bytes each way, the calling thread's waits for it,
+    # and the file (unlinked), its engine and whether O_DIRECT ran
+    disk_layers: int = 0
+    disk_staged_layers: int = 0
+    disk_peak_staged_layers: int = 0
+    disk_bytes: int = 0
+    disk_reads: int = 0
+    disk_staging_hits: int = 0
+    bytes_from_disk: int = 0
+    bytes_to_disk: int = 0
+    disk_wait_s: float = 0.0
+    disk_file: str | None = None
+    disk_io_uring: bool | None = None
+    disk_direct_io: bool | None = None
 
     # Mapping: the dict view (the phases as dicts)
     def __getitem__(self, key: str) -> Any:

@@ -41,7 +41,11 @@ def test_auto_prefetch_is_refused_by_name() -> None:
         ({"prefetch_layers": -1}, "prefetch_layers .* got -1"),
         ({"prefetch_layers": "sometimes"}, "prefetch_layers .* got 'sometimes'"),
         ({"offload_device": "gpu"}, "offload_device .* got 'gpu'"),
-        ({"offload_device": "disk"}, "disk tier"),
+        ({"disk_path": "/tmp"}, "disk_path='/tmp' is for offload_device='disk'"),
+        (
+            {"offload_device": "disk", "disk_path": "/no/such/folder"},
+            "disk_path must name an existing folder, got '/no/such/folder'",
+        ),
         ({"pin_memory": "yes"}, "pin_memory .* got 'yes'"),
         ({"host_memory": "0GB"}, "host_memory must be > 0 bytes"),
         ({"chunk_tokens": 0}, "chunk_tokens .* got 0"),

@@ -69,6 +69,9 @@ class RevivaCache(SequenceRows, ReturnedCache, WindowRings, Fp8Reads, HostAttent
         share: int = 1,
         device: torch.device | None = None,
         rings: dict[int, tuple[int, int]] | None = None,
+        disk_layers: tuple[int, ...] = (),
+        disk_staged_layers: int = 0,
+        disk_path: str | None = None,
     ) -> None:
         super().__init__(layers=[RevivaCacheLayer(self, i) for i in range(num_layers)])
         # Note [Window rings] (cache/window_rings.py): layer -> (window, ring tokens)
@@ -155,10 +158,15 @@ class RevivaCache(SequenceRows, ReturnedCache, WindowRings, Fp8Reads, HostAttent
             [self.rings[i][1] if i in self.rings else capacity for i in range(num_layers)]
             if self.rings
             else [],
+            # Note [Spilled layers] (src/kv_store_disk.cpp): "" is a new folder under $TMPDIR
+            disk_path=(disk_path or "") if disk_layers else None,
+            disk_staged_layers=disk_staged_layers,
         )
         self.page_tokens = page_tokens
         for layer in resident_layers:
             self.store.make_resident(layer)
+        for layer in disk_layers:
+            self.store.spill_to_disk(layer)
         for _ in range(slots):
             self.store.add_slot()
         self._acquired: set[int] = set()

@@ -7,7 +7,8 @@
     python -m reviva plan [--model PRESET|CONFIG|MODEL_ID] [--context 512k] [--card 24GB]
                           [--kv-dtype auto|fp8] [--kv-page-tokens N] [--host-memory 128GiB]
                           [--stream-weights auto|on|off] [--no-host-embedding]
-                          [--pcie-gbps 25] [--json]
+                          [--pcie-gbps 25] [--offload-device cpu|disk] [--disk-gbps 3]
+                          [--json]
     python -m reviva plan --train [--model ...] [--context 128k] [--card 24GB] [--lora-r 16]
                           [--lora-targets q_proj,v_proj] [--json]
 
@@ -207,6 +208,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the host-to-device copy rate to assume, GB/s (default: the H200's measured 55; "
         "`python -m reviva transfers` measures this machine's)",
+    )
+    pl.add_argument(
+        "--offload-device",
+        choices=("cpu", "disk"),
+        default=None,
+        help="RevivaConfig.offload_device: with disk, the streamed layers whose K/V does not fit "
+        "--host-memory spill to disk (default cpu; --disk-gbps implies disk)",
+    )
+    pl.add_argument(
+        "--disk-gbps",
+        type=_parse_rate,
+        default=None,
+        help="the disk's read rate for spilled K/V, GB/s (default: 2.84, measured with io_uring "
+        "and O_DIRECT on the H100 machine's local disk; `benchmarks/bench_disk.py` measures "
+        "this machine's); implies --offload-device disk",
     )
     pl.add_argument("--json", action="store_true", help="the plan and estimate as JSON")
     pl.add_argument(

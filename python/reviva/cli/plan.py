@@ -45,6 +45,7 @@ def _plan(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype,
         kv_page_tokens=args.kv_page_tokens,
         decode_attention=args.decode_attention,
+        offload_device=args.offload_device or ("disk" if args.disk_gbps else "cpu"),
     )
     # Note [Streamed weights]: as RevivaConfig(stream_weights="auto") decides for a model on the
     # device (its weights over the budget), or forced; the untied input embedding then lives in
@@ -73,10 +74,19 @@ def _plan(args: argparse.Namespace) -> int:
         available=max(card - CUDA_CONTEXT_BYTES - on_device, 0),
         granularity=2 << 20,
     )
+    # Note [Streamed weights]: streamed weights live in pinned host memory, every layer's (and
+    # the input embedding moved there), beside the K/V and hidden states the plan pins
+    weight_host = sum(layer_weight_bytes(layer) for layer in layout.layers) if stream else 0
+    if host_embedding:
+        embed = model.get_input_embeddings().weight
+        weight_host += embed.numel() * embed.element_size()
     host_memory = None
     if args.host_memory:  # the host's memory for pinning: what the planner may count on
         total = reviva.parse_bytes(args.host_memory)
         host_memory = HostState(total, total, 0, 0)
+        if config.offload_device == "disk":  # (what the K/V may pin: the weights' goes first)
+            left = max(total - weight_host, 0)
+            host_memory = HostState(left, left, 0, 0)
     dtype = str(layout.dtype).removeprefix("torch.")
     shape = (
         f"{args.model}: {layout.num_layers} layers, hidden {layout.hidden_size}, "
@@ -120,12 +130,6 @@ def _plan(args: argparse.Namespace) -> int:
         else:
             print(f"reviva plan: {shape}\n  {call} on a {args.card} card: does not fit\n  {e}")
         return 1
-    # Note [Streamed weights]: streamed weights live in pinned host memory, every layer's (and
-    # the input embedding moved there), beside the K/V and hidden states the plan pins
-    weight_host = sum(layer_weight_bytes(layer) for layer in layout.layers) if stream else 0
-    if host_embedding:
-        embed = model.get_input_embeddings().weight
-        weight_host += embed.numel() * embed.element_size()
     host_total = plan.pinned_host_bytes + weight_host
     if host_memory is not None and host_total > host_memory.available:
         why = (
@@ -143,8 +147,10 @@ def _plan(args: argparse.Namespace) -> int:
     # RevivaConfig(decode_attention) as RevivaManager._decode_attention_on_host decides it:
     # "host" needs bf16/fp32 or fp8 K/V, not paged; "auto" takes it where it pays (for fp8 rows,
     # some of the fetched layers: Note [The host beside the copies] in plan/host_decode.py)
-    host_ok = not plan.page_tokens and (
-        plan.kv_fp8 or layout.dtype in (torch.bfloat16, torch.float32)
+    host_ok = (
+        not plan.page_tokens
+        and not plan.disk_layers
+        and (plan.kv_fp8 or layout.dtype in (torch.bfloat16, torch.float32))
     )
     beside = host_kv_layers(plan) if args.decode_attention == "auto" and host_ok else 0
     host = args.decode_attention == "host" or (
@@ -169,6 +175,7 @@ def _plan(args: argparse.Namespace) -> int:
         pcie_bps=pcie,
         host_attention=host,
         host_beside=beside,
+        disk_bps=None if args.disk_gbps is None else args.disk_gbps * 1e9,
     )
     if args.json:
         out = {
@@ -250,12 +257,24 @@ def _plan(args: argparse.Namespace) -> int:
         f"  host: {plan.host_bytes / gb:.2f} GB pinned for {plan.streamed_layers} streamed "
         f"layers' K/V"
         + (
+            f" ({len(plan.disk_layers)} of them on disk, {plan.disk_staged_layers} staged)"
+            if plan.disk_layers
+            else ""
+        )
+        + (
             f" + {plan.residual_host_bytes / gb:.2f} GB hidden states"
             if plan.residual_on_host
             else ""
         )
         + (f" + {weight_host / gb:.2f} GB streamed weights" if weight_host else "")
     )
+    if plan.disk_layers:  # Note [Spilled layers] (src/kv_store_disk.cpp)
+        print(
+            f"  disk: {len(plan.disk_layers)} streamed layers' K/V spilled "
+            f"({plan.disk_bytes / gb:.2f} GB), {plan.disk_staged_layers} of them pinned at a time;"
+            f" a decode step reads {f.decode_disk_s * f.disk_bps / gb:.2f} GB back at "
+            f"{f.disk_bps / gb:.2f} GB/s ({f.decode_disk_s * 1e3:.0f} ms)"
+        )
     print(
         f"  estimate ({f.calibration}): prefill {f.prefill_s:.1f} s (linear "
         f"{f.prefill_linear_s:.1f}, attention {f.prefill_attention_s:.1f} "

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
+import tempfile
 import time
 import traceback
 from typing import Any
@@ -34,6 +36,7 @@ from reviva.generate.inputs import CallRequest, read_call, refuse_for_plan, shar
 from reviva.generate.stop_check import deferring, defers
 from reviva.hf_versions import cache_argument
 from reviva.plan.call_plan import Plan
+from reviva.sizes import format_bytes
 from reviva.trace import PrefillProgress
 
 # (the manager's logger: what a user filters on stays RevivaManager's)
@@ -229,6 +232,16 @@ class GenerateCall:
 
     def _new_cache(self, plan: Plan, batch: int, share: int) -> RevivaCache:
         """The call's cache, as its plan lays out its K/V."""
+        if plan.disk_layers:  # Note [Spilled layers] (src/kv_store_disk.cpp)
+            folder = self.config.disk_path or tempfile.gettempdir()
+            free = shutil.disk_usage(folder).free
+            if free < plan.disk_bytes:
+                raise RevivaOutOfMemoryError(
+                    f"RevivaManager: {len(plan.disk_layers)} layers' K/V spill to disk, "
+                    f"{format_bytes(plan.disk_bytes)} for {plan.capacity} tokens, but {folder} "
+                    f"has {format_bytes(free)} free. Set disk_path to a larger disk, or raise "
+                    "host_memory."
+                )
         return RevivaCache(
             self.engine,
             self.arena,
@@ -250,6 +263,9 @@ class GenerateCall:
             share=share,
             device=self.layout.device,
             rings={i: (self.layout.windows[i], plan.ring_tokens) for i in plan.ring_layers},
+            disk_layers=plan.disk_layers,
+            disk_staged_layers=plan.disk_staged_layers,
+            disk_path=self.config.disk_path,
         )
 
     def _ready_cache(

@@ -49,7 +49,10 @@ def pin_host_copies(pool: Any, plan: Plan, phase: dict[str, Any]) -> float:
     if plan.streamed_layers == 0:
         return 0.0
     t = time.perf_counter()
-    streamed = plan.streamed_layer_ids
+    # (of the layers spilled to disk, as many host copies as are staged at a time: Note
+    # [Spilled layers] in src/kv_store_disk.cpp)
+    staged = plan.disk_layers[: plan.disk_staged_layers]
+    streamed = [i for i in plan.streamed_layer_ids if i not in plan.disk_layers or i in staged]
     phase["pin_mode"] = switches.pin_mode()
     if phase["pin_mode"] == "before_compute":
         _reserve_host_copies(pool, plan, streamed)

@@ -8,6 +8,7 @@ then, where that does not fit, on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -290,6 +291,7 @@ def _make_plan(
         ring_layers=ring_ids,
         ring_kv_bytes=ring_kv,
     )
+    plan = _spill(plan, config, host)
     host_cap = config.host_memory_bytes()
     pinned = plan.pinned_host_bytes
     if host_cap and pinned > host_cap:
@@ -314,6 +316,44 @@ def _make_plan(
             "or shorten the prompt or the batch."
         )
     return plan
+
+
+def _spill(plan: Plan, config: RevivaConfig, host: HostState | None) -> Plan:
+    """Note [Spilled layers] (src/kv_store_disk.cpp): with offload_device="disk", the fewest
+    streamed layers (spread among them) whose K/V goes to disk so that the call's pinned memory
+    fits host_memory and what the host can give; prefetch_layers + 3 of them staged at a time
+    (down to 2 where pinned memory is that short). A spilled layer saves its host copy only when
+    more layers spill than are staged. Raises naming the numbers where even that cannot fit."""
+    room = min(
+        (r for r in (config.host_memory_bytes(), host.available if host else 0) if r > 0),
+        default=0,
+    )
+    if config.offload_device != "disk" or room == 0 or plan.pinned_host_bytes <= room:
+        return plan
+    candidates = [i for i in plan.streamed_layer_ids if i not in plan.ring_layers]
+    per_layer = plan.capacity * plan.kv_token_bytes
+    if plan.page_tokens:
+        raise RevivaOutOfMemoryError(
+            f"RevivaManager: offload_device='disk' spills whole layers, not pages "
+            f"(kv_page_tokens={plan.page_tokens}); use kv_page_tokens=0"
+        )
+    for staged in range(plan.prefetch_layers + 3, 1, -1):
+        for count in range(staged + 1, len(candidates) + 1):
+            pinned = plan.pinned_host_bytes - (count - staged) * per_layer
+            if pinned <= room:
+                picked = spread(count, len(candidates))
+                return dataclasses.replace(
+                    plan,
+                    disk_layers=tuple(candidates[k] for k in picked),
+                    disk_staged_layers=staged,
+                )
+    least = plan.pinned_host_bytes - max(len(candidates) - 2, 0) * per_layer
+    raise RevivaOutOfMemoryError(
+        f"RevivaManager: with every one of the {len(candidates)} streamed layers but 2 staged "
+        f"on disk, the call still needs {_fmt(least)} of pinned host memory for {plan.capacity} "
+        f"tokens, over the {_fmt(room)} it may pin (host_memory, and what the host can give). "
+        "Raise host_memory or vram_budget, or shorten the prompt."
+    )
 
 
 def _residency(

@@ -78,6 +78,11 @@ class Plan:
     ring_tokens: int = 0
     ring_layers: tuple[int, ...] = ()
     ring_kv_bytes: int = 0
+    # Note [Spilled layers] (src/kv_store_disk.cpp): streamed layers whose K/V lives on disk
+    # (RevivaConfig(offload_device="disk")), of which disk_staged_layers hold pinned host copies
+    # at a time; () / 0: none spill
+    disk_layers: tuple[int, ...] = ()
+    disk_staged_layers: int = 0
 
     def kv_bytes(self, layer: int) -> int:
         """Layer `layer`'s K/V at its most, in arena granules: its ring's, or the call's."""
@@ -145,8 +150,15 @@ class Plan:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned bytes of the streamed layers' host copies."""
-        return sum(self.kv_tokens(i) for i in self.streamed_layer_ids) * self.kv_token_bytes
+        """Pinned bytes of the streamed layers' host copies (of spilled layers, the staged ones')."""
+        pinned = [i for i in self.streamed_layer_ids if i not in self.disk_layers]
+        staged = min(self.disk_staged_layers, len(self.disk_layers)) * self.capacity
+        return (sum(self.kv_tokens(i) for i in pinned) + staged) * self.kv_token_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of K/V the spilled layers keep on disk at most (Note [Spilled layers])."""
+        return len(self.disk_layers) * self.capacity * self.kv_token_bytes
 
     @property
     def weight_step_bytes(self) -> int:

@@ -43,6 +43,8 @@ class DecodePlacement:
             why = f"K/V in {self.layout.dtype} (the host reads bf16, fp32 or fp8 rows)"
         elif plan.page_tokens:
             why = f"kv_page_tokens={plan.page_tokens}"
+        elif plan.disk_layers:  # (Note [Spilled layers] in src/kv_store_disk.cpp)
+            why = f"{len(plan.disk_layers)} layers' K/V spilled to disk (offload_device='disk')"
         elif beams > 1:
             why = f"num_beams={beams} (beams reorder rows on the device)"
         elif share > 1:

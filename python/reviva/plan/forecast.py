@@ -44,6 +44,13 @@ repository's measurements (benchmarks/results/, Llama-3-8B shape, bf16, card mod
   duplex). The 128k A/B of residual-streams-2026-12-02-617485d.json saved 0.84 s of the 1.25 s
   this model counts for copies on the compute stream.
 
+- layers spilled to disk (RevivaConfig(offload_device="disk"), Note [Spilled layers] in
+  src/kv_store_disk.cpp): each decode step reads every spilled layer's K/V back from disk, at
+  DISK_READ_BPS (io_uring, O_DIRECT, 1 MiB blocks: bench_disk.py on the H100 machine's local disk,
+  2.84 GB/s, disk-store-bw-h100-2026-12-07-1161262.json) or `disk_bps`; the three tiers are a
+  pipeline, so a step takes the slowest of the disk's reads, the PCIe copies and the compute.
+  Prefill writes each spilled layer's prompt K/V once, under the next layers' compute.
+
 - sliding-window layers (Mistral, Gemma, ...; not calibrated): a query reads its window's keys
   alone, in prefill (T*W - W^2/2 of the T^2/2 causal pairs) and in decode, and a streamed one's
   decode fetch copies its window alone (Note [Fetch tails] in src/append_blocks.cpp; bf16 K/V,
@@ -74,6 +81,8 @@ LINEAR_FLOPS = 546e12
 WHOLE_ATTENTION_FLOPS = 530e12
 CHUNKED_ATTENTION_FLOPS = 325e12
 CUDNN_CHUNKED_ATTENTION_FLOPS = 570e12
+DISK_READ_BPS = 2.84e9
+DISK_WRITE_BPS = 2.61e9
 CUDNN_PLAN_S = 0.036  # a new shape's plan, first call of a process (see Forecast)
 # What a process holds on the card beside torch's tensors and Reviva's arena: the CUDA context
 # (24 - 23.35 GB free after it, card mode) and what a call leaves (cuBLAS workspaces, the decode
@@ -110,6 +119,10 @@ class Forecast:
     decode_attention: str = "device"
     decode_host_s: float = 0.0
     weights_promoted_in_decode: int = 0
+    # Note [Spilled layers]: a decode step's reads of the spilled layers from disk (seconds), and
+    # the rate assumed
+    decode_disk_s: float = 0.0
+    disk_bps: float = DISK_READ_BPS
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +136,7 @@ def forecast(
     pcie_bps: float | None = None,
     host_attention: bool = False,
     host_beside: int = 0,
+    disk_bps: float | None = None,
 ) -> Forecast:
     """Times of a call planned as `plan` on `layout` (see the module docstring), prefill's
     chunked attention through `attention_kernel`: "cudnn", "flash", or "auto" (what
@@ -134,7 +148,8 @@ def forecast(
     planner.host_decode_mix shares it, no K/V is fetched, and the host's time (MemoryModel's
     rate) bounds a step too. `host_beside`: of the layers fetched, this many are attended on the
     host instead (planner.host_kv_layers, Note [The host beside the copies]): their host time
-    adds to the step's compute, beside the others' copies."""
+    adds to the step's compute, beside the others' copies. `disk_bps`: the disk's read rate for
+    spilled layers (bytes a second; None: DISK_READ_BPS)."""
     if attention_kernel not in ("auto", "cudnn", "flash"):
         raise ValueError(
             f"attention_kernel must be 'auto', 'cudnn' or 'flash', got {attention_kernel!r}"
@@ -142,6 +157,9 @@ def forecast(
     if pcie_bps is not None and not pcie_bps > 0:
         raise ValueError(f"pcie_bps must be > 0 bytes a second, got {pcie_bps!r}")
     pcie = pcie_bps if pcie_bps is not None else PCIE_BPS
+    if disk_bps is not None and not disk_bps > 0:
+        raise ValueError(f"disk_bps must be > 0 bytes a second, got {disk_bps!r}")
+    disk = disk_bps if disk_bps is not None else DISK_READ_BPS
     if attention_kernel == "auto":  # the H200 takes cuDNN: call_kernel decides by the prompt
         attention_kernel = call_kernel(
             "cudnn", "auto", plan.prompt_tokens, chunked=not plan.whole_attention
@@ -228,6 +246,12 @@ def forecast(
             fetched = sorted(fetched)[: len(fetched) - len(beside)]
         transfer = sum(fetched) * plan.kv_token_bytes / pcie + weight_copies
         step = max(compute + host, transfer)
+    # (spilled layers read back from disk each step, in a pipeline with the copies and compute)
+    from_disk = sum(
+        mean_len for i in streamed_ids if i in plan.disk_layers and i not in promoted_ids
+    )
+    disk_s = from_disk * plan.kv_token_bytes / disk
+    step = max(step, disk_s)
     first_extra = sum(min(held, plan.kv_tokens(i)) for i in promoted_ids) * plan.kv_token_bytes
     first_extra /= pcie
     first_extra += weights_promoted * plan.weight_layer_bytes / pcie
@@ -245,6 +269,8 @@ def forecast(
     else:
         prefill = max(compute_prefill, plan.streamed_weight_layers * plan.weight_layer_bytes / pcie)
         prefill += residual
+    spilled_prompt = len(plan.disk_layers) * held * plan.kv_token_bytes
+    prefill = max(prefill, spilled_prompt / DISK_WRITE_BPS)
     return Forecast(
         prefill_s=prefill,
         prefill_linear_s=linear,
@@ -256,6 +282,8 @@ def forecast(
         decode_tok_s=1 / step if step > 0 else float("inf"),
         decode_bound="compute"
         if step == compute
+        else "disk"
+        if disk_s > 0 and step == disk_s
         else ("transfer" if step <= transfer * 1.001 else "transfer+host"),
         first_step_extra_s=first_extra,
         decode_call_tok_s=steps / (steps * step + first_extra) if steps and step > 0 else 0.0,
@@ -267,4 +295,6 @@ def forecast(
         decode_attention="host" if host_attention or host > 0 else "device",
         decode_host_s=host,
         weights_promoted_in_decode=weights_promoted,
+        decode_disk_s=disk_s,
+        disk_bps=disk,
     )
