@@ -150,7 +150,7 @@ class Plan:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned bytes of the streamed layers' host copies (of spilled layers, the staged ones')."""
+        """Pinned bytes of the streamed layers' host copies (spilled layers: the staged ones')."""
         pinned = [i for i in self.streamed_layer_ids if i not in self.disk_layers]
         staged = min(self.disk_staged_layers, len(self.disk_layers)) * self.capacity
         return (sum(self.kv_tokens(i) for i in pinned) + staged) * self.kv_token_bytes
