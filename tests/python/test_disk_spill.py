@@ -139,3 +139,30 @@ def test_the_plan_counts_the_three_tiers_and_refuses_what_cannot_fit(tmp_path) -
     manager.generate(ids, max_new_tokens=4, do_sample=False)
     st = manager.get_memory_stats()
     assert st["disk_layers"] == 0 and st["disk_reads"] == 0 and st["disk_file"] is None
+
+
+def test_a_saved_cache_continues_into_spilled_layers(tmp_path) -> None:
+    """A cache saved by one manager, loaded and continued by another whose plan spills: each
+    layer goes from the file through pinned memory into the call's tiers (disk among them), and
+    the tokens are those of the uninterrupted call."""
+    model = ten_layers(seed=7)
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(8))
+    ref = model.generate(ids, max_new_tokens=2 * NEW, do_sample=False)
+    saver = RevivaManager(model, RevivaConfig())
+    first = saver.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    saver.save_cache(first, tmp_path / "c.rkv")
+    budget = budget_for(model, 1, PROMPT, 2 * NEW, 2)
+    per_layer = host_copy_bytes(model, PROMPT + 2 * NEW)
+    spill = RevivaConfig(
+        vram_budget=budget,
+        offload_device="disk",
+        disk_path=str(tmp_path),
+        host_memory=3 * per_layer,
+    )
+    manager = RevivaManager(model, spill)
+    loaded = reviva.load_cache(tmp_path / "c.rkv", model)
+    out = manager.generate(
+        first.sequences, past_key_values=loaded, max_new_tokens=NEW, do_sample=False
+    )
+    assert torch.equal(out, ref)
+    assert manager.get_memory_stats()["disk_layers"] > 0
