@@ -159,7 +159,13 @@ class DecodePlacement:
             more = int(count) - len(picks)
             picks += [rest[k] for k in spread(min(more, len(rest)), len(rest))]
         else:
-            picks = [full[k] for k in spread(min(full_count, len(full)), len(full))]
+            # (Note [Spilled layers] in src/kv_store_disk.cpp: a layer on disk is read back every
+            # step at the disk's rate, far below PCIe's: those are promoted first)
+            spilled = [i for i in full if i in plan.disk_layers]
+            pinned = [i for i in full if i not in plan.disk_layers]
+            picks = [spilled[k] for k in spread(min(full_count, len(spilled)), len(spilled))]
+            more = full_count - len(picks)
+            picks += [pinned[k] for k in spread(min(more, len(pinned)), len(pinned))]
             picks += [windowed[k] for k in spread(full_count - len(picks), len(windowed))]
             picks += [rings[k] for k in spread(ring_count, len(rings))]
         promoted = refused = 0

@@ -218,7 +218,10 @@ def forecast(
     # (Note [Window rings] in cache/window_rings.py: a ring is fetched whole, its rows; full layers
     # are promoted first, then rings)
     rings = [i for i in streamed_ids if i in plan.ring_layers]
-    full = [i for i in streamed_ids if windows[i] is None]
+    # (spilled layers first: RevivaManager._promote_after_prefill)
+    full = sorted(
+        (i for i in streamed_ids if windows[i] is None), key=lambda i: i not in plan.disk_layers
+    )
     windowed = [i for i in streamed_ids if windows[i] is not None and i not in plan.ring_layers]
     promoted_ids = set((full + windowed)[:full_count]) | set(rings[:ring_count])
     tails = not plan.kv_fp8 and not plan.page_tokens
