@@ -488,6 +488,35 @@ def test_a_stated_pcie_rate_scales_the_transfer_estimates(
         assert "argument --pcie-gbps" in capsys.readouterr().err
 
 
+def test_the_disk_tier_plans_three_tiers_and_reads_spilled_layers_at_the_disk_rate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--offload-device disk with --host-memory: the K/V that does not fit the host spills
+    (Note [Spilled layers]), the pinned memory fits, and a decode step reads the spilled layers
+    not promoted from disk at --disk-gbps (default the measured 2.84); --offload-device cpu under
+    the same host is refused, as before the disk tier."""
+    args = ("--context", "256k", "--card", "24GB", "--new-tokens", "6", "--host-memory", "17GB")
+    cpu = plan_json(capsys, *args)
+    assert not cpu["fits"] and "of pinned host memory" in cpu["error"]
+    disk = plan_json(capsys, *args, "--offload-device", "disk")
+    slow = plan_json(capsys, *args, "--disk-gbps", "1.42")  # (implies the disk)
+    plan, f = disk["plan"], disk["forecast"]
+    assert disk["fits"] and disk["host_bytes"] <= 17e9
+    assert len(plan["disk_layers"]) == 22 and plan["disk_staged_layers"] == 5
+    promoted = disk["promotable_layers"]
+    token, tokens = plan["kv_token_bytes"], 262144 + 6 / 2  # (a step's mean length)
+    assert f["decode_disk_s"] == pytest.approx((22 - promoted) * tokens * token / 2.84e9)
+    assert f["decode_bound"] == "disk" and f["decode_step_s"] == f["decode_disk_s"]
+    assert slow["forecast"]["decode_disk_s"] == pytest.approx(2 * f["decode_disk_s"])
+    assert slow["plan"]["disk_layers"] == plan["disk_layers"]
+    # No cap: nothing spills, and the plan is the pinned one.
+    free = plan_json(capsys, "--context", "256k", "--card", "24GB", "--offload-device", "disk")
+    assert free["plan"]["disk_layers"] == [] and free["forecast"]["decode_disk_s"] == 0
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--disk-gbps", "0"])
+    assert e.value.code == 2 and "argument --disk-gbps" in capsys.readouterr().err
+
+
 def _cpu_peak_bytes(fn, path: Path) -> tuple[int, set[str]]:  # noqa: ANN001
     """The most bytes torch's CPU allocator held at once above its start during fn() (the
     profiler's memory events, in time order), and the ops that ran."""
