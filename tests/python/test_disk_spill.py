@@ -166,3 +166,30 @@ def test_a_saved_cache_continues_into_spilled_layers(tmp_path) -> None:
     )
     assert torch.equal(out, ref)
     assert manager.get_memory_stats()["disk_layers"] > 0
+
+
+def test_fp8_rows_spill_and_give_the_tokens_of_fp8_rows_pinned(tmp_path) -> None:
+    """fp8 K/V rows (Note [fp8 K/V rows]) spilled to disk: the tokens of the same rows kept in
+    pinned memory (fp8 is lossy: its own reference, not HF's)."""
+    from reviva.cache import fp8 as kv_fp8
+
+    model = ten_layers(seed=9)
+    ids = torch.randint(1, 211, (1, PROMPT), generator=torch.Generator().manual_seed(10))
+    budget = budget_for(model, 1, PROMPT, NEW, 2, kv_dtype="fp8")
+    pinned = RevivaManager(model, RevivaConfig(vram_budget=budget, kv_dtype="fp8"))
+    ref = pinned.generate(ids, max_new_tokens=NEW, do_sample=False)
+    c = model.config
+    row = kv_fp8.row_bytes(c.hidden_size // c.num_attention_heads)
+    per_layer = 2 * c.num_key_value_heads * row * (PROMPT + NEW)
+    config = RevivaConfig(
+        vram_budget=budget,
+        kv_dtype="fp8",
+        offload_device="disk",
+        disk_path=str(tmp_path),
+        host_memory=3 * per_layer,
+    )
+    manager = RevivaManager(model, config)
+    for _ in range(2):
+        assert torch.equal(manager.generate(ids, max_new_tokens=NEW, do_sample=False), ref)
+        st = manager.get_memory_stats()
+        assert st["disk_layers"] >= 5 and st["disk_reads"] >= NEW
