@@ -117,7 +117,12 @@ def run_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--host-memory", args.host_memory]
     if args.dry_run:
         cmd.append("--dry-run")
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    try:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        text = out.decode(errors="replace") if isinstance(out, bytes) else str(out)
+        return {"error": f"worker {name} ran past {args.timeout_s} s", "tail": text[-4000:]}
     for line in run.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
