@@ -262,4 +262,5 @@ def test_gpu_a_saved_cache_continues_in_a_fresh_manager(tmp_path: Path, kv_dtype
     got = fresh.generate(more, past_key_values=loaded, **KW)
     assert torch.equal(got.sequences, want.sequences)
     assert loaded.parked.file.counters()["failed_blocks"] == 0
-    assert fresh.get_memory_stats()["streamed_layers"] >= 1
+    # (streamed in prefill; decode's room, once prefill's working set is gone, may promote all)
+    assert fresh.get_memory_stats()["resident_layers_in_prefill"] < 4
