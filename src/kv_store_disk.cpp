@@ -24,9 +24,10 @@
 // landed is handed to the manager at the next acquire or release (finish_ready_spills); an
 // acquire of a layer whose read is still in flight waits for it (disk_wait_ms).
 // A disk failure (EIO, a short read, a bad checksum) raises DiskError naming the file, block and
-// offset from the call that waits for the request: never wrong rows. The layer's rows are then
-// lost (its host copy was never filled, or its write-back failed): the store refuses it from
-// then on, by name, until clear().
+// offset from the call that waits for the request: never wrong rows. A failed read loses the
+// layer's rows (its host copy was never filled): the store refuses it from then on, by name,
+// until clear(). A failed write-back loses nothing: the host copy, still whole, goes back to the
+// manager, and the next write-back starts again from the failed one's first block.
 #include <reviva/error.h>
 #include <reviva/kv_store.h>
 
