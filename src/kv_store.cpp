@@ -491,12 +491,11 @@ KVStoreStats KVStore::stats() {
   }
   st.page_slots = page_slots_;
   st.spilled_layers = spilled_count_;
-  st.staged_layers = 0;
+  st.staged_layers = staged_spills();
   st.disk_bytes = 0;
   for (int i = 0; i < options_.num_layers; ++i) {
     const Spill& sp = spills_[static_cast<std::size_t>(i)];
     if (!sp.on) continue;
-    st.staged_layers += staged(i);
     if (sp.block) st.host_bytes += sp.block.size();
     if (sp.extent != 0) st.disk_bytes += options_.disk->extent_bytes(sp.extent);
   }

@@ -126,11 +126,16 @@ void KVStore::finish_ready_spills() {
   }
 }
 
-void KVStore::note_staged() {
+// Spilled layers holding a pinned host copy now.
+int KVStore::staged_spills() const {
   int n = 0;
   for (int i = 0; i < options_.num_layers; ++i)
     n += spills_[static_cast<std::size_t>(i)].on && staged(i);
-  counts_.peak_staged_layers = std::max(counts_.peak_staged_layers, n);
+  return n;
+}
+
+void KVStore::note_staged() {
+  counts_.peak_staged_layers = std::max(counts_.peak_staged_layers, staged_spills());
 }
 
 void KVStore::check_not_lost(int layer, const char* what) const {
@@ -141,9 +146,7 @@ void KVStore::check_not_lost(int layer, const char* what) const {
 // Room for one more pinned host copy within staged_limit(): write-backs still holding theirs
 // finish first.
 void KVStore::make_staging_room() {
-  int holding = 0;
-  for (int j = 0; j < options_.num_layers; ++j)
-    holding += spills_[static_cast<std::size_t>(j)].on && staged(j);
+  int holding = staged_spills();
   for (int j = 0; j < options_.num_layers && holding >= staged_limit(); ++j) {
     const Spill& w = spills_[static_cast<std::size_t>(j)];
     if (w.request && !w.reading) {

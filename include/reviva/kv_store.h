@@ -242,6 +242,7 @@ class REVIVA_API KVStore {
   // Note [Spilled layers] (kv_store_disk.cpp)
   int staged_limit() const;
   bool staged(int layer) const;
+  int staged_spills() const;
   void advance_spill(int current);
   void finish_ready_spills();
   void finish_spill(int layer, bool take_back);
