@@ -337,16 +337,17 @@ def _spill(plan: Plan, config: RevivaConfig, host: HostState | None) -> Plan:
             f"RevivaManager: offload_device='disk' spills whole layers, not pages "
             f"(kv_page_tokens={plan.page_tokens}); use kv_page_tokens=0"
         )
+    # each layer spilled beyond the staged ones saves its host copy: the fewest that fit
+    beyond = max(-(-(plan.pinned_host_bytes - room) // per_layer), 1)
     for staged in range(plan.prefetch_layers + 3, 1, -1):
-        for count in range(staged + 1, len(candidates) + 1):
-            pinned = plan.pinned_host_bytes - (count - staged) * per_layer
-            if pinned <= room:
-                picked = spread(count, len(candidates))
-                return dataclasses.replace(
-                    plan,
-                    disk_layers=tuple(candidates[k] for k in picked),
-                    disk_staged_layers=staged,
-                )
+        count = staged + beyond
+        if count <= len(candidates):
+            picked = spread(count, len(candidates))
+            return dataclasses.replace(
+                plan,
+                disk_layers=tuple(candidates[k] for k in picked),
+                disk_staged_layers=staged,
+            )
     least = plan.pinned_host_bytes - max(len(candidates) - 2, 0) * per_layer
     raise RevivaOutOfMemoryError(
         f"RevivaManager: with every one of the {len(candidates)} streamed layers but 2 staged "
