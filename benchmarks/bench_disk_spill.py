@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prompt_cache import dd_read_gbps  # noqa: E402
-from card import CallTimer, child_environment, prepare_device  # noqa: E402
+from card import CallTimer, prepare_device, worker_result  # noqa: E402
 from common import environment, print_table, write_result  # noqa: E402
 from generate_contenders import parse_tokens  # noqa: E402
 from generate_model import build_model  # noqa: E402
@@ -111,25 +111,17 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    env, _ = child_environment()
     cmd = [sys.executable, __file__, "--worker", name, "--context", str(args.context)]
     cmd += ["--dir", args.dir, "--new-tokens", str(args.new_tokens), "--calls", str(args.calls)]
     cmd += ["--host-memory", args.host_memory]
     if args.dry_run:
         cmd.append("--dry-run")
     try:
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+        return worker_result(cmd, name, args.timeout_s)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"") + (e.stderr or b"")
         text = out.decode(errors="replace") if isinstance(out, bytes) else str(out)
         return {"error": f"worker {name} ran past {args.timeout_s} s", "tail": text[-4000:]}
-    for line in run.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {
-        "error": f"worker {name} exited {run.returncode}",
-        "tail": (run.stdout + run.stderr)[-4000:],
-    }
 
 
 def disk_read_gbps(folder: str, gb: int) -> float:

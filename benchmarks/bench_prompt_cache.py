@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from card import CallTimer, child_environment, prepare_device  # noqa: E402
+from card import CallTimer, prepare_device, worker_result  # noqa: E402
 from common import environment, print_table, write_result  # noqa: E402
 from generate_contenders import parse_tokens  # noqa: E402
 from generate_model import build_model  # noqa: E402
@@ -102,7 +102,6 @@ def dd_read_gbps(path: Path) -> float:
 
 
 def run_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    env, _ = child_environment()
     cmd = [
         sys.executable,
         __file__,
@@ -119,14 +118,7 @@ def run_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
     ]
     if args.dry_run:
         cmd.append("--dry-run")
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-    for line in run.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {
-        "error": f"worker {name} exited {run.returncode}",
-        "tail": (run.stdout + run.stderr)[-4000:],
-    }
+    return worker_result(cmd, name, args.timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,21 @@ def child_environment() -> tuple[dict[str, str], dict[str, str]]:
     return env, removed
 
 
+def worker_result(cmd: list[str], name: str, timeout_s: float) -> dict[str, Any]:
+    """Runs a card-mode worker process (child_environment) and returns what it printed on its
+    `RESULT ` line (JSON), or an error with the output's tail. A worker past `timeout_s` raises
+    subprocess.TimeoutExpired."""
+    env, _ = child_environment()
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    for line in run.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {
+        "error": f"worker {name} exited {run.returncode}",
+        "tail": (run.stdout + run.stderr)[-4000:],
+    }
+
+
 def rss_bytes() -> int:
     """Resident set size of this process (/proc/self/statm)."""
     with open("/proc/self/statm") as f:
